@@ -1,0 +1,69 @@
+/* config.h - moed's configuration: one JSON file, one table of keys.
+ *
+ * Every key has a path ("server.socket"), a type, bounds, a default and a
+ * one-line doc in the table in config.c; the same table validates a file,
+ * prints the effective config (moed --check-config) and generates
+ * config/README.md (a test checks the file matches the table).
+ *
+ * Errors name the key, the value and what is allowed; unknown keys are errors.
+ */
+#ifndef MOED_CONFIG_H
+#define MOED_CONFIG_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define MOED_CFG_MAX_IDS 64   /* allowed uids/gids, GPUs */
+#define MOED_CFG_PATH_MAX 4096
+#define MOED_SOCKET_PATH_MAX 107 /* sun_path (108) minus the NUL */
+
+enum moed_cfg_backend { MOED_CFG_BACKEND_AUTO = 0, MOED_CFG_BACKEND_CUDA, MOED_CFG_BACKEND_CPU };
+
+struct moed_cfg {
+    /* server */
+    char socket_path[MOED_CFG_PATH_MAX];
+    uint32_t socket_mode;             /* e.g. 0660 */
+    char socket_group[64];            /* "" = leave as is */
+    uint32_t allowed_uids[MOED_CFG_MAX_IDS]; uint32_t n_allowed_uids; /* empty: own uid + root */
+    uint32_t allowed_gids[MOED_CFG_MAX_IDS]; uint32_t n_allowed_gids;
+    uint32_t max_clients;
+    uint32_t max_pending_per_client;
+    uint64_t max_frame_bytes;
+    uint64_t max_client_buffer_bytes; /* queued reply bytes before reading stops */
+    uint32_t frame_timeout_ms;        /* header received -> body must complete */
+    /* status */
+    char status_addr[64];             /* "127.0.0.1" */
+    uint32_t status_port;             /* 0 = off */
+    /* model */
+    char model[MOED_CFG_PATH_MAX];    /* checkpoint dir, or "synthetic:PRESET[:layers=N][:seed=S]" */
+    char synthetic_dir[MOED_CFG_PATH_MAX]; /* where synthetic models are generated */
+    /* engine */
+    enum moed_cfg_backend backend;
+    int gpus[MOED_CFG_MAX_IDS]; uint32_t n_gpus; /* empty: all visible */
+    uint32_t sms_free;
+    uint32_t max_tokens;              /* per batch */
+    uint32_t cpu_threads;             /* 0 = all cores */
+    uint32_t batch_deadline_ms;
+    uint32_t idle_exit_ms;
+    /* log */
+    int log_level;                    /* enum moed_log_level */
+};
+
+/* Defaults for every key. */
+void moed_cfg_defaults(struct moed_cfg *cfg);
+
+/* Parse JSON text (from `origin`, used in messages). Collects every error, one
+ * per line, into err (truncated at errlen); returns 0 or MOED_E_CONFIG. */
+int moed_cfg_parse(const char *json, size_t len, const char *origin, struct moed_cfg *cfg,
+                   char *err, size_t errlen);
+/* Read and parse a file (size capped at 1 MiB). */
+int moed_cfg_load(const char *path, struct moed_cfg *cfg, char *err, size_t errlen);
+
+/* Effective config as pretty JSON (malloc'd, caller frees). */
+char *moed_cfg_to_json(const struct moed_cfg *cfg);
+/* Markdown reference of every key (malloc'd, caller frees). */
+char *moed_cfg_reference_md(void);
+
+const char *moed_cfg_backend_name(enum moed_cfg_backend b);
+
+#endif

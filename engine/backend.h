@@ -1,0 +1,93 @@
+/* backend.h - the interface every compute backend implements (CPU, CUDA).
+ *
+ * The engine's host loop builds batches (requests for one layer merged, up to
+ * max tokens) and submits them; the backend computes them asynchronously and
+ * calls `done` from its own thread, exactly once per submitted batch. The
+ * engine then wakes its loop (uv_async_send) and replies.
+ *
+ * Buffers are descriptors so the CUDA backend can later read a client's
+ * registered GPU buffer directly (CUDA IPC); the CPU backend accepts only
+ * host buffers.
+ */
+#ifndef MOED_BACKEND_H
+#define MOED_BACKEND_H
+
+#include <stdint.h>
+
+#include "model.h"
+
+enum moed_buf_kind { MOED_BUF_HOST = 0, MOED_BUF_DEVICE = 1 };
+
+struct moed_buf {
+    enum moed_buf_kind kind;
+    int device;     /* CUDA ordinal for MOED_BUF_DEVICE */
+    void *ptr;
+    uint64_t bytes;
+};
+
+struct moed_batch {
+    uint64_t seq;         /* engine-assigned, increasing */
+    uint32_t layer;       /* absolute layer id (validated MoE layer) */
+    uint32_t n_tokens;    /* T, 1..max_tokens */
+    uint32_t top_k;
+    struct moed_buf x;    /* bf16 [T, H] */
+    struct moed_buf ids;  /* int32 [T, k], every id in [0, E) (validated) */
+    struct moed_buf w;    /* fp32 [T, k] */
+    struct moed_buf y;    /* bf16 [T, H] output */
+    int status;           /* set by the backend before done(): 0 or MOED_E_* */
+    void *user;           /* engine's */
+};
+
+struct moed_backend;
+typedef void (*moed_backend_done_fn)(void *ctx, struct moed_batch *b);
+
+struct moed_backend_ops {
+    const char *name; /* "cpu", "cuda" */
+    /* Queue a batch; returns 0 or a negative code (then done is not called). */
+    int (*submit)(struct moed_backend *be, struct moed_batch *b);
+    /* 1 if healthy (kernel heartbeat advancing, no sticky error). */
+    int (*healthy)(struct moed_backend *be);
+    /* Fill a JSON-free description into buf (devices, memory); may be NULL. */
+    void (*describe)(struct moed_backend *be, char *buf, unsigned len);
+    /* Stop accepting, finish or fail everything queued (done called for each),
+     * then free. */
+    void (*close)(struct moed_backend *be);
+};
+
+struct moed_backend {
+    const struct moed_backend_ops *ops;
+    moed_backend_done_fn done;
+    void *done_ctx;
+};
+
+struct moed_backend_cfg {
+    int n_threads;          /* CPU: worker threads (0 = cores) */
+    const int *gpus;        /* CUDA: device ordinals */
+    int n_gpus;
+    int sms_free;           /* CUDA: SMs to leave free per GPU */
+    uint32_t max_tokens;
+    uint32_t batch_deadline_ms; /* CUDA: a batch over this fails the backend */
+    uint32_t idle_exit_ms;  /* CUDA: persistent kernel exits after idle (0 = never) */
+};
+
+int moed_backend_cpu_open(struct moed_model *m, const struct moed_backend_cfg *cfg,
+                          moed_backend_done_fn done, void *done_ctx,
+                          struct moed_backend **out, char *err, size_t errlen);
+/* Returns MOED_E_UNSUPPORTED in builds without CUDA. */
+int moed_backend_cuda_open(struct moed_model *m, const struct moed_backend_cfg *cfg,
+                           moed_backend_done_fn done, void *done_ctx,
+                           struct moed_backend **out, char *err, size_t errlen);
+/* 1 if this build has CUDA and at least one device is visible. */
+int moed_backend_cuda_available(void);
+
+static inline int moed_backend_submit(struct moed_backend *be, struct moed_batch *b)
+{
+    return be->ops->submit(be, b);
+}
+static inline void moed_backend_close(struct moed_backend *be)
+{
+    if (be)
+        be->ops->close(be);
+}
+
+#endif

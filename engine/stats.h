@@ -1,0 +1,63 @@
+/* stats.h - the numbers moed reports in /status, /metrics and STATUS.
+ *
+ * Written only by the event-loop thread (the engine and server), read by the
+ * status renderers on the same thread: no locking. Backend figures that other
+ * threads update (heartbeat, busy time) are copied in by the engine before a
+ * status is rendered.
+ */
+#ifndef MOED_STATS_H
+#define MOED_STATS_H
+
+#include <stdint.h>
+
+#include "moed_err.h"
+#include "model.h"
+
+#define MOED_LAT_BUCKETS 64 /* log2-spaced latency histogram, bucket i = [2^(i/4) us ...) */
+
+struct moed_stats {
+    /* identity */
+    const char *version;
+    uint64_t start_ns;          /* CLOCK_MONOTONIC at start */
+    const struct moed_dims *dims; /* NULL until the model is loaded */
+    const char *model_path;
+    const char *backend;        /* "cpu" / "cuda" / "" while loading */
+    char backend_desc[512];     /* devices, memory (backend describe()) */
+    /* load */
+    int loaded;                 /* 1 once the model is loaded and self-check passed */
+    int healthy;                /* backend healthy (0 -> /healthz 503) */
+    uint64_t load_done, load_total; /* bytes */
+    /* clients and traffic */
+    uint32_t clients;           /* connected now */
+    uint64_t clients_total;     /* accepted since start */
+    uint64_t clients_refused;
+    uint64_t requests;          /* FORWARD requests answered OK */
+    uint64_t tokens;            /* tokens in those */
+    uint64_t in_flight;         /* FORWARD requests accepted, not yet answered */
+    uint64_t batches;
+    uint64_t batch_tokens;      /* sum of batch sizes (mean = batch_tokens / batches) */
+    uint64_t errors[MOED_E__COUNT]; /* error replies by -code */
+    /* latency of FORWARD (frame complete -> reply queued), microseconds */
+    uint64_t lat_hist[MOED_LAT_BUCKETS];
+    uint64_t lat_count;
+    double lat_sum_us;
+    /* backend busy accounting: ns with at least one batch queued or running */
+    uint64_t busy_ns;
+    /* per-expert hits (routed + shared), n_experts + n_shared entries */
+    uint64_t *expert_hits;
+    uint32_t n_expert_hits;
+    /* GPU persistent-kernel heartbeat (0 without a GPU) */
+    uint64_t heartbeat;
+    uint64_t heartbeat_age_ms;
+};
+
+/* Record one latency sample. */
+void moed_stats_record_latency(struct moed_stats *s, double us);
+/* Percentile (0..1) from the histogram, microseconds (bucket upper bound). */
+double moed_stats_latency_pct(const struct moed_stats *s, double p);
+
+/* Renderers (malloc'd strings, caller frees; NULL on allocation failure). */
+char *moed_status_json(const struct moed_stats *s, uint64_t now_ns);
+char *moed_status_prometheus(const struct moed_stats *s, uint64_t now_ns);
+
+#endif

@@ -1,0 +1,44 @@
+/* moe_ref.h - CPU reference of one MoE layer forward (the contract the GPU
+ * kernel must meet).
+ *
+ * For each token t with x_t (bf16, length H) and top-k pairs (e_j, w_j):
+ *
+ *   g   = W_gate[e] x_t,  u = W_up[e] x_t          fp32 accumulation
+ *   h   = bf16( silu(g) * u )                       length I, rounded to bf16
+ *   d_j = W_down[e] h                               fp32, length H
+ *   y_t = bf16( sum_j w_j * d_j  +  sum_s d_s )     shared experts s, weight 1
+ *
+ * Weights are dequantized exactly (e2m1 * e4m3 * scale_2). Routed experts are
+ * experts[0 .. n_experts), shared experts experts[n_experts .. n_experts +
+ * n_shared). Slots are summed in order j = 0..k-1 then shared s = 0..S-1.
+ */
+#ifndef MOE_REF_H
+#define MOE_REF_H
+
+#include <stdint.h>
+
+#include "nvfp4.h"
+
+/* One expert's three matrices: gate/up [I, H], down [H, I]. */
+struct moe_expert {
+    struct nvfp4_mat gate, up, down;
+};
+
+/* One MoE layer: borrowed pointers, caller keeps them alive. */
+struct moe_layer {
+    uint32_t hidden;     /* H */
+    uint32_t inter;      /* I */
+    uint32_t n_experts;  /* E routed */
+    uint32_t n_shared;   /* S shared */
+    uint32_t top_k;      /* k */
+    const struct moe_expert *experts; /* [E + S] */
+};
+
+/* y[T][H] (bf16) = layer(x[T][H] bf16, ids[T][k], w[T][k]).
+ * Validates ids in [0, E) and shapes; returns 0 or MOED_E_INVAL/MOED_E_NOMEM.
+ * n_threads <= 0 means "all online cores". Does not allocate per call beyond
+ * O(threads * (H + I)) scratch. */
+int moe_ref_forward(const struct moe_layer *layer, uint32_t n_tokens, const uint16_t *x,
+                    const int32_t *ids, const float *w, uint16_t *y, int n_threads);
+
+#endif
