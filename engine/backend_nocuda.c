@@ -1,0 +1,31 @@
+/* backend_nocuda.c - the CUDA backend entry points of a CPU-only build.
+ *
+ * Built only when CUDA=0 (see Makefile: *_nocuda.c). The daemon and tests call
+ * the same functions in every build; here they say plainly that this binary
+ * has no GPU path, so a config asking for backend "cuda" fails at start-up
+ * with a message instead of a link error.
+ */
+#include <stddef.h>
+
+#include "backend.h"
+#include "moed_err.h"
+
+int moed_backend_cuda_open(struct moed_model *m, const struct moed_backend_cfg *cfg,
+                           moed_backend_done_fn done, void *done_ctx,
+                           struct moed_backend **out, char *err, size_t errlen)
+{
+    (void)m;
+    (void)cfg;
+    (void)done;
+    (void)done_ctx;
+    if (out)
+        *out = NULL;
+    return moed_seterr(err, errlen, MOED_E_UNSUPPORTED,
+                       "backend \"cuda\": this moed was built without CUDA "
+                       "(rebuild with CUDA=1 and nvcc installed, or use backend \"cpu\")");
+}
+
+int moed_backend_cuda_available(void)
+{
+    return 0;
+}
