@@ -1,0 +1,198 @@
+/* proto.c - the moed wire protocol, version 1: frame header parse/encode and
+ * FORWARD payload validation (ipc/PROTOCOL.md is the byte-level spec).
+ *
+ * Everything here is a pure function of its arguments so that both the server
+ * and the client library use the same code and a fuzzer can drive it. Fields
+ * are read and written byte by byte in little-endian order: the buffer is never
+ * cast to a struct, so alignment, padding and host byte order do not matter.
+ */
+#include "moed_proto.h"
+
+#include <inttypes.h>
+#include <string.h>
+
+#include "moed_err.h"
+
+static uint16_t get_u16(const uint8_t *p)
+{
+    return (uint16_t)(p[0] | (uint16_t)p[1] << 8);
+}
+
+static uint32_t get_u32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static uint64_t get_u64(const uint8_t *p)
+{
+    return (uint64_t)get_u32(p) | (uint64_t)get_u32(p + 4) << 32;
+}
+
+static void put_u16(uint8_t *p, uint16_t v)
+{
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+
+static void put_u32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void put_u64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+/* Types a version-1 peer may send: the requests, and their replies (REPLY
+ * bit set) plus ERROR, which exists only as a reply. The server must still
+ * refuse a reply-typed frame as a request (PROTOCOL.md, "Bad input"). */
+static int type_known(uint16_t type)
+{
+    uint16_t base = (uint16_t)(type & ~MOED_PROTO_REPLY);
+    int reply = (type & MOED_PROTO_REPLY) != 0;
+    switch (base) {
+    case MOED_MSG_HELLO:
+    case MOED_MSG_FORWARD:
+    case MOED_MSG_STATUS:
+    case MOED_MSG_PING:
+    case MOED_MSG_REGISTER_BUF:
+    case MOED_MSG_UNREGISTER_BUF:
+        return 1;
+    case MOED_MSG_ERROR:
+        return reply;
+    default:
+        return 0;
+    }
+}
+
+int moed_frame_parse(const uint8_t *buf, size_t len, uint64_t max_payload,
+                     struct moed_frame_hdr *hdr)
+{
+    if (len < MOED_PROTO_HDR_SIZE)
+        return MOED_PARSE_NEED_MORE;
+    struct moed_frame_hdr h = {
+        .magic = get_u32(buf + 0),
+        .version = get_u16(buf + 4),
+        .type = get_u16(buf + 6),
+        .flags = get_u32(buf + 8),
+        .reserved = get_u32(buf + 12),
+        .request_id = get_u64(buf + 16),
+        .payload_len = get_u64(buf + 24),
+    };
+    if (hdr)
+        *hdr = h;
+    /* Order matters: MOED_E_TYPE is returned only for a header that is
+     * otherwise sound (length within the limit), so the receiver may answer it
+     * and skip exactly payload_len bytes; every earlier error means the stream
+     * cannot be trusted any more and the connection is closed. */
+    if (h.magic != MOED_PROTO_MAGIC)
+        return MOED_E_PROTO;
+    if (h.version != MOED_PROTO_VERSION)
+        return MOED_E_VERSION;
+    if (h.flags != 0 || h.reserved != 0)
+        return MOED_E_PROTO;
+    if (h.payload_len > max_payload)
+        return MOED_E_TOOBIG;
+    if (!type_known(h.type))
+        return MOED_E_TYPE;
+    if (len - MOED_PROTO_HDR_SIZE < h.payload_len)
+        return MOED_PARSE_NEED_MORE;
+    return MOED_PARSE_COMPLETE;
+}
+
+void moed_frame_encode(uint8_t out[MOED_PROTO_HDR_SIZE], uint16_t type, uint64_t request_id,
+                       uint64_t payload_len)
+{
+    put_u32(out + 0, MOED_PROTO_MAGIC);
+    put_u16(out + 4, MOED_PROTO_VERSION);
+    put_u16(out + 6, type);
+    put_u32(out + 8, 0);
+    put_u32(out + 12, 0);
+    put_u64(out + 16, request_id);
+    put_u64(out + 24, payload_len);
+}
+
+/* a*b, or 0 with *ovf set when it does not fit in 64 bits. */
+static uint64_t mul_ovf(uint64_t a, uint64_t b, int *ovf)
+{
+    if (a != 0 && b > UINT64_MAX / a) {
+        *ovf = 1;
+        return 0;
+    }
+    return a * b;
+}
+
+static uint64_t add_ovf(uint64_t a, uint64_t b, int *ovf)
+{
+    if (b > UINT64_MAX - a) {
+        *ovf = 1;
+        return 0;
+    }
+    return a + b;
+}
+
+uint64_t moed_forward_payload_len(uint64_t n_tokens, uint64_t hidden, uint64_t top_k)
+{
+    int ovf = 0;
+    /* 16 + 2*T*H + 8*T*k: bf16 x, then int32 ids and fp32 weights. */
+    uint64_t x = mul_ovf(mul_ovf(n_tokens, hidden, &ovf), 2, &ovf);
+    uint64_t routing = mul_ovf(mul_ovf(n_tokens, top_k, &ovf), 8, &ovf);
+    uint64_t total = add_ovf(add_ovf(sizeof(struct moed_forward_req), x, &ovf), routing, &ovf);
+    return ovf ? 0 : total;
+}
+
+int moed_forward_validate(const uint8_t *payload, uint64_t len, uint32_t hidden,
+                          uint32_t n_experts, uint32_t top_k, uint32_t max_tokens,
+                          int (*is_moe_layer)(const void *ctx, uint32_t layer),
+                          const void *ctx, struct moed_forward_req *req, char *err,
+                          size_t errlen)
+{
+    if (len < sizeof(struct moed_forward_req))
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "payload is %" PRIu64 " bytes, shorter than the %zu-byte FORWARD head",
+                           len, sizeof(struct moed_forward_req));
+    struct moed_forward_req r = {
+        .layer = get_u32(payload + 0),
+        .n_tokens = get_u32(payload + 4),
+        .top_k = get_u32(payload + 8),
+        .flags = get_u32(payload + 12),
+    };
+    if (req)
+        *req = r;
+    if (r.flags != 0)
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "forward flags 0x%" PRIx32 " are not 0 (no flags in version 1)",
+                           r.flags);
+    if (is_moe_layer && !is_moe_layer(ctx, r.layer))
+        return moed_seterr(err, errlen, MOED_E_INVAL, "layer %" PRIu32
+                           " is not an MoE layer of this model", r.layer);
+    if (r.n_tokens < 1 || r.n_tokens > max_tokens)
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "n_tokens %" PRIu32 " is out of range [1, %" PRIu32 "]", r.n_tokens,
+                           max_tokens);
+    if (r.top_k != top_k)
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "top_k %" PRIu32 " does not match the model's %" PRIu32, r.top_k,
+                           top_k);
+    uint64_t need = moed_forward_payload_len(r.n_tokens, hidden, r.top_k);
+    if (need == 0 || len != need)
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "payload is %" PRIu64 " bytes but T=%" PRIu32 ", H=%" PRIu32
+                           ", k=%" PRIu32 " need %" PRIu64,
+                           len, r.n_tokens, hidden, r.top_k, need);
+    const uint8_t *ids = payload + sizeof(struct moed_forward_req) + 2 * (uint64_t)r.n_tokens * hidden;
+    for (uint32_t t = 0; t < r.n_tokens; t++) {
+        for (uint32_t j = 0; j < r.top_k; j++) {
+            int32_t id = (int32_t)get_u32(ids + 4 * ((uint64_t)t * r.top_k + j));
+            if (id < 0 || (uint32_t)id >= n_experts)
+                return moed_seterr(err, errlen, MOED_E_INVAL,
+                                   "expert id %" PRId32 " at token %" PRIu32 " slot %" PRIu32
+                                   " is out of range [0, %" PRIu32 ")",
+                                   id, t, j, n_experts);
+        }
+    }
+    return 0;
+}

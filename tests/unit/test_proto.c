@@ -1,0 +1,327 @@
+/* test_proto.c - the frame parser, encoder and FORWARD validation against the
+ * byte layout written out by hand from ipc/PROTOCOL.md. */
+#include <check.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moed_err.h"
+#include "moed_proto.h"
+
+#define MAXP (1u << 20)
+
+/* A header written byte by byte from the spec, independent of the encoder. */
+static void hand_header(uint8_t *b, uint16_t version, uint16_t type, uint32_t flags,
+                        uint32_t reserved, uint64_t id, uint64_t plen)
+{
+    memcpy(b, "MOED", 4);
+    b[4] = (uint8_t)version;
+    b[5] = (uint8_t)(version >> 8);
+    b[6] = (uint8_t)type;
+    b[7] = (uint8_t)(type >> 8);
+    for (int i = 0; i < 4; i++) {
+        b[8 + i] = (uint8_t)(flags >> (8 * i));
+        b[12 + i] = (uint8_t)(reserved >> (8 * i));
+    }
+    for (int i = 0; i < 8; i++) {
+        b[16 + i] = (uint8_t)(id >> (8 * i));
+        b[24 + i] = (uint8_t)(plen >> (8 * i));
+    }
+}
+
+START_TEST(test_parse_byte_at_a_time)
+{
+    uint8_t buf[32 + 5];
+    hand_header(buf, 1, MOED_MSG_PING, 0, 0, 0x0102030405060708ull, 5);
+    memcpy(buf + 32, "hello", 5);
+    struct moed_frame_hdr h;
+    for (size_t n = 0; n < sizeof buf; n++)
+        ck_assert_int_eq(moed_frame_parse(buf, n, MAXP, &h), MOED_PARSE_NEED_MORE);
+    memset(&h, 0, sizeof h);
+    ck_assert_int_eq(moed_frame_parse(buf, sizeof buf, MAXP, &h), MOED_PARSE_COMPLETE);
+    ck_assert_uint_eq(h.magic, MOED_PROTO_MAGIC);
+    ck_assert_uint_eq(h.version, 1);
+    ck_assert_uint_eq(h.type, MOED_MSG_PING);
+    ck_assert_uint_eq(h.request_id, 0x0102030405060708ull);
+    ck_assert_uint_eq(h.payload_len, 5);
+    /* Extra bytes after the frame (a pipelined next request) are fine. */
+    uint8_t two[2 * sizeof buf];
+    memcpy(two, buf, sizeof buf);
+    memcpy(two + sizeof buf, buf, sizeof buf);
+    ck_assert_int_eq(moed_frame_parse(two, sizeof two, MAXP, &h), MOED_PARSE_COMPLETE);
+    ck_assert_uint_eq(h.payload_len, 5);
+}
+END_TEST
+
+START_TEST(test_parse_header_errors)
+{
+    uint8_t b[32];
+    struct moed_frame_hdr h;
+
+    hand_header(b, 1, MOED_MSG_HELLO, 0, 0, 7, 8);
+    b[0] = 'X';
+    ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_E_PROTO);
+    ck_assert_uint_eq(h.request_id, 7); /* filled even on error */
+
+    hand_header(b, 0, MOED_MSG_HELLO, 0, 0, 7, 8);
+    ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_E_VERSION);
+    hand_header(b, 2, MOED_MSG_HELLO, 0, 0, 7, 8);
+    ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_E_VERSION);
+
+    hand_header(b, 1, 0, 0, 0, 7, 8);
+    ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_E_TYPE);
+    hand_header(b, 1, 6, 0, 0, 7, 8);
+    ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_E_TYPE);
+    hand_header(b, 1, 0x1234, 0, 0, 9, 8);
+    ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_E_TYPE);
+    ck_assert_uint_eq(h.request_id, 9);
+    ck_assert_uint_eq(h.payload_len, 8); /* so the receiver can skip it */
+    /* ERROR exists only as a reply. */
+    hand_header(b, 1, MOED_MSG_ERROR, 0, 0, 7, 8);
+    ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_E_TYPE);
+    hand_header(b, 1, MOED_MSG_ERROR | MOED_PROTO_REPLY, 0, 0, 7, 8);
+    ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_PARSE_NEED_MORE);
+    /* The reserved buffer-registration types parse (the server answers them
+     * with MOED_E_UNSUPPORTED). */
+    hand_header(b, 1, MOED_MSG_REGISTER_BUF, 0, 0, 7, 0);
+    ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_PARSE_COMPLETE);
+    hand_header(b, 1, MOED_MSG_UNREGISTER_BUF, 0, 0, 7, 0);
+    ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_PARSE_COMPLETE);
+
+    hand_header(b, 1, MOED_MSG_PING, 1, 0, 7, 0);
+    ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_E_PROTO);
+    hand_header(b, 1, MOED_MSG_PING, 0x80000000u, 0, 7, 0);
+    ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_E_PROTO);
+    hand_header(b, 1, MOED_MSG_PING, 0, 1, 7, 0);
+    ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_E_PROTO);
+
+    hand_header(b, 1, MOED_MSG_FORWARD, 0, 0, 7, (uint64_t)MAXP + 1);
+    ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_E_TOOBIG);
+    hand_header(b, 1, MOED_MSG_FORWARD, 0, 0, 7, UINT64_MAX);
+    ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_E_TOOBIG);
+    ck_assert_int_eq(moed_frame_parse(b, 32, UINT64_MAX - 1, &h), MOED_E_TOOBIG);
+    /* Exactly the maximum is allowed (and then needs its payload). */
+    hand_header(b, 1, MOED_MSG_FORWARD, 0, 0, 7, MAXP);
+    ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_PARSE_NEED_MORE);
+    /* A huge length within a huge limit must not overflow len arithmetic. */
+    hand_header(b, 1, MOED_MSG_FORWARD, 0, 0, 7, UINT64_MAX);
+    ck_assert_int_eq(moed_frame_parse(b, 32, UINT64_MAX, &h), MOED_PARSE_NEED_MORE);
+
+    hand_header(b, 1, MOED_MSG_STATUS, 0, 0, 7, 0);
+    ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_PARSE_COMPLETE);
+    ck_assert_int_eq(moed_frame_parse(b, 32, 0, &h), MOED_PARSE_COMPLETE);
+    /* NULL hdr is allowed. */
+    ck_assert_int_eq(moed_frame_parse(b, 32, 0, NULL), MOED_PARSE_COMPLETE);
+}
+END_TEST
+
+START_TEST(test_encode_round_trip)
+{
+    uint8_t enc[32], ref[32];
+    moed_frame_encode(enc, MOED_MSG_FORWARD | MOED_PROTO_REPLY, 0xdeadbeefcafef00dull, 1056);
+    hand_header(ref, 1, MOED_MSG_FORWARD | MOED_PROTO_REPLY, 0, 0, 0xdeadbeefcafef00dull, 1056);
+    ck_assert_mem_eq(enc, ref, 32);
+    /* Fixed bytes checked literally: magic "MOED", version 1 LE, type 0x8002 LE. */
+    static const uint8_t head[8] = {'M', 'O', 'E', 'D', 1, 0, 0x02, 0x80};
+    ck_assert_mem_eq(enc, head, 8);
+    ck_assert_uint_eq(enc[24], 1056 & 0xff);
+    ck_assert_uint_eq(enc[25], 1056 >> 8);
+
+    uint16_t types[] = {MOED_MSG_HELLO, MOED_MSG_FORWARD, MOED_MSG_STATUS, MOED_MSG_PING,
+                        MOED_MSG_ERROR | MOED_PROTO_REPLY, MOED_MSG_PING | MOED_PROTO_REPLY};
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
+        uint8_t b[32];
+        struct moed_frame_hdr h;
+        moed_frame_encode(b, types[i], i * 0x100000001ull, 0);
+        ck_assert_int_eq(moed_frame_parse(b, 32, 0, &h), MOED_PARSE_COMPLETE);
+        ck_assert_uint_eq(h.type, types[i]);
+        ck_assert_uint_eq(h.request_id, i * 0x100000001ull);
+        ck_assert_uint_eq(h.payload_len, 0);
+        ck_assert_uint_eq(h.flags, 0);
+        ck_assert_uint_eq(h.reserved, 0);
+    }
+}
+END_TEST
+
+START_TEST(test_payload_len)
+{
+    ck_assert_uint_eq(moed_forward_payload_len(2, 256, 2), 16 + 2 * 2 * 256 + 8 * 2 * 2);
+    ck_assert_uint_eq(moed_forward_payload_len(1, 7168, 8), 16 + 2 * 7168 + 64);
+    ck_assert_uint_eq(moed_forward_payload_len(0, 7168, 8), 16);
+    ck_assert_uint_eq(moed_forward_payload_len(UINT64_MAX, 2, 1), 0);
+    ck_assert_uint_eq(moed_forward_payload_len(1ull << 32, 1ull << 32, 1), 0);
+    ck_assert_uint_eq(moed_forward_payload_len(1ull << 31, 1ull << 31, 1), 16 + (1ull << 63) + (1ull << 34));
+    ck_assert_uint_eq(moed_forward_payload_len(1ull << 32, 1ull << 31, 1), 0); /* 2*T*H = 2^64 */
+    ck_assert_uint_eq(moed_forward_payload_len(1, 1, UINT64_MAX / 8 + 1), 0);
+    ck_assert_uint_eq(moed_forward_payload_len(1, UINT64_MAX / 2, 0), 0); /* 16 + (2^64-2) */
+    ck_assert_uint_eq(moed_forward_payload_len(1, (UINT64_MAX - 16) / 2, 0),
+                      16 + 2 * ((UINT64_MAX - 16) / 2));
+}
+END_TEST
+
+/* A FORWARD payload built by hand: layer, T, k, flags, then x, ids, w. */
+struct fwd {
+    uint8_t *buf;
+    uint64_t len;
+};
+
+static void put32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static struct fwd make_fwd(uint32_t layer, uint32_t T, uint32_t H, uint32_t k, uint32_t E)
+{
+    struct fwd f;
+    f.len = 16 + 2ull * T * H + 8ull * T * k;
+    f.buf = calloc(1, f.len);
+    ck_assert_ptr_nonnull(f.buf);
+    put32(f.buf, layer);
+    put32(f.buf + 4, T);
+    put32(f.buf + 8, k);
+    uint8_t *ids = f.buf + 16 + 2ull * T * H;
+    for (uint32_t t = 0; t < T; t++)
+        for (uint32_t j = 0; j < k; j++)
+            put32(ids + 4 * (t * k + j), (t + j) % E);
+    return f;
+}
+
+static void set_id(struct fwd *f, uint32_t H, uint32_t k, uint32_t t, uint32_t j, int32_t id)
+{
+    uint32_t T = f->buf[4] | (uint32_t)f->buf[5] << 8;
+    put32(f->buf + 16 + 2ull * T * H + 4 * (t * k + j), (uint32_t)id);
+}
+
+static int moe_layers_3_up(const void *ctx, uint32_t layer)
+{
+    const uint32_t *n_layers = ctx;
+    return layer >= 3 && layer < *n_layers;
+}
+
+#define VAL(f, req, err)                                                                       \
+    moed_forward_validate((f).buf, (f).len, 256, 128, 2, 512, moe_layers_3_up, &n_layers, req, \
+                          err, sizeof err)
+
+START_TEST(test_validate)
+{
+    const uint32_t n_layers = 10;
+    char err[MOED_ERRLEN];
+    struct moed_forward_req req;
+
+    struct fwd ok = make_fwd(3, 4, 256, 2, 128);
+    memset(&req, 0xff, sizeof req);
+    err[0] = 0;
+    ck_assert_int_eq(VAL(ok, &req, err), 0);
+    ck_assert_uint_eq(req.layer, 3);
+    ck_assert_uint_eq(req.n_tokens, 4);
+    ck_assert_uint_eq(req.top_k, 2);
+    ck_assert_uint_eq(req.flags, 0);
+    ck_assert_str_eq(err, "");
+    ck_assert_int_eq(moed_forward_validate(ok.buf, ok.len, 256, 128, 2, 512, NULL, NULL, NULL,
+                                           NULL, 0), 0);
+
+    set_id(&ok, 256, 2, 3, 1, 128);
+    ck_assert_int_eq(VAL(ok, &req, err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "expert id 128 at token 3 slot 1 is out of range [0, 128)");
+    set_id(&ok, 256, 2, 3, 1, -1);
+    ck_assert_int_eq(VAL(ok, &req, err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "expert id -1 at token 3 slot 1 is out of range [0, 128)");
+    set_id(&ok, 256, 2, 3, 1, 127);
+    set_id(&ok, 256, 2, 0, 0, INT32_MIN);
+    ck_assert_int_eq(VAL(ok, &req, err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "expert id -2147483648 at token 0 slot 0 is out of range [0, 128)");
+    free(ok.buf);
+
+    struct fwd f = make_fwd(3, 2, 256, 2, 128);
+    put32(f.buf + 4, 0);
+    ck_assert_int_eq(VAL(f, &req, err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "n_tokens 0 is out of range [1, 512]");
+    put32(f.buf + 4, 513);
+    ck_assert_int_eq(VAL(f, &req, err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "n_tokens 513 is out of range [1, 512]");
+    put32(f.buf + 4, 0xffffffffu);
+    ck_assert_int_eq(VAL(f, &req, err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "n_tokens 4294967295 is out of range [1, 512]");
+    put32(f.buf + 4, 2);
+
+    put32(f.buf + 8, 4);
+    ck_assert_int_eq(moed_forward_validate(f.buf, f.len, 256, 128, 8, 512, NULL, NULL, &req, err,
+                                           sizeof err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "top_k 4 does not match the model's 8");
+    put32(f.buf + 8, 2);
+
+    ck_assert_int_eq(moed_forward_validate(f.buf, 1000, 256, 128, 2, 512, NULL, NULL, &req, err,
+                                           sizeof err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "payload is 1000 bytes but T=2, H=256, k=2 need 1072");
+    ck_assert_int_eq(moed_forward_validate(f.buf, f.len - 1, 256, 128, 2, 512, NULL, NULL, &req,
+                                           err, sizeof err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "payload is 1071 bytes but T=2, H=256, k=2 need 1072");
+    ck_assert_int_eq(moed_forward_validate(f.buf, 15, 256, 128, 2, 512, NULL, NULL, &req, err,
+                                           sizeof err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "payload is 15 bytes, shorter than the 16-byte FORWARD head");
+    /* A claimed length far beyond the buffer must be refused before any id is read. */
+    ck_assert_int_eq(moed_forward_validate(f.buf, UINT64_MAX, 256, 128, 2, 512, NULL, NULL, &req,
+                                           err, sizeof err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "payload is 18446744073709551615 bytes but T=2, H=256, k=2 need 1072");
+
+    put32(f.buf, 7);
+    const uint32_t few = 5;
+    ck_assert_int_eq(moed_forward_validate(f.buf, f.len, 256, 128, 2, 512, moe_layers_3_up, &few,
+                                           &req, err, sizeof err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "layer 7 is not an MoE layer of this model");
+    put32(f.buf, 2);
+    ck_assert_int_eq(VAL(f, &req, err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "layer 2 is not an MoE layer of this model");
+    put32(f.buf, 3);
+
+    put32(f.buf + 12, 1);
+    ck_assert_int_eq(VAL(f, &req, err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "forward flags 0x1 are not 0 (no flags in version 1)");
+    put32(f.buf + 12, 0);
+
+    ck_assert_int_eq(VAL(f, &req, err), 0);
+    /* A small err buffer truncates, never overflows. */
+    char small[8];
+    put32(f.buf + 4, 0);
+    ck_assert_int_eq(moed_forward_validate(f.buf, f.len, 256, 128, 2, 512, NULL, NULL, NULL,
+                                           small, sizeof small), MOED_E_INVAL);
+    ck_assert_str_eq(small, "n_token");
+    free(f.buf);
+}
+END_TEST
+
+/* The byte-wise decoder must not depend on the buffer's alignment. */
+START_TEST(test_unaligned)
+{
+    uint8_t raw[64 + 1];
+    uint8_t *b = raw + 1;
+    moed_frame_encode(b, MOED_MSG_STATUS, 42, 0);
+    struct moed_frame_hdr h;
+    ck_assert_int_eq(moed_frame_parse(b, 32, 16, &h), MOED_PARSE_COMPLETE);
+    ck_assert_uint_eq(h.request_id, 42);
+}
+END_TEST
+
+static Suite *proto_suite(void)
+{
+    Suite *s = suite_create("proto");
+    TCase *tc = tcase_create("frame");
+    tcase_add_test(tc, test_parse_byte_at_a_time);
+    tcase_add_test(tc, test_parse_header_errors);
+    tcase_add_test(tc, test_encode_round_trip);
+    tcase_add_test(tc, test_payload_len);
+    tcase_add_test(tc, test_validate);
+    tcase_add_test(tc, test_unaligned);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void)
+{
+    SRunner *sr = srunner_create(proto_suite());
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
