@@ -9,9 +9,15 @@
 #include "moed_proto.h"
 
 #include <inttypes.h>
-#include <string.h>
 
 #include "moed_err.h"
+
+/* moed_proto.h is installed with libmoedclient, so its functions are part of
+ * the library's exported surface even though the library is built with
+ * -fvisibility=hidden. */
+#ifdef MOEDC_BUILD
+#pragma GCC visibility push(default)
+#endif
 
 static uint16_t get_u16(const uint8_t *p)
 {
@@ -196,3 +202,7 @@ int moed_forward_validate(const uint8_t *payload, uint64_t len, uint32_t hidden,
     }
     return 0;
 }
+
+#ifdef MOEDC_BUILD
+#pragma GCC visibility pop
+#endif

@@ -1,0 +1,129 @@
+/* moed_client.h - C client library for the moed daemon (libmoedclient.so).
+ *
+ * The whole public surface of the library. Link with `pkg-config --libs
+ * moed-client`. Wire format: moed_proto.h and ipc/PROTOCOL.md.
+ *
+ * Conventions (as everywhere in moed): functions return 0 or a negative
+ * MOED_E_* code (moed_err.h); those that take `char *err, size_t errlen` (err
+ * may be NULL) write one line saying what went wrong. When the daemon answered
+ * with an ERROR frame, the return value is the daemon's code and err holds the
+ * daemon's message.
+ *
+ * A `struct moedc` is one connection; it is not thread-safe: use one per
+ * thread (the daemon serves many connections concurrently).
+ *
+ * After a local failure -- MOED_E_CONN (connection lost or refused),
+ * MOED_E_TIMEOUT (no complete reply in time) or MOED_E_PROTO (the daemon's
+ * reply was malformed or over its bound) -- the connection is unusable: every
+ * later call returns MOED_E_CONN until moedc_close. An ERROR reply from the
+ * daemon about one request (bad layer, token count, expert id, ...) leaves the
+ * connection usable.
+ *
+ * Arrays are in host memory, row-major, native byte order (the library
+ * converts to the little-endian wire order): bf16 values are uint16_t bit
+ * patterns.
+ */
+#ifndef MOED_CLIENT_H
+#define MOED_CLIENT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "moed_err.h"
+#include "moed_proto.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(MOEDC_BUILD)
+#define MOEDC_API __attribute__((visibility("default")))
+#else
+#define MOEDC_API
+#endif
+
+/* Largest STATUS reply the client accepts (the JSON is a few KiB normally). */
+#define MOEDC_MAX_STATUS_BYTES (16u << 20)
+
+struct moedc; /* opaque: one connection */
+
+/* Connect to the daemon's Unix socket at `path` (at most 107 bytes).
+ * timeout_ms bounds the connect and, afterwards, every blocking call's wait
+ * for its reply (<= 0: wait forever). No HELLO is sent here: moedc_hello, or
+ * the first moedc_forward/moedc_send_forward, does that. On success *out is a
+ * new connection owned by the caller (free with moedc_close). */
+MOEDC_API int moedc_connect(const char *path, int timeout_ms, struct moedc **out, char *err,
+                            size_t errlen);
+
+/* Close the socket and free c (NULL is fine). Pending pipelined replies are
+ * dropped. */
+MOEDC_API void moedc_close(struct moedc *c);
+
+/* Send HELLO (version 1..1) and wait for the reply; fills *rep (the model's
+ * dims, limits and backend name) and caches it in c for moedc_forward's size
+ * checks. */
+MOEDC_API int moedc_hello(struct moedc *c, struct moed_hello_rep *rep, char *err, size_t errlen);
+
+/* One MoE layer forward, blocking:
+ *   x    bf16  [n_tokens, H]   H = the model's hidden size (from HELLO)
+ *   ids  int32 [n_tokens, top_k]   expert ids in [0, E)
+ *   w    fp32  [n_tokens, top_k]   final routing weights
+ *   y    bf16  [n_tokens, H]   output, written by the call (caller allocates)
+ * Sends HELLO first if this connection has not done it yet. Returns 0, the
+ * daemon's negative code with its message in err (the connection stays
+ * usable), or a local failure code. Not allowed while pipelined requests are
+ * outstanding (MOED_E_INVAL). */
+MOEDC_API int moedc_forward(struct moedc *c, uint32_t layer, uint32_t n_tokens, uint32_t top_k,
+                            const uint16_t *x, const int32_t *ids, const float *w, uint16_t *y,
+                            char *err, size_t errlen);
+
+/* STATUS: on success *json_out is a NUL-terminated malloc'd copy of the
+ * daemon's status JSON (at most MOEDC_MAX_STATUS_BYTES); the caller frees it. */
+MOEDC_API int moedc_status(struct moedc *c, char **json_out, char *err, size_t errlen);
+
+/* PING with an 8-byte payload; on success *rtt_ns is the round-trip time
+ * (CLOCK_MONOTONIC) in nanoseconds. */
+MOEDC_API int moedc_ping(struct moedc *c, uint64_t *rtt_ns, char *err, size_t errlen);
+
+/* Static text for a code (the same as moed_strerror, exported here). */
+MOEDC_API const char *moedc_strerror(int code);
+
+/* --- Pipelined interface ------------------------------------------------
+ * Several FORWARD requests may be in flight on one connection: send them with
+ * moedc_send_forward, then collect the replies with moedc_recv, which returns
+ * whichever reply arrives next (the daemon may answer out of order) with its
+ * request id. The caller picks request ids (unique among those in flight; 0 is
+ * allowed but reads as "no request" in the daemon's connection-level errors).
+ * While requests are in flight, the blocking calls above return MOED_E_INVAL.
+ * The arrays are read during the call only (the request is written to the
+ * socket before it returns; a large batch may block until the daemon reads). */
+MOEDC_API int moedc_send_forward(struct moedc *c, uint64_t request_id, uint32_t layer,
+                                 uint32_t n_tokens, uint32_t top_k, const uint16_t *x,
+                                 const int32_t *ids, const float *w, char *err, size_t errlen);
+
+/* One reply, filled by moedc_recv (caller allocates). */
+struct moedc_reply {
+    uint64_t request_id; /* the id echoed by the daemon (0 for a local failure) */
+    int32_t code;        /* 0 for a FORWARD reply, else the daemon's MOED_E_* code */
+    int32_t from_daemon; /* 1: an answer from the daemon; 0: a local failure */
+    uint32_t n_tokens;   /* FORWARD reply: T */
+    uint32_t hidden;     /* FORWARD reply: H */
+    const uint16_t *y;   /* FORWARD reply: bf16 [T, H] in native order, inside c's
+                          * receive buffer: valid until the next call on c */
+};
+
+/* Wait (up to the connection's timeout) for the next reply. Returns 0 for a
+ * FORWARD reply; the daemon's negative code for an ERROR reply (rep->code and
+ * rep->request_id set, message in err; the connection stays usable); or a local
+ * failure code with rep->from_daemon == 0. MOED_E_INVAL if nothing is in
+ * flight. */
+MOEDC_API int moedc_recv(struct moedc *c, struct moedc_reply *rep, char *err, size_t errlen);
+
+/* Number of pipelined requests sent and not yet answered. */
+MOEDC_API uint32_t moedc_inflight(const struct moedc *c);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
