@@ -13,7 +13,15 @@
 #include "moed_err.h"
 #include "model.h"
 
-#define MOED_LAT_BUCKETS 64 /* log2-spaced latency histogram, bucket i = [2^(i/4) us ...) */
+/* Latency histogram: 3 buckets per octave (each ~26 % wide, so a percentile
+ * read from it is within one bucket, +26 %, of the exact value), from 1 us to
+ * about 1.7 s, which covers a GPU decode step (tens of us) up to a slow CPU
+ * reference forward:
+ *   bucket 0      : us <= 1
+ *   bucket i      : 2^((i-1)/3) < us <= 2^(i/3)      (1 <= i <= 62)
+ *   bucket 63     : us > 2^(62/3) (~1.66 s; overflow)
+ * Upper bounds are inclusive so they map directly onto Prometheus `le`. */
+#define MOED_LAT_BUCKETS 64
 
 struct moed_stats {
     /* identity */
@@ -51,9 +59,11 @@ struct moed_stats {
     uint64_t heartbeat_age_ms;
 };
 
-/* Record one latency sample. */
+/* Record one latency sample (microseconds; negative or NaN counts as 0). */
 void moed_stats_record_latency(struct moed_stats *s, double us);
-/* Percentile (0..1) from the histogram, microseconds (bucket upper bound). */
+/* Percentile p (0..1) from the histogram, microseconds: the upper bound of the
+ * bucket holding the sample of rank ceil(p * count) (the overflow bucket
+ * reports its lower bound). 0 when there are no samples. */
 double moed_stats_latency_pct(const struct moed_stats *s, double p);
 
 /* Renderers (malloc'd strings, caller frees; NULL on allocation failure). */

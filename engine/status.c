@@ -1,0 +1,435 @@
+/* status.c - latency histogram and the /status (JSON) and /metrics
+ * (Prometheus text 0.0.4) renderers of struct moed_stats.
+ *
+ * Everything here runs on the event-loop thread over a struct the engine
+ * owns; the renderers only read it. Every field and metric is documented in
+ * docs/STATUS.md: keep the two in step.
+ */
+#include "stats.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+/* Buckets per octave; see the MOED_LAT_BUCKETS comment in stats.h. */
+#define LAT_PER_OCTAVE 3
+
+/* Prometheus exposes only the power-of-two bucket bounds (every
+ * LAT_PER_OCTAVE-th): cumulative buckets stay exact at those bounds and a
+ * scrape carries 22 series instead of 64. */
+#define PROM_BUCKET_STEP LAT_PER_OCTAVE
+
+/* Upper bound of bucket i in microseconds, 2^(i/3); the overflow bucket has
+ * none and reports its lower bound 2^(62/3). */
+static double bucket_upper_us(int i)
+{
+    if (i < 0)
+        i = 0;
+    if (i > MOED_LAT_BUCKETS - 2)
+        i = MOED_LAT_BUCKETS - 2;
+    return exp2((double)i / LAT_PER_OCTAVE);
+}
+
+static int lat_bucket(double us)
+{
+    if (!(us > 1.0)) /* also catches NaN and negatives */
+        return 0;
+    int i = (int)ceil(LAT_PER_OCTAVE * log2(us));
+    /* log2 may land a hair off an exact bound; settle on the bound itself so
+     * that `us <= upper(i)` and `us > upper(i-1)` hold exactly. */
+    if (i > MOED_LAT_BUCKETS - 1)
+        i = MOED_LAT_BUCKETS - 1;
+    while (i > 0 && us <= bucket_upper_us(i - 1))
+        i--;
+    while (i < MOED_LAT_BUCKETS - 1 && us > bucket_upper_us(i))
+        i++;
+    return i;
+}
+
+void moed_stats_record_latency(struct moed_stats *s, double us)
+{
+    if (!(us >= 0.0)) /* NaN or negative: a clock glitch, count it as 0 */
+        us = 0.0;
+    s->lat_hist[lat_bucket(us)]++;
+    s->lat_count++;
+    s->lat_sum_us += us;
+}
+
+double moed_stats_latency_pct(const struct moed_stats *s, double p)
+{
+    uint64_t total = 0;
+    for (int i = 0; i < MOED_LAT_BUCKETS; i++)
+        total += s->lat_hist[i];
+    if (total == 0)
+        return 0.0;
+    if (!(p > 0.0))
+        p = 0.0;
+    if (p > 1.0)
+        p = 1.0;
+    uint64_t rank = (uint64_t)ceil(p * (double)total);
+    if (rank < 1)
+        rank = 1;
+    if (rank > total)
+        rank = total;
+    uint64_t seen = 0;
+    for (int i = 0; i < MOED_LAT_BUCKETS; i++) {
+        seen += s->lat_hist[i];
+        if (seen >= rank)
+            return bucket_upper_us(i);
+    }
+    return bucket_upper_us(MOED_LAT_BUCKETS - 1);
+}
+
+static double uptime_s(const struct moed_stats *s, uint64_t now_ns)
+{
+    return now_ns > s->start_ns ? (double)(now_ns - s->start_ns) / 1e9 : 0.0;
+}
+
+/* busy_ns over uptime, clamped to [0, 1] (busy time is sampled by the engine
+ * and may run a little ahead of the clock read here). */
+static double busy_fraction(const struct moed_stats *s, uint64_t now_ns)
+{
+    if (now_ns <= s->start_ns)
+        return 0.0;
+    double f = (double)s->busy_ns / (double)(now_ns - s->start_ns);
+    return f > 1.0 ? 1.0 : f;
+}
+
+static int have_kernel(const struct moed_stats *s)
+{
+    return s->heartbeat != 0 || (s->backend && strcmp(s->backend, "cuda") == 0);
+}
+
+/* ---------------------------------------------------------------- JSON */
+
+/* cJSON numbers are doubles: exact for counts up to 2^53, which no counter
+ * here reaches in practice. */
+static int jnum(cJSON *obj, const char *key, double v)
+{
+    return cJSON_AddNumberToObject(obj, key, v) ? 0 : -1;
+}
+
+static int jstr(cJSON *obj, const char *key, const char *v)
+{
+    if (!v)
+        return cJSON_AddNullToObject(obj, key) ? 0 : -1;
+    return cJSON_AddStringToObject(obj, key, v) ? 0 : -1;
+}
+
+static int json_model(cJSON *root, const struct moed_stats *s)
+{
+    cJSON *m = cJSON_AddObjectToObject(root, "model");
+    if (!m || jstr(m, "path", s->model_path))
+        return -1;
+    const struct moed_dims *d = s->dims;
+    if (!d) { /* still loading: the shape is not known yet */
+        static const char *const keys[] = {"family", "hidden", "inter", "n_experts", "top_k",
+                                           "n_shared", "n_layers", "n_moe_layers"};
+        for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+            if (!cJSON_AddNullToObject(m, keys[i]))
+                return -1;
+        return 0;
+    }
+    char family[sizeof d->family + 1];
+    memcpy(family, d->family, sizeof d->family);
+    family[sizeof d->family] = '\0'; /* never trust a fixed array to be terminated */
+    if (jstr(m, "family", family) || jnum(m, "hidden", d->hidden) || jnum(m, "inter", d->inter) ||
+        jnum(m, "n_experts", d->n_experts) || jnum(m, "top_k", d->top_k) ||
+        jnum(m, "n_shared", d->n_shared) || jnum(m, "n_layers", d->n_layers) ||
+        jnum(m, "n_moe_layers", d->n_moe_layers))
+        return -1;
+    return 0;
+}
+
+static int json_body(cJSON *root, const struct moed_stats *s, uint64_t now_ns)
+{
+    double up = uptime_s(s, now_ns);
+    if (jstr(root, "version", s->version) || jnum(root, "uptime_s", up) || json_model(root, s))
+        return -1;
+
+    cJSON *b = cJSON_AddObjectToObject(root, "backend");
+    char desc[sizeof s->backend_desc + 1];
+    memcpy(desc, s->backend_desc, sizeof s->backend_desc);
+    desc[sizeof s->backend_desc] = '\0';
+    if (!b || jstr(b, "name", s->backend ? s->backend : "") || jstr(b, "description", desc) ||
+        !cJSON_AddBoolToObject(b, "healthy", s->healthy != 0))
+        return -1;
+
+    cJSON *l = cJSON_AddObjectToObject(root, "load");
+    double frac = s->load_total ? (double)s->load_done / (double)s->load_total : 0.0;
+    if (s->loaded)
+        frac = 1.0;
+    if (frac > 1.0)
+        frac = 1.0;
+    if (!l || !cJSON_AddBoolToObject(l, "loaded", s->loaded != 0) ||
+        jnum(l, "done_bytes", (double)s->load_done) ||
+        jnum(l, "total_bytes", (double)s->load_total) || jnum(l, "fraction", frac))
+        return -1;
+
+    cJSON *c = cJSON_AddObjectToObject(root, "clients");
+    if (!c || jnum(c, "connected", s->clients) || jnum(c, "total", (double)s->clients_total) ||
+        jnum(c, "refused", (double)s->clients_refused))
+        return -1;
+
+    cJSON *r = cJSON_AddObjectToObject(root, "requests");
+    if (!r || jnum(r, "served", (double)s->requests) || jnum(r, "tokens", (double)s->tokens) ||
+        jnum(r, "in_flight", (double)s->in_flight))
+        return -1;
+    cJSON *e = cJSON_AddObjectToObject(r, "errors");
+    if (!e)
+        return -1;
+    for (int i = 1; i < MOED_E__COUNT; i++) /* errors[0] would be MOED_OK */
+        if (s->errors[i] && jnum(e, moed_errname(-i), (double)s->errors[i]))
+            return -1;
+
+    cJSON *lat = cJSON_AddObjectToObject(root, "latency_us");
+    double mean = s->lat_count ? s->lat_sum_us / (double)s->lat_count : 0.0;
+    if (!lat || jnum(lat, "p50", moed_stats_latency_pct(s, 0.50)) ||
+        jnum(lat, "p99", moed_stats_latency_pct(s, 0.99)) ||
+        jnum(lat, "p999", moed_stats_latency_pct(s, 0.999)) || jnum(lat, "mean", mean) ||
+        jnum(lat, "count", (double)s->lat_count))
+        return -1;
+
+    cJSON *bt = cJSON_AddObjectToObject(root, "batches");
+    double mean_tok = s->batches ? (double)s->batch_tokens / (double)s->batches : 0.0;
+    if (!bt || jnum(bt, "count", (double)s->batches) || jnum(bt, "mean_tokens", mean_tok))
+        return -1;
+
+    if (jnum(root, "busy_fraction", busy_fraction(s, now_ns)))
+        return -1;
+
+    cJSON *x = cJSON_AddObjectToObject(root, "experts");
+    cJSON *hits = x ? cJSON_AddArrayToObject(x, "hits") : NULL;
+    if (!hits)
+        return -1;
+    for (uint32_t i = 0; s->expert_hits && i < s->n_expert_hits; i++) {
+        cJSON *n = cJSON_CreateNumber((double)s->expert_hits[i]);
+        if (!n)
+            return -1;
+        cJSON_AddItemToArray(hits, n);
+    }
+
+    if (!have_kernel(s))
+        return cJSON_AddNullToObject(root, "kernel") ? 0 : -1;
+    cJSON *k = cJSON_AddObjectToObject(root, "kernel");
+    if (!k || jnum(k, "heartbeat", (double)s->heartbeat) ||
+        jnum(k, "heartbeat_age_ms", (double)s->heartbeat_age_ms))
+        return -1;
+    return 0;
+}
+
+char *moed_status_json(const struct moed_stats *s, uint64_t now_ns)
+{
+    char *out = NULL;
+    cJSON *root = cJSON_CreateObject();
+    if (!root)
+        goto out;
+    if (json_body(root, s, now_ns))
+        goto free_root;
+    out = cJSON_PrintUnformatted(root);
+free_root:
+    cJSON_Delete(root);
+out:
+    return out;
+}
+
+/* ---------------------------------------------------------- Prometheus */
+
+/* A growing string; `failed` sticks after the first allocation failure so
+ * the renderer can append unconditionally and check once at the end. */
+struct sbuf {
+    char *p;
+    size_t len, cap;
+    int failed;
+};
+
+static void sb_printf(struct sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void sb_printf(struct sbuf *b, const char *fmt, ...)
+{
+    if (b->failed)
+        return;
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(b->p ? b->p + b->len : NULL, b->p ? b->cap - b->len : 0, fmt, ap);
+        va_end(ap);
+        if (n < 0) {
+            b->failed = 1;
+            return;
+        }
+        if (b->p && (size_t)n < b->cap - b->len) {
+            b->len += (size_t)n;
+            return;
+        }
+        size_t cap = b->cap ? b->cap : 4096;
+        while (cap - b->len <= (size_t)n)
+            cap *= 2;
+        char *np = realloc(b->p, cap);
+        if (!np) {
+            b->failed = 1;
+            return;
+        }
+        b->p = np;
+        b->cap = cap;
+    }
+}
+
+/* Label values escape backslash, double quote and newline (format 0.0.4). */
+static void sb_label(struct sbuf *b, const char *v)
+{
+    for (; v && *v; v++) {
+        if (*v == '\\')
+            sb_printf(b, "\\\\");
+        else if (*v == '"')
+            sb_printf(b, "\\\"");
+        else if (*v == '\n')
+            sb_printf(b, "\\n");
+        else
+            sb_printf(b, "%c", *v);
+    }
+}
+
+static void sb_head(struct sbuf *b, const char *name, const char *type, const char *help)
+{
+    sb_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+static void sb_double(struct sbuf *b, double v)
+{
+    if (isnan(v))
+        sb_printf(b, "NaN");
+    else if (isinf(v))
+        sb_printf(b, v > 0 ? "+Inf" : "-Inf");
+    else
+        sb_printf(b, "%.9g", v);
+}
+
+static void prom_u64(struct sbuf *b, const char *name, const char *type, const char *help,
+                     uint64_t v)
+{
+    sb_head(b, name, type, help);
+    sb_printf(b, "%s %" PRIu64 "\n", name, v);
+}
+
+static void prom_dbl(struct sbuf *b, const char *name, const char *type, const char *help,
+                     double v)
+{
+    sb_head(b, name, type, help);
+    sb_printf(b, "%s ", name);
+    sb_double(b, v);
+    sb_printf(b, "\n");
+}
+
+static void prom_latency(struct sbuf *b, const struct moed_stats *s)
+{
+    const char *n = "moed_request_latency_seconds";
+    sb_head(b, n, "histogram", "FORWARD latency, frame complete to reply queued.");
+    uint64_t cum = 0;
+    for (int i = 0; i < MOED_LAT_BUCKETS - 1; i++) {
+        cum += s->lat_hist[i];
+        if (i % PROM_BUCKET_STEP)
+            continue;
+        sb_printf(b, "%s_bucket{le=\"", n);
+        sb_double(b, bucket_upper_us(i) / 1e6);
+        sb_printf(b, "\"} %" PRIu64 "\n", cum);
+    }
+    cum += s->lat_hist[MOED_LAT_BUCKETS - 1];
+    /* +Inf is the bucket total, so _count equals it by construction even if
+     * lat_count was written separately. */
+    sb_printf(b, "%s_bucket{le=\"+Inf\"} %" PRIu64 "\n", n, cum);
+    sb_printf(b, "%s_sum ", n);
+    sb_double(b, s->lat_sum_us / 1e6);
+    sb_printf(b, "\n%s_count %" PRIu64 "\n", n, cum);
+}
+
+char *moed_status_prometheus(const struct moed_stats *s, uint64_t now_ns)
+{
+    struct sbuf b = {0};
+
+    sb_head(&b, "moed_build_info", "gauge", "Always 1; labels carry the version and backend.");
+    sb_printf(&b, "moed_build_info{version=\"");
+    sb_label(&b, s->version);
+    sb_printf(&b, "\",backend=\"");
+    sb_label(&b, s->backend);
+    sb_printf(&b, "\"} 1\n");
+    if (s->dims) {
+        char family[sizeof s->dims->family + 1];
+        memcpy(family, s->dims->family, sizeof s->dims->family);
+        family[sizeof s->dims->family] = '\0';
+        sb_head(&b, "moed_model_info", "gauge", "Always 1; labels name the loaded model.");
+        sb_printf(&b, "moed_model_info{family=\"");
+        sb_label(&b, family);
+        sb_printf(&b, "\",path=\"");
+        sb_label(&b, s->model_path);
+        sb_printf(&b, "\",n_experts=\"%" PRIu32 "\",top_k=\"%" PRIu32 "\",n_moe_layers=\"%" PRIu32
+                      "\"} 1\n",
+                  s->dims->n_experts, s->dims->top_k, s->dims->n_moe_layers);
+    }
+    prom_dbl(&b, "moed_uptime_seconds", "gauge", "Seconds since the daemon started.",
+             uptime_s(s, now_ns));
+    prom_u64(&b, "moed_loaded", "gauge", "1 once the model is loaded and self-checked.",
+             s->loaded ? 1 : 0);
+    prom_u64(&b, "moed_healthy", "gauge", "1 while the backend reports healthy.",
+             s->healthy ? 1 : 0);
+    prom_u64(&b, "moed_load_done_bytes", "gauge", "Checkpoint bytes loaded so far.",
+             s->load_done);
+    prom_u64(&b, "moed_load_total_bytes", "gauge", "Checkpoint bytes to load.", s->load_total);
+    prom_u64(&b, "moed_clients", "gauge", "Clients connected now.", s->clients);
+    prom_u64(&b, "moed_clients_accepted_total", "counter", "Clients accepted since start.",
+             s->clients_total);
+    prom_u64(&b, "moed_clients_refused_total", "counter",
+             "Clients refused (limit, permission) since start.", s->clients_refused);
+    prom_u64(&b, "moed_requests_total", "counter", "FORWARD requests answered OK.", s->requests);
+    prom_u64(&b, "moed_tokens_total", "counter", "Tokens in the FORWARD requests answered OK.",
+             s->tokens);
+    prom_u64(&b, "moed_requests_in_flight", "gauge",
+             "FORWARD requests accepted and not yet answered.", s->in_flight);
+
+    sb_head(&b, "moed_errors_total", "counter", "Error replies sent, by error code name.");
+    for (int i = 1; i < MOED_E__COUNT; i++)
+        sb_printf(&b, "moed_errors_total{code=\"%s\"} %" PRIu64 "\n", moed_errname(-i),
+                  s->errors[i]);
+
+    prom_latency(&b, s);
+
+    prom_u64(&b, "moed_batches_total", "counter", "Batches run by the backend.", s->batches);
+    prom_u64(&b, "moed_batch_tokens_total", "counter", "Tokens summed over all batches.",
+             s->batch_tokens);
+    prom_dbl(&b, "moed_busy_seconds_total", "counter",
+             "Seconds with at least one batch queued or running.",
+             (double)s->busy_ns / 1e9);
+    prom_dbl(&b, "moed_busy_fraction", "gauge",
+             "busy_seconds / uptime_seconds since start (0..1).",
+             busy_fraction(s, now_ns));
+
+    if (s->expert_hits && s->n_expert_hits) {
+        sb_head(&b, "moed_expert_hits_total", "counter",
+                "Tokens routed to each expert (routed experts, then shared).");
+        for (uint32_t i = 0; i < s->n_expert_hits; i++)
+            sb_printf(&b, "moed_expert_hits_total{expert=\"%" PRIu32 "\"} %" PRIu64 "\n", i,
+                      s->expert_hits[i]);
+    }
+
+    if (have_kernel(s)) {
+        prom_u64(&b, "moed_kernel_heartbeat", "gauge",
+                 "Persistent-kernel heartbeat counter (advances while the kernel runs).",
+                 s->heartbeat);
+        prom_dbl(&b, "moed_kernel_heartbeat_age_seconds", "gauge",
+                 "Seconds since the heartbeat last advanced.",
+                 (double)s->heartbeat_age_ms / 1e3);
+    }
+
+    if (b.failed) {
+        free(b.p);
+        return NULL;
+    }
+    if (!b.p) /* nothing written cannot happen, but never return NULL for success */
+        return calloc(1, 1);
+    return b.p;
+}
