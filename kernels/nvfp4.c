@@ -176,21 +176,28 @@ void nvfp4_quantize(const float *w, uint32_t n, uint32_t k, uint8_t *packed, uin
     *scale_2 = s2;
 }
 
+/* E2M1 values of all 16 codes, sign included (branch-free dequant). */
+static const float e2m1_val[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
 void nvfp4_dequant_row(const struct nvfp4_mat *m, uint32_t r, float *out, int with_scale_2)
 {
     const uint32_t k = m->k;
     const uint8_t *w = m->w + (size_t)r * (k / 2);
     const uint8_t *sc = m->scale + (size_t)r * (k / NVFP4_GROUP);
+    const float s2 = with_scale_2 ? m->scale_2 : 1.0f;
     for (uint32_t b = 0; b < k / NVFP4_GROUP; b++) {
         /* e2m1 * e4m3 is exact in fp32 (<= 2+4 significant bits); the
          * scale_2 multiply is the only rounding, as in ModelOpt's dequant. */
-        float s = nvfp4_e4m3_decode(sc[b]);
-        float s2 = with_scale_2 ? m->scale_2 : 1.0f;
+        const float s = nvfp4_e4m3_decode(sc[b]);
         const uint8_t *p = w + (size_t)b * (NVFP4_GROUP / 2);
-        float *o = out + (size_t)b * NVFP4_GROUP;
+        float v[NVFP4_GROUP];
         for (int j = 0; j < NVFP4_GROUP / 2; j++) {
-            o[2 * j] = nvfp4_e2m1_decode(p[j] & 15) * s * s2;
-            o[2 * j + 1] = nvfp4_e2m1_decode(p[j] >> 4) * s * s2;
+            v[2 * j] = e2m1_val[p[j] & 15];
+            v[2 * j + 1] = e2m1_val[p[j] >> 4];
         }
+        float *o = out + (size_t)b * NVFP4_GROUP;
+        for (int j = 0; j < NVFP4_GROUP; j++)
+            o[j] = v[j] * s * s2;
     }
 }
