@@ -1,0 +1,883 @@
+/* model.c - open an NVFP4 MoE checkpoint directory.
+ *
+ * Order of work (validate first, acquire second):
+ *   1. config.json -> moed_dims + the set of MoE layers (alias table below);
+ *   2. quantization: hf_quant_config.json, else config.json:quantization_config;
+ *   3. shards: model.safetensors.index.json (weight_map) or model.safetensors,
+ *      each shard opened once (headers parsed, data only mapped, not read);
+ *   4. every expert tensor looked up and its dtype/shape checked, and the bytes
+ *      of all weights + block scales summed from the headers alone;
+ *   5. budget check (MOED_E_NOFIT) before any tensor byte is read;
+ *   6. scalars read and checked, then every page of every expert matrix
+ *      touched so the load cost is paid at start, not on the first request.
+ */
+#include "model.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "moed_err.h"
+#include "moed_log.h"
+#include "safetensors.h"
+
+#define MODEL_MAX_CONFIG_BYTES (16u << 20)
+/* The index of a DeepSeek-V3-size NVFP4 checkpoint is ~16 MB (~180k expert
+ * tensor entries), so it gets more room than the small config files. */
+#define MODEL_MAX_INDEX_BYTES (256u << 20)
+#define MODEL_TOUCH_STRIDE 4096u
+#define GIB (1024.0 * 1024.0 * 1024.0)
+
+struct model_shard {
+    const char *file;       /* borrowed from the index JSON (or a literal) */
+    struct st_file *st;
+};
+
+struct wmap_entry {
+    const char *tensor;     /* borrowed from the index JSON */
+    uint32_t shard;
+};
+
+struct moed_model {
+    char *dir;
+    struct moed_dims dims;
+    uint8_t is_moe[MOED_MAX_LAYERS];
+    cJSON *index;                    /* kept alive: wmap and shard names point into it */
+    struct model_shard *shards;
+    size_t n_shards;
+    struct wmap_entry *wmap;         /* sorted by tensor name; empty without an index */
+    size_t n_wmap;
+    struct moe_expert *experts;      /* [n_moe_layers * (E + S)] */
+    struct moe_layer *layers;        /* [n_layers]; experts == NULL for dense layers */
+    uint64_t weight_bytes, expert_bytes;
+};
+
+/* ------------------------------------------------------------ small files */
+
+static int path_join(char *buf, size_t len, const char *dir, const char *name, char *err,
+                     size_t errlen)
+{
+    int n = snprintf(buf, len, "%s/%s", dir, name);
+    if (n < 0 || (size_t)n >= len)
+        return moed_seterr(err, errlen, MOED_E_RANGE, "path '%s/%s' is too long", dir, name);
+    return 0;
+}
+
+/* Read a whole file of at most `cap` bytes, NUL-terminated. *missing is set
+ * (and 0 returned) when the file does not exist and missing != NULL. */
+static int read_small(const char *path, const char *label, size_t cap, char **out,
+                      int *missing, char *err, size_t errlen)
+{
+    int rc = 0, fd;
+    struct stat sb;
+    char *buf = NULL;
+    *out = NULL;
+    if (missing)
+        *missing = 0;
+    fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        if (errno == ENOENT && missing) {
+            *missing = 1;
+            return 0;
+        }
+        return moed_seterr(err, errlen, MOED_E_IO, "%s: cannot open %s: %s", label, path,
+                           strerror(errno));
+    }
+    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        rc = moed_seterr(err, errlen, MOED_E_IO, "%s: not a readable regular file", label);
+        goto out;
+    }
+    if ((uint64_t)sb.st_size > cap) {
+        rc = moed_seterr(err, errlen, MOED_E_MODEL, "%s: %lld bytes, over the %zu-byte cap",
+                         label, (long long)sb.st_size, cap);
+        goto out;
+    }
+    size_t len = (size_t)sb.st_size, got = 0;
+    buf = malloc(len + 1);
+    if (!buf) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "%s: out of memory", label);
+        goto out;
+    }
+    while (got < len) {
+        ssize_t r = read(fd, buf + got, len - got);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0) {
+            rc = moed_seterr(err, errlen, MOED_E_IO, "%s: read failed: %s", label,
+                             r < 0 ? strerror(errno) : "file shrank");
+            goto out;
+        }
+        got += (size_t)r;
+    }
+    buf[len] = '\0';
+    *out = buf;
+    buf = NULL;
+out:
+    free(buf);
+    close(fd);
+    return rc;
+}
+
+static int read_json(const char *dir, const char *name, size_t cap, cJSON **out, int *missing,
+                     char *err, size_t errlen)
+{
+    char path[PATH_MAX];
+    char *text = NULL;
+    *out = NULL;
+    int rc = path_join(path, sizeof path, dir, name, err, errlen);
+    if (rc)
+        return rc;
+    rc = read_small(path, name, cap, &text, missing, err, errlen);
+    if (rc || !text)
+        return rc;
+    *out = cJSON_Parse(text);
+    if (!*out) {
+        const char *at = cJSON_GetErrorPtr();
+        size_t pos = (at && at >= text) ? (size_t)(at - text) : 0;
+        rc = moed_seterr(err, errlen, MOED_E_MODEL, "%s: malformed JSON near byte %zu", name,
+                         pos);
+    } else if (!cJSON_IsObject(*out)) {
+        rc = moed_seterr(err, errlen, MOED_E_MODEL, "%s: not a JSON object", name);
+        cJSON_Delete(*out);
+        *out = NULL;
+    }
+    free(text);
+    return rc;
+}
+
+/* -------------------------------------------------------------- config.json */
+
+/* Concepts and the config.json names each family uses for them. */
+enum cfg_concept { C_HIDDEN, C_INTER, C_EXPERTS, C_TOPK, C_SHARED, C_LAYERS, C__COUNT };
+
+static const struct cfg_alias {
+    const char *concept;
+    const char *keys[3];  /* first is the canonical name */
+    int required;         /* else `dflt` when absent */
+    uint32_t dflt, min, max;
+} cfg_aliases[C__COUNT] = {
+    [C_HIDDEN] = {"hidden size", {"hidden_size"}, 1, 0, 32, MOED_MAX_HIDDEN},
+    [C_INTER] = {"expert intermediate size", {"moe_intermediate_size"}, 1, 0, 32,
+                 MOED_MAX_INTER},
+    [C_EXPERTS] = {"routed experts", {"n_routed_experts", "num_experts"}, 1, 0, 1,
+                   MOED_MAX_EXPERTS},
+    [C_TOPK] = {"experts per token", {"num_experts_per_tok"}, 1, 0, 1, MOED_MAX_TOPK},
+    [C_SHARED] = {"shared experts", {"n_shared_experts"}, 0, 0, 0, MOED_MAX_SHARED},
+    [C_LAYERS] = {"layers", {"num_hidden_layers"}, 1, 0, 1, MOED_MAX_LAYERS},
+};
+
+/* Multimodal wrappers (e.g. Qwen3-VL-MoE) nest the language model's keys in
+ * "text_config"; look there when the top level lacks the key. */
+static const cJSON *cfg_get(const cJSON *root, const char *key)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, key);
+    if (v)
+        return v;
+    const cJSON *tc = cJSON_GetObjectItemCaseSensitive(root, "text_config");
+    return cJSON_IsObject(tc) ? cJSON_GetObjectItemCaseSensitive(tc, key) : NULL;
+}
+
+static int json_uint(const cJSON *v, uint64_t max, uint64_t *out)
+{
+    if (!cJSON_IsNumber(v))
+        return -1;
+    double d = v->valuedouble;
+    if (!isfinite(d) || d < 0 || d > (double)max || floor(d) != d)
+        return -1;
+    *out = (uint64_t)d;
+    return 0;
+}
+
+static int cfg_read_concept(const cJSON *root, enum cfg_concept c, uint32_t *out, char *err,
+                            size_t errlen)
+{
+    const struct cfg_alias *a = &cfg_aliases[c];
+    const cJSON *v = NULL;
+    const char *key = a->keys[0];
+    for (int i = 0; i < 3 && a->keys[i] && !v; i++) {
+        v = cfg_get(root, a->keys[i]);
+        if (v)
+            key = a->keys[i];
+    }
+    if (!v || cJSON_IsNull(v)) {
+        if (a->required) {
+            char alias[128] = "";
+            size_t o = 0;
+            for (int i = 1; i < 3 && a->keys[i] && o < sizeof alias; i++)
+                o += (size_t)snprintf(alias + o, sizeof alias - o, "%s'%s'",
+                                      i == 1 ? " (or alias " : ", ", a->keys[i]);
+            if (o && o < sizeof alias)
+                snprintf(alias + o, sizeof alias - o, ")");
+            return moed_seterr(err, errlen, MOED_E_MODEL, "config.json: missing '%s'%s (%s)",
+                               a->keys[0], alias, a->concept);
+        }
+        *out = a->dflt;
+        return 0;
+    }
+    uint64_t x;
+    if (json_uint(v, UINT32_MAX, &x) != 0)
+        return moed_seterr(err, errlen, MOED_E_MODEL,
+                           "config.json: '%s' must be a non-negative integer", key);
+    if (x < a->min || x > a->max)
+        return moed_seterr(err, errlen, MOED_E_MODEL,
+                           "config.json: '%s' is %llu, allowed %u..%u", key,
+                           (unsigned long long)x, a->min, a->max);
+    *out = (uint32_t)x;
+    return 0;
+}
+
+/* Which layers are MoE: GLM-5 mlp_layer_types, else DeepSeek/GLM-4.5
+ * first_k_dense_replace, else Qwen3 decoder_sparse_step + mlp_only_layers. */
+static int cfg_moe_layers(const cJSON *root, uint32_t n_layers, uint8_t *is_moe, char *err,
+                          size_t errlen)
+{
+    const cJSON *types = cfg_get(root, "mlp_layer_types");
+    const cJSON *fk = cfg_get(root, "first_k_dense_replace");
+    const cJSON *step = cfg_get(root, "decoder_sparse_step");
+    uint64_t x;
+    if (types && !cJSON_IsNull(types)) {
+        if (!cJSON_IsArray(types) || (uint32_t)cJSON_GetArraySize(types) != n_layers)
+            return moed_seterr(err, errlen, MOED_E_MODEL,
+                               "config.json: 'mlp_layer_types' must be an array of %u strings "
+                               "(one per layer)",
+                               n_layers);
+        uint32_t l = 0;
+        const cJSON *t;
+        cJSON_ArrayForEach(t, types) {
+            if (cJSON_IsString(t) && strcmp(t->valuestring, "sparse") == 0)
+                is_moe[l] = 1;
+            else if (cJSON_IsString(t) && strcmp(t->valuestring, "dense") == 0)
+                is_moe[l] = 0;
+            else
+                return moed_seterr(err, errlen, MOED_E_MODEL,
+                                   "config.json: mlp_layer_types[%u] is not \"dense\" or "
+                                   "\"sparse\"",
+                                   l);
+            l++;
+        }
+        return 0;
+    }
+    if (fk && !cJSON_IsNull(fk)) {
+        if (json_uint(fk, n_layers, &x) != 0)
+            return moed_seterr(err, errlen, MOED_E_MODEL,
+                               "config.json: 'first_k_dense_replace' must be an integer in "
+                               "0..%u (num_hidden_layers)",
+                               n_layers);
+        for (uint32_t l = 0; l < n_layers; l++)
+            is_moe[l] = l >= x;
+        return 0;
+    }
+    if (step && !cJSON_IsNull(step)) {
+        if (json_uint(step, UINT32_MAX, &x) != 0 || x == 0)
+            return moed_seterr(err, errlen, MOED_E_MODEL,
+                               "config.json: 'decoder_sparse_step' must be a positive integer");
+        for (uint32_t l = 0; l < n_layers; l++)
+            is_moe[l] = (l + 1) % x == 0;
+        const cJSON *only = cfg_get(root, "mlp_only_layers");
+        if (only && !cJSON_IsNull(only)) {
+            if (!cJSON_IsArray(only))
+                return moed_seterr(err, errlen, MOED_E_MODEL,
+                                   "config.json: 'mlp_only_layers' must be an array of layer "
+                                   "numbers");
+            const cJSON *v;
+            cJSON_ArrayForEach(v, only) {
+                uint64_t l;
+                if (json_uint(v, n_layers - 1, &l) != 0)
+                    return moed_seterr(err, errlen, MOED_E_MODEL,
+                                       "config.json: 'mlp_only_layers' entries must be layer "
+                                       "numbers in 0..%u",
+                                       n_layers - 1);
+                is_moe[l] = 0;
+            }
+        }
+        return 0;
+    }
+    return moed_seterr(err, errlen, MOED_E_MODEL,
+                       "config.json: missing 'first_k_dense_replace' (or alias "
+                       "'mlp_layer_types', 'decoder_sparse_step') (which layers are MoE)");
+}
+
+static int cfg_parse(const cJSON *root, struct moed_dims *d, uint8_t *is_moe, char *err,
+                     size_t errlen)
+{
+    uint32_t v[C__COUNT];
+    int rc;
+    memset(d, 0, sizeof *d);
+    for (int c = 0; c < C__COUNT; c++)
+        if ((rc = cfg_read_concept(root, (enum cfg_concept)c, &v[c], err, errlen)) != 0)
+            return rc;
+    if (v[C_HIDDEN] % 32 != 0)
+        return moed_seterr(err, errlen, MOED_E_MODEL,
+                           "config.json: hidden_size %u is not a multiple of 32 (NVFP4 rows "
+                           "need whole bytes and scale blocks)",
+                           v[C_HIDDEN]);
+    if (v[C_INTER] % 32 != 0)
+        return moed_seterr(err, errlen, MOED_E_MODEL,
+                           "config.json: moe_intermediate_size %u is not a multiple of 32",
+                           v[C_INTER]);
+    if (v[C_TOPK] > v[C_EXPERTS])
+        return moed_seterr(err, errlen, MOED_E_MODEL,
+                           "config.json: num_experts_per_tok %u is over the %u routed experts",
+                           v[C_TOPK], v[C_EXPERTS]);
+    memset(is_moe, 0, MOED_MAX_LAYERS);
+    if ((rc = cfg_moe_layers(root, v[C_LAYERS], is_moe, err, errlen)) != 0)
+        return rc;
+    d->hidden = v[C_HIDDEN];
+    d->inter = v[C_INTER];
+    d->n_experts = v[C_EXPERTS];
+    d->top_k = v[C_TOPK];
+    d->n_shared = v[C_SHARED];
+    d->n_layers = v[C_LAYERS];
+    for (uint32_t l = 0; l < d->n_layers; l++)
+        d->n_moe_layers += is_moe[l];
+    if (d->n_moe_layers == 0)
+        return moed_seterr(err, errlen, MOED_E_MODEL,
+                           "config.json: none of the %u layers is an MoE layer", d->n_layers);
+    const cJSON *mt = cfg_get(root, "model_type");
+    snprintf(d->family, sizeof d->family, "%s",
+             cJSON_IsString(mt) ? mt->valuestring : "unknown");
+    return 0;
+}
+
+int moed_model_read_config(const char *dir, struct moed_dims *dims, char *err, size_t errlen)
+{
+    cJSON *root = NULL;
+    uint8_t *is_moe = malloc(MOED_MAX_LAYERS);
+    int rc;
+    if (!is_moe)
+        return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
+    rc = read_json(dir, "config.json", MODEL_MAX_CONFIG_BYTES, &root, NULL, err, errlen);
+    if (rc == 0)
+        rc = cfg_parse(root, dims, is_moe, err, errlen);
+    cJSON_Delete(root);
+    free(is_moe);
+    return rc;
+}
+
+/* ------------------------------------------------------------ quantization */
+
+static int quant_check_fields(const char *label, const cJSON *algo, const cJSON *gs, char *err,
+                              size_t errlen)
+{
+    uint64_t g;
+    if (!cJSON_IsString(algo))
+        return moed_seterr(err, errlen, MOED_E_MODEL, "%s: missing 'quant_algo' (need NVFP4)",
+                           label);
+    if (strcmp(algo->valuestring, "NVFP4") != 0)
+        return moed_seterr(err, errlen, MOED_E_MODEL,
+                           "%s: quant_algo '%.64s' not supported (need NVFP4)", label,
+                           algo->valuestring);
+    if (!gs || cJSON_IsNull(gs))
+        return 0; /* NVFP4 implies 16 */
+    if (json_uint(gs, UINT32_MAX, &g) != 0)
+        return moed_seterr(err, errlen, MOED_E_MODEL, "%s: group_size is not an integer",
+                           label);
+    if (g != 16)
+        return moed_seterr(err, errlen, MOED_E_MODEL,
+                           "%s: group_size %llu not supported (NVFP4 needs 16)", label,
+                           (unsigned long long)g);
+    return 0;
+}
+
+static int quant_check(const char *dir, const cJSON *config, char *err, size_t errlen)
+{
+    cJSON *hq = NULL;
+    int missing = 0;
+    int rc = read_json(dir, "hf_quant_config.json", MODEL_MAX_CONFIG_BYTES, &hq, &missing, err,
+                       errlen);
+    if (rc)
+        return rc;
+    if (!missing) {
+        const cJSON *q = cJSON_GetObjectItemCaseSensitive(hq, "quantization");
+        if (!cJSON_IsObject(q))
+            rc = moed_seterr(err, errlen, MOED_E_MODEL,
+                             "hf_quant_config.json: missing 'quantization' object");
+        else
+            rc = quant_check_fields("hf_quant_config.json",
+                                    cJSON_GetObjectItemCaseSensitive(q, "quant_algo"),
+                                    cJSON_GetObjectItemCaseSensitive(q, "group_size"), err,
+                                    errlen);
+        cJSON_Delete(hq);
+        return rc;
+    }
+    const cJSON *qc = cfg_get(config, "quantization_config");
+    if (!cJSON_IsObject(qc))
+        return moed_seterr(err, errlen, MOED_E_MODEL,
+                           "no quantization info: hf_quant_config.json is absent and "
+                           "config.json has no 'quantization_config' (need ModelOpt NVFP4)");
+    const cJSON *meth = cJSON_GetObjectItemCaseSensitive(qc, "quant_method");
+    if (meth && !(cJSON_IsString(meth) && strcmp(meth->valuestring, "modelopt") == 0))
+        return moed_seterr(err, errlen, MOED_E_MODEL,
+                           "config.json: quantization_config.quant_method '%.64s' not "
+                           "supported (need modelopt)",
+                           cJSON_IsString(meth) ? meth->valuestring : "?");
+    const cJSON *gs = cJSON_GetObjectItemCaseSensitive(qc, "config_groups");
+    gs = cJSON_GetObjectItemCaseSensitive(gs, "group_0");
+    gs = cJSON_GetObjectItemCaseSensitive(gs, "weights");
+    gs = cJSON_GetObjectItemCaseSensitive(gs, "group_size");
+    if (!gs)
+        gs = cJSON_GetObjectItemCaseSensitive(qc, "group_size");
+    return quant_check_fields("config.json: quantization_config",
+                              cJSON_GetObjectItemCaseSensitive(qc, "quant_algo"), gs, err,
+                              errlen);
+}
+
+/* ------------------------------------------------------------------ shards */
+
+static int cmp_str(const void *a, const void *b)
+{
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+static int cmp_wmap(const void *a, const void *b)
+{
+    return strcmp(((const struct wmap_entry *)a)->tensor, ((const struct wmap_entry *)b)->tensor);
+}
+
+static int shard_name_ok(const char *s)
+{
+    return s[0] != '\0' && s[0] != '/' && !strchr(s, '/') && !strstr(s, "..");
+}
+
+static int open_shard(struct moed_model *m, size_t i, char *err, size_t errlen)
+{
+    char path[PATH_MAX];
+    int rc = path_join(path, sizeof path, m->dir, m->shards[i].file, err, errlen);
+    if (rc == 0)
+        rc = st_open(path, &m->shards[i].st, err, errlen);
+    return rc;
+}
+
+static int shards_open(struct moed_model *m, char *err, size_t errlen)
+{
+    int missing = 0, rc;
+    const char **files = NULL;
+    rc = read_json(m->dir, "model.safetensors.index.json", MODEL_MAX_INDEX_BYTES, &m->index,
+                   &missing, err, errlen);
+    if (rc)
+        return rc;
+    if (missing) {
+        m->shards = calloc(1, sizeof *m->shards);
+        if (!m->shards)
+            return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
+        m->n_shards = 1;
+        m->shards[0].file = "model.safetensors";
+        return open_shard(m, 0, err, errlen);
+    }
+    const cJSON *wm = cJSON_GetObjectItemCaseSensitive(m->index, "weight_map");
+    if (!cJSON_IsObject(wm))
+        return moed_seterr(err, errlen, MOED_E_MODEL,
+                           "model.safetensors.index.json: missing 'weight_map' object");
+    size_t n = (size_t)cJSON_GetArraySize(wm);
+    m->wmap = calloc(n ? n : 1, sizeof *m->wmap);
+    files = calloc(n ? n : 1, sizeof *files);
+    if (!m->wmap || !files) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory for %zu index entries", n);
+        goto out;
+    }
+    const cJSON *e;
+    cJSON_ArrayForEach(e, wm) {
+        if (!cJSON_IsString(e) || !e->string) {
+            rc = moed_seterr(err, errlen, MOED_E_MODEL,
+                             "model.safetensors.index.json: weight_map['%.200s'] is not a "
+                             "file name",
+                             e->string ? e->string : "");
+            goto out;
+        }
+        if (!shard_name_ok(e->valuestring)) {
+            rc = moed_seterr(err, errlen, MOED_E_MODEL,
+                             "model.safetensors.index.json: shard path '%.200s' escapes the "
+                             "checkpoint directory",
+                             e->valuestring);
+            goto out;
+        }
+        m->wmap[m->n_wmap].tensor = e->string;
+        files[m->n_wmap] = e->valuestring;
+        m->n_wmap++;
+    }
+    /* Unique shard names, each opened once. */
+    qsort(files, n, sizeof *files, cmp_str);
+    size_t u = 0;
+    for (size_t i = 0; i < n; i++)
+        if (u == 0 || strcmp(files[i], files[u - 1]) != 0)
+            files[u++] = files[i];
+    m->shards = calloc(u ? u : 1, sizeof *m->shards);
+    if (!m->shards) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < u; i++)
+        m->shards[i].file = files[i];
+    m->n_shards = u;
+    size_t k = 0;
+    cJSON_ArrayForEach(e, wm) {
+        const char **hit = bsearch(&e->valuestring, files, u, sizeof *files, cmp_str);
+        m->wmap[k++].shard = (uint32_t)(hit - files);
+    }
+    qsort(m->wmap, m->n_wmap, sizeof *m->wmap, cmp_wmap);
+    for (size_t i = 1; i < m->n_wmap; i++) {
+        if (strcmp(m->wmap[i].tensor, m->wmap[i - 1].tensor) == 0) {
+            rc = moed_seterr(err, errlen, MOED_E_MODEL,
+                             "model.safetensors.index.json: tensor '%.200s' listed twice in "
+                             "weight_map",
+                             m->wmap[i].tensor);
+            goto out;
+        }
+    }
+    for (size_t i = 0; i < u && rc == 0; i++)
+        rc = open_shard(m, i, err, errlen);
+out:
+    free(files);
+    return rc;
+}
+
+/* Find `name` in the checkpoint; *mapped_to names the shard the index
+ * promised when the index lists it but that shard lacks it. */
+static const struct st_tensor *find_exact(const struct moed_model *m, const char *name,
+                                          const char **mapped_to)
+{
+    if (!m->index)
+        return st_find(m->shards[0].st, name);
+    struct wmap_entry key = {.tensor = name};
+    const struct wmap_entry *w = bsearch(&key, m->wmap, m->n_wmap, sizeof *m->wmap, cmp_wmap);
+    if (!w)
+        return NULL;
+    const struct st_tensor *t = st_find(m->shards[w->shard].st, name);
+    if (!t && !*mapped_to)
+        *mapped_to = m->shards[w->shard].file;
+    return t;
+}
+
+/* `suffix` is the name after "model."; multimodal wrappers insert
+ * "language_model." there. Writes the plain name into `name` for messages. */
+static const struct st_tensor *find_tensor(const struct moed_model *m, const char *suffix,
+                                           char *name, size_t len, const char **mapped_to)
+{
+    char alt[512];
+    *mapped_to = NULL;
+    snprintf(name, len, "model.%s", suffix);
+    const struct st_tensor *t = find_exact(m, name, mapped_to);
+    if (!t) {
+        snprintf(alt, sizeof alt, "model.language_model.%s", suffix);
+        t = find_exact(m, alt, mapped_to);
+    }
+    return t;
+}
+
+/* ----------------------------------------------------------- expert tensors */
+
+static const char *shp(char *buf, size_t len, const struct st_tensor *t)
+{
+    size_t o = (size_t)snprintf(buf, len, "[");
+    for (uint32_t i = 0; i < t->ndim && o < len; i++)
+        o += (size_t)snprintf(buf + o, len - o, "%s%llu", i ? ", " : "",
+                              (unsigned long long)t->shape[i]);
+    if (o < len)
+        snprintf(buf + o, len - o, "]");
+    return buf;
+}
+
+static int is_scalar_f32(const struct st_tensor *t)
+{
+    return t->dtype == ST_F32 && (t->ndim == 0 || (t->ndim == 1 && t->shape[0] == 1));
+}
+
+/* Scalars found in pass 1 and read in pass 2 (after the budget check). */
+struct mat_scalars {
+    const struct st_tensor *s2, *in;
+    char s2_name[256];
+};
+
+static int missing_msg(const char *name, const char *mapped_to, char *err, size_t errlen)
+{
+    if (mapped_to)
+        return moed_seterr(err, errlen, MOED_E_MODEL,
+                           "missing tensor '%s' (the index maps it to '%s', which does not "
+                           "hold it)",
+                           name, mapped_to);
+    return moed_seterr(err, errlen, MOED_E_MODEL, "missing tensor '%s'", name);
+}
+
+/* Pass 1 for one matrix: look up, check dtypes and shapes, set pointers. */
+static int mat_lookup(const struct moed_model *m, const char *base, uint32_t n, uint32_t k,
+                      struct nvfp4_mat *mat, struct mat_scalars *sc, uint64_t *bytes, char *err,
+                      size_t errlen)
+{
+    char suffix[192], name[256], s1[96], s2[96];
+    const char *mapped;
+    const struct st_tensor *w, *s, *t;
+
+    snprintf(suffix, sizeof suffix, "%s.weight", base);
+    w = find_tensor(m, suffix, name, sizeof name, &mapped);
+    if (!w)
+        return missing_msg(name, mapped, err, errlen);
+    if (w->dtype != ST_U8)
+        return moed_seterr(err, errlen, MOED_E_MODEL,
+                           "tensor '%s': dtype %s, expected U8 (packed E2M1 pairs)", name,
+                           st_dtype_name(w->dtype));
+    if (w->ndim != 2 || w->shape[0] != n || w->shape[1] != k / 2)
+        return moed_seterr(err, errlen, MOED_E_MODEL,
+                           "tensor '%s': shape %s, expected [%u, %u] (N, K/2)", name,
+                           shp(s1, sizeof s1, w), n, k / 2);
+
+    snprintf(suffix, sizeof suffix, "%s.weight_scale", base);
+    s = find_tensor(m, suffix, name, sizeof name, &mapped);
+    if (!s)
+        return missing_msg(name, mapped, err, errlen);
+    if (s->dtype != ST_F8_E4M3)
+        return moed_seterr(err, errlen, MOED_E_MODEL, "tensor '%s': dtype %s, expected F8_E4M3",
+                           name, st_dtype_name(s->dtype));
+    if (s->ndim != 2 || s->shape[0] != n || s->shape[1] != k / 16)
+        return moed_seterr(err, errlen, MOED_E_MODEL,
+                           "tensor '%s': weight_scale shape %s does not match weight %s "
+                           "(expected [%u, %u])",
+                           name, shp(s1, sizeof s1, s), shp(s2, sizeof s2, w), n, k / 16);
+
+    snprintf(suffix, sizeof suffix, "%s.weight_scale_2", base);
+    t = find_tensor(m, suffix, sc->s2_name, sizeof sc->s2_name, &mapped);
+    if (!t)
+        return missing_msg(sc->s2_name, mapped, err, errlen);
+    if (!is_scalar_f32(t))
+        return moed_seterr(err, errlen, MOED_E_MODEL,
+                           "tensor '%s': %s %s, expected an F32 scalar ([] or [1])",
+                           sc->s2_name, st_dtype_name(t->dtype), shp(s1, sizeof s1, t));
+    sc->s2 = t;
+
+    snprintf(suffix, sizeof suffix, "%s.input_scale", base);
+    t = find_tensor(m, suffix, name, sizeof name, &mapped);
+    if (!t && mapped)
+        return missing_msg(name, mapped, err, errlen);
+    if (t && !is_scalar_f32(t))
+        return moed_seterr(err, errlen, MOED_E_MODEL,
+                           "tensor '%s': %s %s, expected an F32 scalar ([] or [1])", name,
+                           st_dtype_name(t->dtype), shp(s1, sizeof s1, t));
+    sc->in = t;
+
+    mat->n = n;
+    mat->k = k;
+    mat->w = w->data;
+    mat->scale = s->data;
+    mat->scale_2 = 0.0f;
+    mat->input_scale = 1.0f;
+    *bytes += w->nbytes + s->nbytes;
+    return 0;
+}
+
+static float read_f32(const void *p)
+{
+    float f;
+    memcpy(&f, p, sizeof f); /* mmap data carries no alignment promise */
+    return f;
+}
+
+/* Read one byte per page of [p, p + n) so the page cache holds it now. */
+static uint64_t touch(const uint8_t *p, uint64_t n, long page)
+{
+    uint64_t sum = 0;
+    if (n == 0)
+        return 0;
+    uintptr_t a = (uintptr_t)p & ~(uintptr_t)(page - 1);
+    (void)madvise((void *)a, (size_t)((uintptr_t)p + n - a), MADV_WILLNEED); /* advice only */
+    for (uint64_t o = 0; o < n; o += MODEL_TOUCH_STRIDE)
+        sum += ((const volatile uint8_t *)p)[o];
+    sum += ((const volatile uint8_t *)p)[n - 1];
+    return sum;
+}
+
+/* Matrix i of the flat order (expert i / 3, projection i % 3). */
+static struct nvfp4_mat *mat_at(struct moe_expert *experts, size_t i)
+{
+    struct moe_expert *x = &experts[i / 3];
+    return i % 3 == 0 ? &x->gate : i % 3 == 1 ? &x->up : &x->down;
+}
+
+static const char *const proj_names[3] = {"gate_proj", "up_proj", "down_proj"};
+
+int moed_model_open(const char *dir, uint64_t budget_bytes, moed_progress_fn progress,
+                    void *progress_ctx, struct moed_model **out, char *err, size_t errlen)
+{
+    int rc;
+    cJSON *config = NULL;
+    struct mat_scalars *sc = NULL;
+    struct moed_model *m = calloc(1, sizeof *m);
+    *out = NULL;
+    if (!m || !(m->dir = strdup(dir))) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
+        goto fail;
+    }
+    rc = read_json(dir, "config.json", MODEL_MAX_CONFIG_BYTES, &config, NULL, err, errlen);
+    if (rc)
+        goto fail;
+    rc = cfg_parse(config, &m->dims, m->is_moe, err, errlen);
+    if (rc)
+        goto fail;
+    rc = quant_check(dir, config, err, errlen);
+    if (rc)
+        goto fail;
+    rc = shards_open(m, err, errlen);
+    if (rc)
+        goto fail;
+
+    const struct moed_dims *d = &m->dims;
+    uint32_t per_layer = d->n_experts + d->n_shared;
+    size_t n_mats = (size_t)d->n_moe_layers * per_layer * 3;
+    m->experts = calloc((size_t)d->n_moe_layers * per_layer, sizeof *m->experts);
+    m->layers = calloc(d->n_layers, sizeof *m->layers);
+    sc = calloc(n_mats, sizeof *sc);
+    if (!m->experts || !m->layers || !sc) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory for %zu expert matrices",
+                         n_mats);
+        goto fail;
+    }
+
+    /* Pass 1: headers only. */
+    size_t mi = 0, ei = 0;
+    uint64_t need = 0;
+    for (uint32_t l = 0; l < d->n_layers; l++) {
+        struct moe_layer *ly = &m->layers[l];
+        if (!m->is_moe[l])
+            continue;
+        ly->hidden = d->hidden;
+        ly->inter = d->inter;
+        ly->n_experts = d->n_experts;
+        ly->n_shared = d->n_shared;
+        ly->top_k = d->top_k;
+        ly->experts = &m->experts[ei];
+        for (uint32_t e = 0; e < per_layer; e++, ei++) {
+            struct moe_expert *x = &m->experts[ei];
+            struct nvfp4_mat *mats[3] = {&x->gate, &x->up, &x->down};
+            for (int p = 0; p < 3; p++, mi++) {
+                char base[160];
+                if (e < d->n_experts)
+                    snprintf(base, sizeof base, "layers.%u.mlp.experts.%u.%s", l, e,
+                             proj_names[p]);
+                else if (d->n_shared == 1)
+                    snprintf(base, sizeof base, "layers.%u.mlp.shared_experts.%s", l,
+                             proj_names[p]);
+                else
+                    snprintf(base, sizeof base, "layers.%u.mlp.shared_experts.%u.%s", l,
+                             e - d->n_experts, proj_names[p]);
+                uint32_t n = p < 2 ? d->inter : d->hidden, k = p < 2 ? d->hidden : d->inter;
+                rc = mat_lookup(m, base, n, k, mats[p], &sc[mi], &need, err, errlen);
+                if (rc)
+                    goto fail;
+            }
+        }
+    }
+    m->weight_bytes = need;
+    m->expert_bytes = 2 * nvfp4_mat_bytes(d->inter, d->hidden) +
+                      nvfp4_mat_bytes(d->hidden, d->inter);
+    if (budget_bytes != 0 && need > budget_bytes) {
+        rc = moed_seterr(err, errlen, MOED_E_NOFIT,
+                         "model needs %.1f GiB (%llu bytes) of expert weights but only %.1f GiB "
+                         "(%llu bytes) are available",
+                         (double)need / GIB, (unsigned long long)need,
+                         (double)budget_bytes / GIB, (unsigned long long)budget_bytes);
+        goto fail;
+    }
+
+    /* Pass 2: scalars, then the pages of every matrix. */
+    for (size_t i = 0; i < n_mats; i++) {
+        struct nvfp4_mat *mat = mat_at(m->experts, i);
+        float s2 = read_f32(sc[i].s2->data);
+        if (!isfinite(s2) || !(s2 > 0.0f)) {
+            rc = moed_seterr(err, errlen, MOED_E_MODEL,
+                             "tensor '%s': weight_scale_2 is %g, must be finite and > 0",
+                             sc[i].s2_name, (double)s2);
+            goto fail;
+        }
+        mat->scale_2 = s2;
+        if (sc[i].in)
+            mat->input_scale = read_f32(sc[i].in->data);
+    }
+    long page = sysconf(_SC_PAGESIZE);
+    if (page <= 0)
+        page = 4096;
+    uint64_t done = 0, sink = 0;
+    unsigned next_cb = 1, next_log = 10;
+    LOG_I("loading %s: %u MoE layers x %u experts, %.1f GiB of expert weights", dir,
+          d->n_moe_layers, per_layer, (double)need / GIB);
+    for (size_t i = 0; i < n_mats; i++) {
+        const struct nvfp4_mat *mat = mat_at(m->experts, i);
+        uint64_t wb = (uint64_t)mat->n * (mat->k / 2), sb = (uint64_t)mat->n * (mat->k / 16);
+        sink += touch(mat->w, wb, page) + touch(mat->scale, sb, page);
+        done += wb + sb;
+        unsigned pct = need ? (unsigned)(done * 100 / need) : 100;
+        if (progress && pct >= next_cb) {
+            progress(progress_ctx, done, need);
+            next_cb = pct + 1;
+        }
+        if (pct >= next_log && pct < 100) {
+            LOG_I("loading: %u%% (%.1f of %.1f GiB)", pct, (double)done / GIB,
+                  (double)need / GIB);
+            next_log = pct / 10 * 10 + 10;
+        }
+    }
+    if (progress && next_cb <= 100)
+        progress(progress_ctx, done, need);
+    LOG_I("loaded %s: %.1f GiB of expert weights (checksum %llu)", dir, (double)need / GIB,
+          (unsigned long long)(sink & 0xffff));
+    free(sc);
+    cJSON_Delete(config);
+    *out = m;
+    return 0;
+fail:
+    free(sc);
+    cJSON_Delete(config);
+    moed_model_close(m);
+    return rc;
+}
+
+void moed_model_close(struct moed_model *m)
+{
+    if (!m)
+        return;
+    for (size_t i = 0; i < m->n_shards; i++)
+        st_close(m->shards[i].st);
+    free(m->shards);
+    free(m->wmap);
+    cJSON_Delete(m->index);
+    free(m->experts);
+    free(m->layers);
+    free(m->dir);
+    free(m);
+}
+
+const struct moed_dims *moed_model_dims(const struct moed_model *m)
+{
+    return &m->dims;
+}
+
+int moed_model_is_moe_layer(const struct moed_model *m, uint32_t layer)
+{
+    return layer < m->dims.n_layers && m->is_moe[layer];
+}
+
+const struct moe_layer *moed_model_layer(const struct moed_model *m, uint32_t layer)
+{
+    return moed_model_is_moe_layer(m, layer) ? &m->layers[layer] : NULL;
+}
+
+uint64_t moed_model_weight_bytes(const struct moed_model *m)
+{
+    return m->weight_bytes;
+}
+
+uint64_t moed_model_expert_bytes(const struct moed_model *m)
+{
+    return m->expert_bytes;
+}
+
+const char *moed_model_dir(const struct moed_model *m)
+{
+    return m->dir;
+}
