@@ -1,0 +1,586 @@
+"""Python client for the moed MoE expert daemon (wire protocol version 1).
+
+Standard library only; numpy, ml_dtypes and torch are used when importable.
+The byte layout is ipc/PROTOCOL.md (and ipc/moed_proto.h): every message is a
+32-byte little-endian header followed by its payload.
+
+Typical use::
+
+    from moed_client import Client
+    with Client("/tmp/moed.sock") as c:
+        info = c.hello()                      # dims: hidden, top_k, n_experts, ...
+        y = c.forward(layer, x, topk_ids, topk_weights)
+
+Arrays:
+
+* ``hidden_states`` ``[T, H]``: a numpy array of bf16 (``ml_dtypes.bfloat16``,
+  or ``uint16`` holding bf16 bit patterns), or float16/float32 (rounded to
+  bf16 on the way out), or a torch tensor of any float dtype on any device, or
+  (without numpy) a bytes-like object of ``T*H*2`` bytes of little-endian bf16.
+* ``topk_ids`` ``[T, k]`` integers (sent as int32), ``topk_weights`` ``[T, k]``
+  floats (sent as fp32): numpy arrays, torch tensors or nested sequences.
+* The result has the kind of ``hidden_states``: a torch tensor of the same
+  dtype and device; a numpy array of the same dtype (uint16 bit patterns for a
+  uint16 input); bytes for a bytes-like input.
+
+Errors from the daemon are raised as :class:`MoedError` (``code``, ``name``,
+``message``, ``request_id``); local failures (connection lost, timeout,
+malformed reply) as :class:`MoedError` with ``request_id`` None, after which
+the client is closed.
+"""
+
+import os
+import socket
+import struct
+import threading
+import time
+
+__all__ = [
+    "Client", "MoedError", "Hello", "fused_experts", "encode_frame", "decode_header",
+    "encode_forward", "ERROR_NAMES", "DEFAULT_SOCKET",
+]
+
+PROTO_MAGIC = 0x44454F4D  # b"MOED" read as a little-endian u32
+PROTO_VERSION = 1
+HDR_SIZE = 32
+REPLY = 0x8000
+MAX_ERRMSG = 1024
+MAX_PING = 64
+MAX_STATUS_BYTES = 16 << 20
+
+MSG_HELLO = 1
+MSG_FORWARD = 2
+MSG_STATUS = 3
+MSG_PING = 4
+MSG_ERROR = 5
+MSG_REGISTER_BUF = 16
+MSG_UNREGISTER_BUF = 17
+
+DEFAULT_SOCKET = "/tmp/moed.sock"
+
+# magic u32, version u16, type u16, flags u32, reserved u32, request_id u64, payload_len u64
+_HDR = struct.Struct("<IHHIIQQ")
+_HELLO_REQ = struct.Struct("<HHI")
+# version u16, reserved0 u16, hidden, inter, n_experts, top_k, n_shared, n_layers,
+# first_moe_layer, max_tokens, reserved1 (u32 each), max_frame_bytes u64, backend char[16]
+_HELLO_REP = struct.Struct("<HHIIIIIIIIIQ16s")
+_FWD_REQ = struct.Struct("<IIII")
+_FWD_REP = struct.Struct("<II")
+_ERR_REP = struct.Struct("<iI")
+assert _HDR.size == HDR_SIZE and _HELLO_REP.size == 64 and _HELLO_REQ.size == 8
+
+# MOED_E_* codes (common/moed_err.h) -> stable names (common/moed_err.c).
+ERROR_NAMES = {
+    0: "ok", -1: "nomem", -2: "io", -3: "format", -4: "range", -5: "config", -6: "model",
+    -7: "nofit", -8: "proto", -9: "version", -10: "type", -11: "toobig", -12: "inval",
+    -13: "busy", -14: "timeout", -15: "shutdown", -16: "backend", -17: "unsupported",
+    -18: "perm", -19: "notready", -20: "conn",
+}
+E_PROTO, E_VERSION, E_TOOBIG, E_INVAL, E_TIMEOUT, E_CONN = -8, -9, -11, -12, -14, -20
+
+
+class MoedError(Exception):
+    """An error reply from the daemon, or a local failure.
+
+    code: negative MOED_E_* value; name: its short name ("inval", "toobig", ...);
+    message: the daemon's message (or the local reason); request_id: the id of
+    the request the daemon refused, 0 for a connection-level error from the
+    daemon, None for a local failure.
+    """
+
+    def __init__(self, code, message, request_id=None):
+        self.code = int(code)
+        self.name = ERROR_NAMES.get(self.code, "unknown")
+        self.message = message
+        self.request_id = request_id
+        super().__init__("moed error %d (%s)%s: %s" % (
+            self.code, self.name,
+            "" if request_id is None else " for request %d" % request_id, message))
+
+
+class Hello:
+    """The HELLO reply: the model's dims and the daemon's limits."""
+
+    __slots__ = ("version", "hidden", "inter", "n_experts", "top_k", "n_shared", "n_layers",
+                 "first_moe_layer", "max_tokens", "max_frame_bytes", "backend")
+
+    def __init__(self, **kw):
+        for k in self.__slots__:
+            setattr(self, k, kw[k])
+
+    def as_dict(self):
+        return {k: getattr(self, k) for k in self.__slots__}
+
+    def __repr__(self):
+        return "Hello(%s)" % ", ".join("%s=%r" % kv for kv in self.as_dict().items())
+
+
+def encode_frame(msg_type, request_id, payload=b""):
+    """Header + payload bytes of one frame (flags and reserved are 0)."""
+    return _HDR.pack(PROTO_MAGIC, PROTO_VERSION, msg_type, 0, 0, request_id, len(payload)) + \
+        bytes(payload)
+
+
+def decode_header(buf, max_payload=None):
+    """Decode and check a 32-byte header; returns (type, request_id, payload_len).
+
+    Raises MoedError with the code moed_frame_parse would return (proto,
+    version, toobig, type) for a bad header.
+    """
+    if len(buf) < HDR_SIZE:
+        raise MoedError(E_PROTO, "header is %d bytes, need %d" % (len(buf), HDR_SIZE))
+    magic, version, mtype, flags, reserved, rid, plen = _HDR.unpack_from(buf)
+    if magic != PROTO_MAGIC:
+        raise MoedError(E_PROTO, "bad magic 0x%08x" % magic)
+    if version != PROTO_VERSION:
+        raise MoedError(E_VERSION, "frame version %d, expected %d" % (version, PROTO_VERSION))
+    if flags or reserved:
+        raise MoedError(E_PROTO, "flags 0x%x / reserved 0x%x are not 0" % (flags, reserved))
+    if max_payload is not None and plen > max_payload:
+        raise MoedError(E_TOOBIG, "payload_len %d is over the maximum %d" % (plen, max_payload))
+    return mtype, rid, plen
+
+
+# --- array conversion (numpy / torch optional) -------------------------------
+
+def _np():
+    try:
+        import numpy
+        return numpy
+    except ImportError:
+        return None
+
+
+def _bf16_dtype():
+    try:
+        import ml_dtypes
+        return ml_dtypes.bfloat16
+    except ImportError:
+        return None
+
+
+def _is_torch(x):
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def _f32_to_bf16_bits(np, a):
+    """Round-to-nearest-even fp32 -> bf16 bit patterns (uint16), NaN kept NaN."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(a)
+    if nan.any():
+        rounded = np.where(nan, (u >> 16).astype(np.uint16) | 0x0040, rounded)
+    return rounded
+
+
+def _bf16_bits_to_f32(np, bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+class _Kind:
+    """How to turn the reply back into the caller's kind of array."""
+
+    __slots__ = ("kind", "dtype", "device")
+
+    def __init__(self, kind, dtype=None, device=None):
+        self.kind, self.dtype, self.device = kind, dtype, device
+
+
+def _hidden_to_wire(x):
+    """(bytes of LE bf16, T, H, kind) from the hidden_states argument."""
+    if _is_torch(x):
+        import torch
+        if x.dim() != 2:
+            raise ValueError("hidden_states must be 2-D [T, H], got shape %s" % (tuple(x.shape),))
+        t = x.detach()
+        if t.dtype != torch.bfloat16:
+            t = t.to(torch.bfloat16)
+        t = t.to("cpu").contiguous()
+        raw = t.view(torch.int16).numpy().astype("<i2", copy=False).tobytes()
+        return raw, t.shape[0], t.shape[1], _Kind("torch", x.dtype, x.device)
+    np = _np()
+    if np is not None and isinstance(x, np.ndarray):
+        if x.ndim != 2:
+            raise ValueError("hidden_states must be 2-D [T, H], got shape %s" % (x.shape,))
+        bf16 = _bf16_dtype()
+        if bf16 is not None and x.dtype == bf16:
+            bits = x.view(np.uint16)
+        elif x.dtype == np.uint16:
+            bits = x
+        elif x.dtype.kind == "f":
+            bits = _f32_to_bf16_bits(np, x.astype(np.float32))
+        else:
+            raise TypeError("hidden_states dtype %s: need bf16, uint16 bf16 bits or float"
+                            % x.dtype)
+        raw = np.ascontiguousarray(bits).astype("<u2", copy=False).tobytes()
+        return raw, x.shape[0], x.shape[1], _Kind("numpy", x.dtype)
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        return bytes(x), None, None, _Kind("bytes")
+    raise TypeError("hidden_states must be a numpy array, a torch tensor or bytes, not %s"
+                    % type(x).__name__)
+
+
+def _routing_to_wire(a, fmt, what):
+    """(bytes, rows, cols) of ids (int32) or weights (fp32)."""
+    np = _np()
+    if _is_torch(a):
+        a = a.detach().to("cpu").numpy()
+    if np is not None:
+        arr = np.asarray(a, dtype="<i4" if fmt == "i" else "<f4")
+        if arr.ndim != 2:
+            raise ValueError("%s must be 2-D [T, k], got shape %s" % (what, arr.shape))
+        return np.ascontiguousarray(arr).tobytes(), arr.shape[0], arr.shape[1]
+    rows = [list(r) for r in a]
+    cols = len(rows[0]) if rows else 0
+    if any(len(r) != cols for r in rows):
+        raise ValueError("%s rows have different lengths" % what)
+    flat = [v for r in rows for v in r]
+    return struct.pack("<%d%s" % (len(flat), fmt), *flat), len(rows), cols
+
+
+def _wire_to_hidden(raw, t, h, kind):
+    if kind.kind == "bytes":
+        return bytes(raw)
+    np = _np()
+    bits = np.frombuffer(raw, dtype="<u2").astype(np.uint16).reshape(t, h)
+    if kind.kind == "torch":
+        import torch
+        y = torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16)
+        if kind.dtype != torch.bfloat16:
+            y = y.to(kind.dtype)
+        return y.to(kind.device)
+    if kind.dtype == np.uint16:
+        return bits
+    bf16 = _bf16_dtype()
+    if bf16 is not None and kind.dtype == bf16:
+        return bits.view(bf16)
+    return _bf16_bits_to_f32(np, bits).astype(kind.dtype)
+
+
+def encode_forward(layer, x_raw, n_tokens, ids_raw, w_raw, top_k):
+    """FORWARD payload: 16-byte head (layer, n_tokens, top_k, flags=0), x, ids, w."""
+    return _FWD_REQ.pack(layer, n_tokens, top_k, 0) + x_raw + ids_raw + w_raw
+
+
+# --- the client ---------------------------------------------------------------
+
+class Client:
+    """One connection to the daemon (not thread-safe: one Client per thread).
+
+    path: the daemon's Unix socket (default: $MOED_SOCKET or /tmp/moed.sock).
+    timeout: seconds to wait for a connect and for each reply (None: forever).
+    connect=True connects at once; hello() is sent lazily by the first
+    forward()/send_forward() if not called explicitly.
+    """
+
+    def __init__(self, path=None, timeout=30.0, sock=None):
+        self.path = path or os.environ.get("MOED_SOCKET") or DEFAULT_SOCKET
+        self.timeout = timeout
+        self.info = None
+        self._next_id = 0
+        self._pending = {}  # pipelined request id -> (T, kind)
+        if sock is not None:  # an already connected socket (tests, socketpair)
+            self._sock = sock
+        else:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                self._sock.settimeout(timeout)
+                self._sock.connect(self.path)
+            except OSError as e:
+                self._sock.close()
+                self._sock = None
+                raise MoedError(E_CONN, "connect to %s: %s" % (self.path, e)) from None
+        self._sock.settimeout(timeout)
+
+    # context manager
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        """Close the socket; pending pipelined replies are dropped."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._pending.clear()
+
+    @property
+    def inflight(self):
+        """Number of pipelined requests sent and not yet answered."""
+        return len(self._pending)
+
+    # low level ----------------------------------------------------------------
+    def _fail(self, code, msg):
+        self.close()
+        raise MoedError(code, msg)
+
+    def _check_open(self, blocking):
+        if self._sock is None:
+            raise MoedError(E_CONN, "connection is closed")
+        if blocking and self._pending:
+            raise MoedError(E_INVAL, "%d pipelined requests are outstanding; recv() them first"
+                            % len(self._pending))
+
+    def _send(self, msg_type, request_id, payload=b""):
+        try:
+            self._sock.sendall(_HDR.pack(PROTO_MAGIC, PROTO_VERSION, msg_type, 0, 0, request_id,
+                                         len(payload)))
+            if payload:
+                self._sock.sendall(payload)
+        except socket.timeout:
+            self._fail(E_TIMEOUT, "write to the daemon timed out after %s s" % self.timeout)
+        except OSError as e:
+            self._fail(E_CONN, "write to the daemon: %s" % e)
+
+    def _recv_exact(self, n):
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            try:
+                r = self._sock.recv_into(view[got:], n - got)
+            except socket.timeout:
+                self._fail(E_TIMEOUT, "no reply from the daemon within %s s" % self.timeout)
+            except InterruptedError:
+                continue
+            except OSError as e:
+                self._fail(E_CONN, "read from the daemon: %s" % e)
+            if r == 0:
+                self._fail(E_CONN, "the daemon closed the connection%s"
+                           % (" in the middle of a reply" if got else ""))
+            got += r
+        return bytes(buf)
+
+    def _reply_bound(self, mtype):
+        if mtype == MSG_HELLO | REPLY:
+            return 64
+        if mtype == MSG_FORWARD | REPLY:
+            if self.info is None:
+                return None
+            return 8 + 2 * self.info.max_tokens * self.info.hidden
+        if mtype == MSG_STATUS | REPLY:
+            return MAX_STATUS_BYTES
+        if mtype == MSG_PING | REPLY:
+            return MAX_PING
+        if mtype == MSG_ERROR | REPLY:
+            return 8 + MAX_ERRMSG
+        return None
+
+    def _read_frame(self):
+        """One reply: (type, request_id, payload); ERROR replies are raised."""
+        hb = self._recv_exact(HDR_SIZE)
+        try:
+            mtype, rid, plen = decode_header(hb)
+        except MoedError as e:
+            self._fail(E_PROTO, "malformed reply header: %s" % e.message)
+        bound = self._reply_bound(mtype)
+        if bound is None:
+            self._fail(E_PROTO, "unexpected frame type 0x%04x from the daemon" % mtype)
+        if plen > bound:
+            self._fail(E_PROTO, "reply type 0x%04x has a %d-byte payload, over its bound %d"
+                       % (mtype, plen, bound))
+        payload = self._recv_exact(plen)
+        if mtype == MSG_ERROR | REPLY:
+            if plen < 8:
+                self._fail(E_PROTO, "ERROR reply of %d bytes, shorter than its 8-byte head"
+                           % plen)
+            code, mlen = _ERR_REP.unpack_from(payload)
+            if mlen != plen - 8:
+                self._fail(E_PROTO, "ERROR reply says msg_len %d but carries %d bytes"
+                           % (mlen, plen - 8))
+            if code >= 0:
+                code = E_PROTO
+            raise MoedError(code, payload[8:].decode("utf-8", "replace"), rid)
+        return mtype, rid, payload
+
+    def _call(self, msg_type, payload=b""):
+        self._check_open(True)
+        self._next_id += 1
+        rid = self._next_id
+        self._send(msg_type, rid, payload)
+        try:
+            mtype, got, reply = self._read_frame()
+        except MoedError as e:
+            if e.request_id not in (None, 0, rid):
+                self._fail(E_PROTO, "error reply carries request id %d, expected %d"
+                           % (e.request_id, rid))
+            raise
+        if got != rid:
+            self._fail(E_PROTO, "reply carries request id %d, expected %d" % (got, rid))
+        if mtype != msg_type | REPLY:
+            self._fail(E_PROTO, "reply type 0x%04x does not answer request type 0x%04x"
+                       % (mtype, msg_type))
+        return reply
+
+    # requests -----------------------------------------------------------------
+    def hello(self):
+        """Negotiate version 1; returns (and caches in .info) a Hello with the
+        model's dims (hidden, inter, n_experts, top_k, n_shared, n_layers,
+        first_moe_layer), max_tokens, max_frame_bytes and backend name."""
+        rep = self._call(MSG_HELLO, _HELLO_REQ.pack(PROTO_VERSION, PROTO_VERSION, 0))
+        if len(rep) != 64:
+            self._fail(E_PROTO, "HELLO reply is %d bytes, expected 64" % len(rep))
+        f = _HELLO_REP.unpack(rep)
+        if f[0] != PROTO_VERSION:
+            self._fail(E_VERSION, "daemon chose protocol version %d; this client speaks 1"
+                       % f[0])
+        self.info = Hello(version=f[0], hidden=f[2], inter=f[3], n_experts=f[4], top_k=f[5],
+                          n_shared=f[6], n_layers=f[7], first_moe_layer=f[8], max_tokens=f[9],
+                          max_frame_bytes=f[11],
+                          backend=f[12].split(b"\0", 1)[0].decode("ascii", "replace"))
+        return self.info
+
+    def status(self):
+        """The daemon's status JSON, parsed into a dict."""
+        import json
+        return json.loads(self._call(MSG_STATUS).decode("utf-8"))
+
+    def ping(self, payload=None):
+        """Round-trip a PING; returns the round-trip time in seconds."""
+        payload = payload if payload is not None else struct.pack("<Q", time.monotonic_ns())
+        if len(payload) > MAX_PING:
+            raise MoedError(E_INVAL, "ping payload is %d bytes, over %d" % (len(payload),
+                                                                             MAX_PING))
+        t0 = time.perf_counter()
+        rep = self._call(MSG_PING, payload)
+        dt = time.perf_counter() - t0
+        if rep != bytes(payload):
+            self._fail(E_PROTO, "PING reply does not echo its payload")
+        return dt
+
+    def _encode_forward(self, layer, hidden_states, topk_ids, topk_weights):
+        if self.info is None:
+            self.hello()
+        x_raw, t, h, kind = _hidden_to_wire(hidden_states)
+        ids_raw, ti, k = _routing_to_wire(topk_ids, "i", "topk_ids")
+        w_raw, tw, kw = _routing_to_wire(topk_weights, "f", "topk_weights")
+        if t is None:  # raw bytes: T from the routing arrays
+            t, h = ti, self.info.hidden
+            if len(x_raw) != 2 * t * h:
+                raise ValueError("hidden_states is %d bytes, need T*H*2 = %d"
+                                 % (len(x_raw), 2 * t * h))
+        if h != self.info.hidden:
+            raise ValueError("hidden_states has H=%d, the model's hidden size is %d"
+                             % (h, self.info.hidden))
+        if (ti, k) != (t, kw) or tw != t:
+            raise ValueError("topk_ids %s and topk_weights %s must both be [T=%d, k]"
+                             % ((ti, k), (tw, kw), t))
+        if not 1 <= t <= self.info.max_tokens:
+            raise MoedError(E_INVAL, "n_tokens %d is out of range [1, %d]"
+                            % (t, self.info.max_tokens))
+        payload = encode_forward(layer, x_raw, t, ids_raw, w_raw, k)
+        if len(payload) > self.info.max_frame_bytes:
+            raise MoedError(E_TOOBIG, "FORWARD payload of %d bytes is over the daemon's max "
+                            "frame %d" % (len(payload), self.info.max_frame_bytes))
+        return payload, t, kind
+
+    def _decode_forward(self, payload, t_expected, kind):
+        if len(payload) < 8:
+            self._fail(E_PROTO, "FORWARD reply of %d bytes, shorter than its head"
+                       % len(payload))
+        t, h = _FWD_REP.unpack_from(payload)
+        if h != self.info.hidden or (t_expected and t != t_expected) or \
+                len(payload) != 8 + 2 * t * h:
+            self._fail(E_PROTO, "FORWARD reply says T=%d, H=%d in %d bytes; expected T=%s, "
+                       "H=%d" % (t, h, len(payload), t_expected, self.info.hidden))
+        return _wire_to_hidden(payload[8:], t, h, kind)
+
+    def forward(self, layer, hidden_states, topk_ids, topk_weights):
+        """One MoE layer: y[T, H] = sum_j w[t, j] * expert_{ids[t, j]}(x[t]) (+ shared).
+
+        layer: absolute layer id (an MoE layer of the model); hidden_states
+        [T, H]; topk_ids [T, k] (int32 on the wire); topk_weights [T, k] (fp32,
+        final: any routed scaling already applied). Returns y in the kind of
+        hidden_states (see the module docstring). Raises MoedError.
+        """
+        self._check_open(True)
+        payload, t, kind = self._encode_forward(layer, hidden_states, topk_ids, topk_weights)
+        rep = self._call(MSG_FORWARD, payload)
+        return self._decode_forward(rep, t, kind)
+
+    def send_forward(self, request_id, layer, hidden_states, topk_ids, topk_weights):
+        """Pipelined FORWARD: send and return at once. Collect the reply with
+        recv(). request_id (u64) is chosen by the caller, unique among the
+        requests in flight."""
+        self._check_open(False)
+        if request_id in self._pending:
+            raise MoedError(E_INVAL, "request id %d is already in flight" % request_id)
+        payload, t, kind = self._encode_forward(layer, hidden_states, topk_ids, topk_weights)
+        self._send(MSG_FORWARD, request_id, payload)
+        self._pending[request_id] = (t, kind)
+
+    def recv(self):
+        """Next pipelined reply, in whatever order the daemon answers:
+        returns (request_id, y). An error reply for one request raises
+        MoedError with that request_id (the connection stays usable)."""
+        self._check_open(False)
+        if not self._pending:
+            raise MoedError(E_INVAL, "recv: no request is in flight")
+        try:
+            mtype, rid, payload = self._read_frame()
+        except MoedError as e:
+            if e.request_id:
+                self._pending.pop(e.request_id, None)
+            raise
+        if mtype != MSG_FORWARD | REPLY or rid not in self._pending:
+            self._fail(E_PROTO, "reply type 0x%04x id %d does not answer a FORWARD in flight"
+                       % (mtype, rid))
+        t, kind = self._pending.pop(rid)
+        return rid, self._decode_forward(payload, t, kind)
+
+
+# --- drop-in for a serving framework's fused MoE call ------------------------
+
+_local = threading.local()
+
+
+def _default_client():
+    c = getattr(_local, "client", None)
+    if c is None or c._sock is None:
+        c = Client()
+        _local.client = c
+    return c
+
+
+def fused_experts(hidden_states, topk_weights, topk_ids, layer, client=None):
+    """Run one MoE layer in moed in place of a framework's fused-experts kernel.
+
+    The argument order follows SGLang's fused-experts call (hidden_states,
+    then the router's topk_weights and topk_ids); ``layer`` is the absolute
+    layer id (SGLang's ``layer.layer_id`` / ``moe_runner_config.layer_id``).
+    Returns the combined expert output [T, H] with hidden_states' dtype and
+    device. topk_weights must be final: multiply in routed_scaling_factor
+    first if the framework applies it inside its kernel. ``client`` defaults
+    to one Client per thread on $MOED_SOCKET (or /tmp/moed.sock).
+
+    Wiring into SGLang (NVFP4 checkpoints, ``--quantization modelopt_fp4``):
+    patch ``ModelOptNvFp4FusedMoEMethod.apply``
+    (python/sglang/srt/layers/quantization/modelopt_quant.py) before the model
+    is built, e.g. in a launcher script::
+
+        from sglang.srt.layers.quantization import modelopt_quant as mq
+        from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
+        import moed_client
+
+        def moed_apply(self, layer, dispatch_output):
+            x = dispatch_output.hidden_states
+            topk_weights, topk_ids, _ = dispatch_output.topk_output
+            cfg = self.moe_runner_config
+            if cfg.routed_scaling_factor not in (None, 1.0):
+                topk_weights = topk_weights * cfg.routed_scaling_factor
+            y = moed_client.fused_experts(x, topk_weights, topk_ids,
+                                          layer=layer.layer_id)
+            return StandardCombineInput(hidden_states=y)
+
+        mq.ModelOptNvFp4FusedMoEMethod.apply = moed_apply
+
+    Shared experts: if the daemon holds them (HELLO n_shared > 0) it adds
+    them, so keep SGLang from adding them again. This inline path copies the
+    activations to the host and makes a socket round trip per layer, so it is
+    not CUDA-graph safe: run SGLang with --disable-cuda-graph. (The zero-copy
+    CUDA IPC path, REGISTER_BUF, is reserved for a later protocol version.)
+    """
+    c = client if client is not None else _default_client()
+    return c.forward(layer, hidden_states, topk_ids, topk_weights)
