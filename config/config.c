@@ -30,6 +30,7 @@
 
 #define CFG_FILE_MAX (1u << 20)     /* config files larger than 1 MiB are refused */
 #define CFG_INT_EXACT (1ull << 53)  /* a JSON number (a double) is exact up to 2^53 */
+#define CFG_MAX_ERRORS 100          /* lines kept; a garbage file must not make megabytes */
 #define CFG_SHOW_MAX 64             /* bytes of a user's string quoted in a message */
 #define CFG_SHOW_BUF (CFG_SHOW_MAX * 6 + 8)  /* ... escaped ("\u00xx"), quoted, "..." */
 #define CFG_DESC_BUF (CFG_SHOW_BUF + 16)     /* ... with its JSON type in front */
@@ -243,21 +244,26 @@ static void err_add(struct errs *e, const char *fmt, ...) __attribute__((format(
 static void err_add(struct errs *e, const char *fmt, ...)
 {
     char line[1024];
+    if (e->count++ >= CFG_MAX_ERRORS)
+        return;
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(line, sizeof line, fmt, ap);
     va_end(ap);
-    if (e->count++)
+    if (e->count > 1)
         sb_add(&e->text, "\n");
     sb_printf(&e->text, "%s: %s", e->origin, line);
 }
 
 /* Copy the list into err[errlen]; a list that does not fit ends in "..." so
  * the reader knows lines were dropped. */
-static void err_export(const struct errs *e, char *err, size_t errlen)
+static void err_export(struct errs *e, char *err, size_t errlen)
 {
     if (!err || !errlen)
         return;
+    if (e->count > CFG_MAX_ERRORS)
+        sb_printf(&e->text, "\n%s: %d more errors not shown", e->origin,
+                  e->count - CFG_MAX_ERRORS);
     const char *s = e->text.oom ? "out of memory while reporting config errors"
                                 : (e->text.s ? e->text.s : "");
     size_t n = strlen(s);

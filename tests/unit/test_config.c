@@ -326,6 +326,23 @@ START_TEST(several_errors_together)
     ck_assert_uint_eq(strlen(small), sizeof small - 1);
     ck_assert_str_eq(small + sizeof small - 4, "...");
     ck_assert(strncmp(small, "t.json: unknown key 'a'\nt.json: unknown key", 43) == 0);
+
+    /* At most 100 lines, then a count of the rest. */
+    char *many = malloc(200 * 16 + 16);
+    ck_assert_ptr_nonnull(many);
+    size_t o = (size_t)sprintf(many, "{");
+    for (int i = 0; i < 200; i++)
+        o += (size_t)sprintf(many + o, "%s\"k%d\": 0", i ? ", " : "", i);
+    sprintf(many + o, "}");
+    char *big = malloc(65536);
+    ck_assert_ptr_nonnull(big);
+    rc = moed_cfg_parse(many, strlen(many), "t.json", &c, big, 65536);
+    ck_assert_int_eq(rc, MOED_E_CONFIG);
+    ck_assert_int_eq(count_lines(big), 101);
+    ck_assert_ptr_nonnull(
+        strstr(big, "\nt.json: unknown key 'k99'\nt.json: 100 more errors not shown"));
+    free(big);
+    free(many);
 }
 END_TEST
 
