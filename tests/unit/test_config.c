@@ -542,10 +542,13 @@ START_TEST(reference_md_up_to_date)
                   "config/README.md differs from moed_cfg_reference_md(): run `make config-doc` "
                   "and commit the result");
     /* Every key of the table appears in its row. */
-    static const char *const rows[] = {"| `server.socket` |", "| `server.socket_mode` |",
-                                       "| `status.port` |", "| `engine.max_tokens` | unsigned "
-                                       "integer | `512` | 1 .. 4096 |",
-                                       "| `log.level` |"};
+    static const char *const rows[] = {
+        "| `server.socket` |",
+        "| `server.socket_mode` |",
+        "| `status.port` |",
+        "| `engine.max_tokens` | unsigned integer | `512` | 1 .. 4096 |",
+        "| `log.level` |",
+    };
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++)
         ck_assert_msg(strstr(md, rows[i]) != NULL, "missing %s", rows[i]);
     /* Every ```json block of the reference is a valid config. */
