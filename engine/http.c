@@ -1,0 +1,639 @@
+/* http.c - GET-only HTTP/1.1 status server (see http.h).
+ *
+ * Parser: a pure function over the bytes received so far; the connection
+ * re-parses its whole buffer after each read (at most 8 KiB, so the quadratic
+ * worst case of a 1-byte-at-a-time client is a few million byte checks,
+ * bounded by the connection deadline anyway).
+ *
+ * Server: one uv_tcp_t listener; per connection a uv_tcp_t, a deadline timer
+ * and a fixed request buffer. A connection goes read -> parse -> write the
+ * whole response -> shutdown -> close. Every handle's memory is freed only in
+ * its close callback (libuv rule); the server itself is freed when the
+ * listener and the last connection have closed after moed_http_stop.
+ */
+#include "http.h"
+
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "moed_err.h"
+#include "moed_log.h"
+
+/* ------------------------------------------------------------- parser */
+
+static int perr(struct moed_http_req *req, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static int perr(struct moed_http_req *req, int status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(req->why, sizeof req->why, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+/* RFC 9110 tchar. */
+static int is_tchar(unsigned char c)
+{
+    if ((c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'))
+        return 1;
+    return c && strchr("!#$%&'*+-.^_`|~", c) != NULL;
+}
+
+/* Scan one line from buf[pos] up to lim. Returns 1 with *eol at the CR of
+ * its CRLF, 0 if the line is not finished within lim, or an error status.
+ * Allowed bytes: printable ASCII and SP, plus HTAB in header lines. */
+static int scan_line(const char *buf, size_t pos, size_t lim, int allow_tab, size_t *eol,
+                     struct moed_http_req *req)
+{
+    for (size_t i = pos; i < lim; i++) {
+        unsigned char c = (unsigned char)buf[i];
+        if (c == '\r') {
+            if (i + 1 == lim)
+                return 0;
+            if (buf[i + 1] != '\n')
+                return perr(req, MOED_HTTP_BAD_REQUEST, "CR not followed by LF at offset %zu", i);
+            *eol = i;
+            return 1;
+        }
+        if (c == '\n')
+            return perr(req, MOED_HTTP_BAD_REQUEST,
+                        "bare LF at offset %zu (lines must end in CRLF)", i);
+        if ((c < 0x20 || c > 0x7e) && !(allow_tab && c == '\t'))
+            return perr(req, MOED_HTTP_BAD_REQUEST,
+                        "byte 0x%02x at offset %zu is not printable ASCII", c, i);
+    }
+    return 0;
+}
+
+static enum moed_http_route route_of(const char *path)
+{
+    size_t n = strcspn(path, "?"); /* a query string does not change the route */
+    if (n == 7 && !memcmp(path, "/status", 7))
+        return MOED_HTTP_ROUTE_STATUS;
+    if (n == 8 && !memcmp(path, "/metrics", 8))
+        return MOED_HTTP_ROUTE_METRICS;
+    if (n == 8 && !memcmp(path, "/healthz", 8))
+        return MOED_HTTP_ROUTE_HEALTHZ;
+    return MOED_HTTP_ROUTE_NONE;
+}
+
+/* The request line buf[0..n); `done` says whether its CRLF was seen (else
+ * only the prefix can be judged). Returns 0 when fine so far. */
+static int parse_request_line(const char *buf, size_t n, int done, struct moed_http_req *req)
+{
+    const char *sp1 = memchr(buf, ' ', n);
+    size_t mlen = sp1 ? (size_t)(sp1 - buf) : n;
+    if (mlen > MOED_HTTP_MAX_METHOD)
+        return perr(req, MOED_HTTP_BAD_REQUEST, "method longer than %d bytes",
+                    MOED_HTTP_MAX_METHOD);
+    for (size_t i = 0; i < mlen; i++)
+        if (!is_tchar((unsigned char)buf[i]))
+            return perr(req, MOED_HTTP_BAD_REQUEST, "method has byte 0x%02x at offset %zu",
+                        (unsigned char)buf[i], i);
+    if (!sp1) {
+        if (done)
+            return perr(req, MOED_HTTP_BAD_REQUEST,
+                        "request line is not \"METHOD SP PATH SP HTTP/1.x\"");
+        return 0;
+    }
+    if (mlen == 0)
+        return perr(req, MOED_HTTP_BAD_REQUEST, "request line starts with a space");
+
+    const char *tgt = sp1 + 1;
+    size_t rest = n - (size_t)(tgt - buf);
+    const char *sp2 = memchr(tgt, ' ', rest);
+    size_t tlen = sp2 ? (size_t)(sp2 - tgt) : rest;
+    if (tlen > MOED_HTTP_MAX_PATH)
+        return perr(req, MOED_HTTP_URI_TOO_LONG, "path longer than %d bytes",
+                    MOED_HTTP_MAX_PATH);
+    if (!sp2) {
+        if (done)
+            return perr(req, MOED_HTTP_BAD_REQUEST, "request line has no HTTP version");
+        return 0;
+    }
+    if (tlen == 0)
+        return perr(req, MOED_HTTP_BAD_REQUEST, "empty request target");
+
+    const char *ver = sp2 + 1;
+    size_t vlen = n - (size_t)(ver - buf);
+    if (vlen > 8 || memcmp(ver, "HTTP/1.1", vlen < 5 ? vlen : 5) != 0)
+        return perr(req, MOED_HTTP_BAD_REQUEST,
+                    "version must be \"HTTP/1.0\" or \"HTTP/1.1\" after the path");
+    if (!done)
+        return 0;
+    if (vlen != 8 || ver[5] < '0' || ver[5] > '9' || ver[6] != '.' || ver[7] < '0' ||
+        ver[7] > '9')
+        return perr(req, MOED_HTTP_BAD_REQUEST, "malformed version \"%.*s\"", (int)vlen, ver);
+    if (ver[5] != '1' || (ver[7] != '0' && ver[7] != '1'))
+        return perr(req, MOED_HTTP_BAD_VERSION,
+                    "version \"%.8s\" not supported (HTTP/1.0, HTTP/1.1)", ver);
+    req->minor = ver[7] - '0';
+
+    req->head = mlen == 4 && !memcmp(buf, "HEAD", 4);
+    if (!req->head && !(mlen == 3 && !memcmp(buf, "GET", 3)))
+        return perr(req, MOED_HTTP_BAD_METHOD, "method \"%.*s\" not allowed (GET, HEAD)",
+                    (int)mlen, buf);
+
+    memcpy(req->path, tgt, tlen);
+    req->path[tlen] = '\0';
+    if (tgt[0] != '/')
+        return perr(req, MOED_HTTP_BAD_REQUEST,
+                    "request target \"%s\" is not an absolute path (origin-form)", req->path);
+    req->route = route_of(req->path);
+    if (req->route == MOED_HTTP_ROUTE_NONE)
+        return perr(req, MOED_HTTP_NOT_FOUND, "no such path \"%s\" (/status, /metrics, /healthz)",
+                    req->path);
+    return 0;
+}
+
+static int parse_header_line(const char *line, size_t n, size_t off, struct moed_http_req *req)
+{
+    if (line[0] == ' ' || line[0] == '\t')
+        return perr(req, MOED_HTTP_BAD_REQUEST,
+                    "header line at offset %zu starts with whitespace (folding not allowed)", off);
+    const char *colon = memchr(line, ':', n);
+    if (!colon || colon == line)
+        return perr(req, MOED_HTTP_BAD_REQUEST, "header line at offset %zu has no \"name:\"",
+                    off);
+    for (const char *p = line; p < colon; p++)
+        if (!is_tchar((unsigned char)*p))
+            return perr(req, MOED_HTTP_BAD_REQUEST,
+                        "header name at offset %zu has byte 0x%02x", off, (unsigned char)*p);
+    return 0;
+}
+
+int moed_http_parse_request(const char *buf, size_t len, struct moed_http_req *req)
+{
+    memset(req, 0, sizeof *req);
+    size_t lim = len < MOED_HTTP_MAX_REQUEST ? len : MOED_HTTP_MAX_REQUEST;
+    size_t eol = 0;
+
+    int rc = scan_line(buf, 0, lim, 0, &eol, req);
+    if (rc > 1)
+        return rc;
+    int done = rc == 1;
+    size_t n = done ? eol : lim;
+    if (!done && n && buf[n - 1] == '\r') /* a CR waiting for its LF is not line content */
+        n--;
+    rc = parse_request_line(buf, n, done, req);
+    if (rc)
+        return rc;
+    if (!done)
+        goto incomplete;
+
+    for (size_t pos = eol + 2;;) {
+        rc = scan_line(buf, pos, lim, 1, &eol, req);
+        if (rc > 1)
+            return rc;
+        if (rc == 0)
+            break;
+        if (eol == pos) { /* empty line: end of the head */
+            req->consumed = pos + 2;
+            return MOED_HTTP_COMPLETE;
+        }
+        rc = parse_header_line(buf + pos, eol - pos, pos, req);
+        if (rc)
+            return rc;
+        pos = eol + 2;
+    }
+incomplete:
+    if (len >= MOED_HTTP_MAX_REQUEST)
+        return perr(req, MOED_HTTP_HEAD_TOO_LARGE, "request head over %d bytes",
+                    MOED_HTTP_MAX_REQUEST);
+    return MOED_HTTP_NEED_MORE;
+}
+
+/* ------------------------------------------------------------- server */
+
+struct moed_http_conn {
+    uv_tcp_t tcp;
+    uv_timer_t timer;
+    uv_write_t wreq;
+    uv_shutdown_t sreq;
+    struct moed_http *h;
+    struct moed_http_conn *prev, *next;
+    int closing;
+    int pending_close;        /* handles not yet closed (tcp, timer) */
+    char *resp;               /* response bytes, owned, freed with the conn */
+    size_t len;               /* bytes in buf */
+    char buf[MOED_HTTP_MAX_REQUEST];
+};
+
+struct moed_http {
+    uv_loop_t *loop;
+    uv_tcp_t listener;
+    moed_http_snapshot_fn fn;
+    void *ctx;
+    struct moed_http_conn *conns; /* live, not closing */
+    uint32_t n_conns;
+    uint32_t max_conns;
+    uint32_t timeout_ms;
+    uint64_t served, refused;
+    int stopping;
+    int refs; /* listener + every connection not yet freed */
+};
+
+static void http_unref(struct moed_http *h)
+{
+    if (--h->refs == 0)
+        free(h);
+}
+
+static void conn_on_close(uv_handle_t *hd)
+{
+    struct moed_http_conn *c = hd->data;
+    if (--c->pending_close > 0)
+        return;
+    struct moed_http *h = c->h;
+    free(c->resp);
+    free(c);
+    http_unref(h);
+}
+
+static void conn_close(struct moed_http_conn *c)
+{
+    if (c->closing)
+        return;
+    c->closing = 1;
+    struct moed_http *h = c->h;
+    if (c->prev)
+        c->prev->next = c->next;
+    else if (h->conns == c)
+        h->conns = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    c->prev = c->next = NULL;
+    if (h->n_conns)
+        h->n_conns--;
+    uv_close((uv_handle_t *)&c->tcp, conn_on_close);
+    uv_close((uv_handle_t *)&c->timer, conn_on_close);
+}
+
+static void conn_on_timeout(uv_timer_t *t)
+{
+    struct moed_http_conn *c = t->data;
+    LOG_D("http: connection timed out after %" PRIu32 " ms (%zu bytes read)", c->h->timeout_ms,
+          c->len);
+    conn_close(c);
+}
+
+static void conn_on_shutdown(uv_shutdown_t *r, int status)
+{
+    (void)status; /* closing either way */
+    conn_close(r->data);
+}
+
+static void conn_on_write(uv_write_t *w, int status)
+{
+    struct moed_http_conn *c = w->data;
+    if (status < 0 || c->closing) {
+        if (status < 0)
+            LOG_D("http: write failed: %s", uv_strerror(status));
+        conn_close(c);
+        return;
+    }
+    /* Half-close so the client sees EOF after the body rather than a reset. */
+    c->sreq.data = c;
+    if (uv_shutdown(&c->sreq, (uv_stream_t *)&c->tcp, conn_on_shutdown) < 0)
+        conn_close(c);
+}
+
+static const char *reason_of(int status)
+{
+    switch (status) {
+    case 200: return "OK";
+    case 400: return "Bad Request";
+    case 404: return "Not Found";
+    case 405: return "Method Not Allowed";
+    case 414: return "URI Too Long";
+    case 431: return "Request Header Fields Too Large";
+    case 500: return "Internal Server Error";
+    case 503: return "Service Unavailable";
+    case 505: return "HTTP Version Not Supported";
+    default: return "Error";
+    }
+}
+
+/* Queue the whole response; takes ownership of `body` (may be NULL). */
+static void conn_respond(struct moed_http_conn *c, int status, const char *ctype, char *body,
+                         int head_only)
+{
+    size_t blen = body ? strlen(body) : 0;
+    char hdr[256];
+    int n = snprintf(hdr, sizeof hdr,
+                     "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n"
+                     "Cache-Control: no-store\r\n%sConnection: close\r\n\r\n",
+                     status, reason_of(status), ctype, blen,
+                     status == 405 ? "Allow: GET, HEAD\r\n" : "");
+    size_t total = (size_t)n + (head_only ? 0 : blen);
+    c->resp = malloc(total);
+    if (!c->resp) {
+        free(body);
+        LOG_W("http: out of memory for a %zu-byte response", total);
+        conn_close(c);
+        return;
+    }
+    memcpy(c->resp, hdr, (size_t)n);
+    if (!head_only && blen)
+        memcpy(c->resp + n, body, blen);
+    free(body);
+    c->h->served++;
+    uv_buf_t b = uv_buf_init(c->resp, (unsigned)total);
+    c->wreq.data = c;
+    int rc = uv_write(&c->wreq, (uv_stream_t *)&c->tcp, &b, 1, conn_on_write);
+    if (rc < 0) {
+        LOG_D("http: uv_write: %s", uv_strerror(rc));
+        conn_close(c);
+    }
+}
+
+static char *dupstr(const char *s)
+{
+    size_t n = strlen(s) + 1;
+    char *p = malloc(n);
+    if (p)
+        memcpy(p, s, n);
+    return p;
+}
+
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static void conn_serve(struct moed_http_conn *c, const struct moed_http_req *req)
+{
+    const char *text = "text/plain; charset=utf-8";
+    const struct moed_stats *s = c->h->fn ? c->h->fn(c->h->ctx) : NULL;
+    if (!s) {
+        conn_respond(c, 503, text, dupstr("not ready\n"), req->head);
+        return;
+    }
+    uint64_t now = mono_ns();
+    switch (req->route) {
+    case MOED_HTTP_ROUTE_STATUS: {
+        char *j = moed_status_json(s, now);
+        if (!j) {
+            conn_respond(c, 500, text, dupstr("out of memory\n"), req->head);
+            return;
+        }
+        size_t n = strlen(j);
+        char *body = malloc(n + 2); /* a trailing newline for curl users */
+        if (body) {
+            memcpy(body, j, n);
+            memcpy(body + n, "\n", 2);
+        }
+        free(j);
+        if (!body)
+            conn_respond(c, 500, text, dupstr("out of memory\n"), req->head);
+        else
+            conn_respond(c, 200, "application/json", body, req->head);
+        return;
+    }
+    case MOED_HTTP_ROUTE_METRICS: {
+        char *m = moed_status_prometheus(s, now);
+        if (!m)
+            conn_respond(c, 500, text, dupstr("out of memory\n"), req->head);
+        else
+            conn_respond(c, 200, "text/plain; version=0.0.4; charset=utf-8", m, req->head);
+        return;
+    }
+    case MOED_HTTP_ROUTE_HEALTHZ:
+        if (!s->loaded)
+            conn_respond(c, 503, text, dupstr("not ready\n"), req->head);
+        else if (!s->healthy)
+            conn_respond(c, 503, text, dupstr("unhealthy\n"), req->head);
+        else
+            conn_respond(c, 200, text, dupstr("ok\n"), req->head);
+        return;
+    case MOED_HTTP_ROUTE_NONE:
+        break;
+    }
+    conn_respond(c, 404, text, dupstr("not found\n"), req->head);
+}
+
+static void conn_alloc(uv_handle_t *hd, size_t suggested, uv_buf_t *buf)
+{
+    (void)suggested;
+    struct moed_http_conn *c = hd->data;
+    /* Never more than the request cap: the parser answers 431 at the cap, so
+     * a full buffer is never read into again. */
+    *buf = uv_buf_init(c->buf + c->len, (unsigned)(sizeof c->buf - c->len));
+}
+
+static void conn_on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
+{
+    (void)buf;
+    struct moed_http_conn *c = st->data;
+    if (nread == 0 || c->closing)
+        return; /* EAGAIN */
+    if (nread < 0) { /* EOF before a full request, or an error */
+        conn_close(c);
+        return;
+    }
+    c->len += (size_t)nread;
+    struct moed_http_req req;
+    int rc = moed_http_parse_request(c->buf, c->len, &req);
+    if (rc == MOED_HTTP_NEED_MORE)
+        return;
+    uv_read_stop(st);
+    if (rc == MOED_HTTP_COMPLETE) {
+        conn_serve(c, &req);
+        return;
+    }
+    LOG_D("http: %d: %s", rc, req.why);
+    size_t n = strlen(req.why);
+    char *body = malloc(n + 16);
+    if (body)
+        snprintf(body, n + 16, "%d %s\n", rc, req.why);
+    conn_respond(c, rc, "text/plain; charset=utf-8", body, req.head);
+}
+
+static void refused_on_close(uv_handle_t *hd)
+{
+    struct moed_http *h = hd->data;
+    free(hd);
+    http_unref(h);
+}
+
+/* Over the connection cap: accept (so the backlog drains and the client is
+ * not left hanging), try one non-blocking 503 and close. */
+static void refuse(struct moed_http *h)
+{
+    static const char busy[] = "HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
+                               "Content-Length: 5\r\nConnection: close\r\n\r\nbusy\n";
+    uv_tcp_t *t = malloc(sizeof *t);
+    if (!t)
+        return;
+    if (uv_tcp_init(h->loop, t) < 0) {
+        free(t);
+        return;
+    }
+    t->data = h;
+    h->refs++;
+    if (uv_accept((uv_stream_t *)&h->listener, (uv_stream_t *)t) == 0) {
+        uv_buf_t b = uv_buf_init((char *)busy, sizeof busy - 1);
+        (void)uv_try_write((uv_stream_t *)t, &b, 1);
+    }
+    h->refused++;
+    uv_close((uv_handle_t *)t, refused_on_close);
+}
+
+static void http_on_connection(uv_stream_t *srv, int status)
+{
+    struct moed_http *h = srv->data;
+    if (status < 0) {
+        LOG_W("http: accept: %s", uv_strerror(status));
+        return;
+    }
+    if (h->stopping)
+        return;
+    if (h->n_conns >= h->max_conns) {
+        LOG_D("http: %" PRIu32 " connections open, refusing one", h->n_conns);
+        refuse(h);
+        return;
+    }
+    struct moed_http_conn *c = calloc(1, sizeof *c);
+    if (!c) {
+        LOG_W("http: out of memory for a connection");
+        return;
+    }
+    c->h = h;
+    int rc = uv_tcp_init(h->loop, &c->tcp);
+    if (rc < 0) {
+        LOG_W("http: uv_tcp_init: %s", uv_strerror(rc));
+        free(c);
+        return;
+    }
+    rc = uv_timer_init(h->loop, &c->timer);
+    if (rc < 0) { /* tcp is initialised: it must be closed, not freed */
+        LOG_W("http: uv_timer_init: %s", uv_strerror(rc));
+        c->tcp.data = c;
+        c->pending_close = 1;
+        c->closing = 1;
+        h->refs++;
+        uv_close((uv_handle_t *)&c->tcp, conn_on_close);
+        return;
+    }
+    c->tcp.data = c;
+    c->timer.data = c;
+    c->pending_close = 2;
+    h->refs++;
+    c->next = h->conns;
+    if (h->conns)
+        h->conns->prev = c;
+    h->conns = c;
+    h->n_conns++;
+
+    rc = uv_accept(srv, (uv_stream_t *)&c->tcp);
+    if (rc == 0)
+        rc = uv_timer_start(&c->timer, conn_on_timeout, h->timeout_ms, 0);
+    if (rc == 0)
+        rc = uv_read_start((uv_stream_t *)&c->tcp, conn_alloc, conn_on_read);
+    if (rc < 0) {
+        LOG_W("http: accept/read_start: %s", uv_strerror(rc));
+        conn_close(c);
+    }
+}
+
+static void listener_on_close(uv_handle_t *hd)
+{
+    http_unref(hd->data);
+}
+
+int moed_http_start(uv_loop_t *loop, const char *addr, uint16_t port, moed_http_snapshot_fn fn,
+                    void *ctx, struct moed_http **out, char *err, size_t errlen)
+{
+    int rc;
+    struct sockaddr_storage sa;
+    *out = NULL;
+    if (!addr || (uv_ip4_addr(addr, port, (struct sockaddr_in *)&sa) != 0 &&
+                  uv_ip6_addr(addr, port, (struct sockaddr_in6 *)&sa) != 0))
+        return moed_seterr(err, errlen, MOED_E_CONFIG,
+                           "http: address \"%s\" is not an IPv4 or IPv6 literal",
+                           addr ? addr : "(null)");
+
+    struct moed_http *h = calloc(1, sizeof *h);
+    if (!h)
+        return moed_seterr(err, errlen, MOED_E_NOMEM, "http: out of memory");
+    h->loop = loop;
+    h->fn = fn;
+    h->ctx = ctx;
+    h->max_conns = MOED_HTTP_MAX_CONNS;
+    h->timeout_ms = MOED_HTTP_TIMEOUT_MS;
+    rc = uv_tcp_init(loop, &h->listener);
+    if (rc < 0) {
+        free(h);
+        return moed_seterr(err, errlen, MOED_E_IO, "http: uv_tcp_init: %s", uv_strerror(rc));
+    }
+    h->listener.data = h;
+    h->refs = 1;
+
+    const char *call = "uv_tcp_bind";
+    rc = uv_tcp_bind(&h->listener, (const struct sockaddr *)&sa, 0);
+    if (rc == 0) {
+        call = "uv_listen";
+        rc = uv_listen((uv_stream_t *)&h->listener, 128, http_on_connection);
+    }
+    if (rc < 0)
+        goto close_listener;
+    *out = h;
+    LOG_I("http: listening on %s:%" PRIu16, addr, moed_http_port(h));
+    return 0;
+
+close_listener:
+    /* libuv often reports EADDRINUSE at listen, not bind: name both. */
+    moed_seterr(err, errlen, MOED_E_IO, "http: %s on %s:%" PRIu16 " failed: %s", call, addr, port,
+                uv_strerror(rc));
+    uv_close((uv_handle_t *)&h->listener, listener_on_close);
+    return MOED_E_IO;
+}
+
+uint16_t moed_http_port(const struct moed_http *h)
+{
+    struct sockaddr_storage sa;
+    int n = sizeof sa;
+    if (!h || uv_tcp_getsockname(&h->listener, (struct sockaddr *)&sa, &n) != 0)
+        return 0;
+    if (sa.ss_family == AF_INET)
+        return ntohs(((struct sockaddr_in *)&sa)->sin_port);
+    if (sa.ss_family == AF_INET6)
+        return ntohs(((struct sockaddr_in6 *)&sa)->sin6_port);
+    return 0;
+}
+
+void moed_http_set_limits(struct moed_http *h, uint32_t max_conns, uint32_t timeout_ms)
+{
+    if (max_conns)
+        h->max_conns = max_conns;
+    if (timeout_ms)
+        h->timeout_ms = timeout_ms;
+}
+
+uint64_t moed_http_served(const struct moed_http *h)
+{
+    return h->served;
+}
+
+uint64_t moed_http_refused(const struct moed_http *h)
+{
+    return h->refused;
+}
+
+void moed_http_stop(struct moed_http *h)
+{
+    if (!h || h->stopping)
+        return;
+    h->stopping = 1;
+    while (h->conns)
+        conn_close(h->conns);
+    uv_close((uv_handle_t *)&h->listener, listener_on_close);
+}
