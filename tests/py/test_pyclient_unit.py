@@ -173,6 +173,22 @@ def test_header_layout_by_hand():
     assert mc.decode_header(f) == (0x8002, 0x0102030405060708, 3)
 
 
+def test_protocol_md_example_bytes():
+    """The worked example of PROTOCOL.md section 8, byte for byte."""
+    x = np.array([[1, 2, 3, 4]], dtype=np.float32)
+    raw = f32_to_bf16(x).astype("<u2").tobytes()
+    p = mc.encode_forward(3, raw, 1, np.array([0, 5], "<i4").tobytes(),
+                          np.array([0.75, 0.25], "<f4").tobytes(), 2)
+    frame = mc.encode_frame(mc.MSG_FORWARD, 2, p)
+    assert frame.hex(" ") == " ".join([
+        "4d 4f 45 44 01 00 02 00 00 00 00 00 00 00 00 00",
+        "02 00 00 00 00 00 00 00 28 00 00 00 00 00 00 00",
+        "03 00 00 00 01 00 00 00 02 00 00 00 00 00 00 00",
+        "80 3f 00 40 40 40 80 40",
+        "00 00 00 00 05 00 00 00",
+        "00 00 40 3f 00 00 80 3e"])
+
+
 def test_header_matches_c_encoder():
     build = os.environ.get("MOED_BUILD", "build")
     lib = os.path.join(ROOT, build, "libmoedclient.so")
