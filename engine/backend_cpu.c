@@ -1,0 +1,152 @@
+/* backend_cpu.c - the CPU backend: one worker thread and a FIFO of batches.
+ *
+ * Each batch runs through moe_ref_forward on the model's layer; that function
+ * already spreads one batch over all cores, so one worker thread (not one per
+ * batch) keeps the machine busy without oversubscribing it. done() is called
+ * from the worker thread, exactly once per accepted batch. close() stops
+ * accepting, lets the worker finish everything queued, then joins it.
+ */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "backend.h"
+#include "moe_ref.h"
+#include "moed_err.h"
+#include "moed_log.h"
+
+struct cpu_node {
+    struct cpu_node *next;
+    struct moed_batch *b;
+};
+
+struct cpu_backend {
+    struct moed_backend base; /* first: ops receive &base */
+    struct moed_model *model;
+    int n_threads;
+    pthread_t worker;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    struct cpu_node *head, *tail;
+    int stopping;
+    uint64_t done_batches;
+};
+
+static void *cpu_worker(void *arg)
+{
+    struct cpu_backend *cb = arg;
+    for (;;) {
+        pthread_mutex_lock(&cb->mu);
+        while (!cb->head && !cb->stopping)
+            pthread_cond_wait(&cb->cv, &cb->mu);
+        struct cpu_node *n = cb->head;
+        if (n) {
+            cb->head = n->next;
+            if (!cb->head)
+                cb->tail = NULL;
+        }
+        pthread_mutex_unlock(&cb->mu);
+        if (!n)
+            break; /* stopping and the queue is empty */
+        struct moed_batch *b = n->b;
+        free(n);
+        const struct moe_layer *layer = moed_model_layer(cb->model, b->layer);
+        if (!layer || b->x.kind != MOED_BUF_HOST || b->y.kind != MOED_BUF_HOST ||
+            b->ids.kind != MOED_BUF_HOST || b->w.kind != MOED_BUF_HOST) {
+            b->status = MOED_E_INVAL;
+        } else {
+            b->status = moe_ref_forward(layer, b->n_tokens, b->x.ptr, b->ids.ptr, b->w.ptr, b->y.ptr,
+                                        cb->n_threads);
+        }
+        __atomic_add_fetch(&cb->done_batches, 1, __ATOMIC_RELAXED);
+        cb->base.done(cb->base.done_ctx, b);
+    }
+    return NULL;
+}
+
+static int cpu_submit(struct moed_backend *be, struct moed_batch *b)
+{
+    struct cpu_backend *cb = (struct cpu_backend *)be;
+    struct cpu_node *n = malloc(sizeof *n);
+    if (!n)
+        return MOED_E_NOMEM;
+    n->next = NULL;
+    n->b = b;
+    pthread_mutex_lock(&cb->mu);
+    if (cb->stopping) {
+        pthread_mutex_unlock(&cb->mu);
+        free(n);
+        return MOED_E_SHUTDOWN;
+    }
+    if (cb->tail)
+        cb->tail->next = n;
+    else
+        cb->head = n;
+    cb->tail = n;
+    pthread_cond_signal(&cb->cv);
+    pthread_mutex_unlock(&cb->mu);
+    return 0;
+}
+
+static int cpu_healthy(struct moed_backend *be)
+{
+    (void)be;
+    return 1;
+}
+
+static void cpu_describe(struct moed_backend *be, char *buf, unsigned len)
+{
+    struct cpu_backend *cb = (struct cpu_backend *)be;
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    snprintf(buf, len, "cpu: reference kernel, %d threads (%ld cores online)",
+             cb->n_threads > 0 ? cb->n_threads : (int)cores, cores);
+}
+
+static void cpu_close(struct moed_backend *be)
+{
+    struct cpu_backend *cb = (struct cpu_backend *)be;
+    pthread_mutex_lock(&cb->mu);
+    cb->stopping = 1;
+    pthread_cond_signal(&cb->cv);
+    pthread_mutex_unlock(&cb->mu);
+    pthread_join(cb->worker, NULL);
+    pthread_cond_destroy(&cb->cv);
+    pthread_mutex_destroy(&cb->mu);
+    free(cb);
+}
+
+static const struct moed_backend_ops cpu_ops = {
+    .name = "cpu",
+    .submit = cpu_submit,
+    .healthy = cpu_healthy,
+    .describe = cpu_describe,
+    .close = cpu_close,
+};
+
+int moed_backend_cpu_open(struct moed_model *m, const struct moed_backend_cfg *cfg,
+                          moed_backend_done_fn done, void *done_ctx,
+                          struct moed_backend **out, char *err, size_t errlen)
+{
+    *out = NULL;
+    struct cpu_backend *cb = calloc(1, sizeof *cb);
+    if (!cb)
+        return moed_seterr(err, errlen, MOED_E_NOMEM, "cpu backend: out of memory");
+    cb->base.ops = &cpu_ops;
+    cb->base.done = done;
+    cb->base.done_ctx = done_ctx;
+    cb->model = m;
+    cb->n_threads = cfg->n_threads;
+    pthread_mutex_init(&cb->mu, NULL);
+    pthread_cond_init(&cb->cv, NULL);
+    int rc = pthread_create(&cb->worker, NULL, cpu_worker, cb);
+    if (rc != 0) {
+        pthread_cond_destroy(&cb->cv);
+        pthread_mutex_destroy(&cb->mu);
+        free(cb);
+        return moed_seterr(err, errlen, MOED_E_BACKEND, "cpu backend: pthread_create: error %d", rc);
+    }
+    LOG_I("cpu backend: worker started (%d compute threads, 0 = all cores)", cfg->n_threads);
+    *out = &cb->base;
+    return 0;
+}

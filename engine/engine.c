@@ -1,0 +1,662 @@
+/* engine.c - FORWARD requests -> batches -> backend -> replies.
+ *
+ * Flow (loop thread unless noted):
+ *   forward()   validate (moed_forward_validate) before anything reaches a
+ *               backend, copy the inputs out of the read buffer into a
+ *               request, append it to the waiting FIFO, dispatch();
+ *   dispatch()  while fewer than MOED_ENGINE_MAX_OUTSTANDING batches are at
+ *               the backend: take the oldest waiting request's layer and merge
+ *               every waiting request of that layer that still fits into
+ *               max_tokens (in arrival order), copy them into one batch and
+ *               submit it. With the backend busy, requests pile up and merge;
+ *               idle, a lone request goes out at once;
+ *   on_done()   backend thread: push the batch on the completion list and
+ *               uv_async_send (which coalesces);
+ *   on_async()  drain the whole completion list: split each batch's output
+ *               per request and reply (dropped if the client is gone), then
+ *               dispatch() again.
+ */
+#include "engine.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe_ref.h"
+#include "moed_err.h"
+#include "moed_log.h"
+#include "moed_proto.h"
+
+struct eng_req {
+    struct eng_req *next;
+    struct moed_conn *conn;
+    uint64_t request_id;
+    uint64_t t0_ns;       /* frame complete */
+    uint32_t layer, n_tokens;
+    uint8_t *data;        /* x bf16 [T,H] | ids int32 [T,k] | w fp32 [T,k] */
+};
+
+struct eng_batch {
+    struct moed_batch b;  /* first: the backend hands us this pointer back */
+    struct eng_batch *next;
+    struct eng_req *reqs; /* in row order */
+    uint8_t *mem;
+    int selfcheck;
+};
+
+struct moed_engine {
+    uv_loop_t *loop;
+    struct moed_model *model;
+    const struct moed_dims *dims;
+    struct moed_backend *be;
+    const char *backend_name;
+    uv_async_t async;
+    uint32_t max_tokens;
+    uint32_t first_moe_layer;
+    uint64_t max_frame_bytes;
+    struct moed_stats stats;
+    /* waiting FIFO */
+    struct eng_req *wait_head, *wait_tail;
+    uint64_t n_waiting;
+    /* batches at the backend */
+    uint32_t outstanding;
+    uint64_t busy_since_ns;
+    uint64_t next_seq;
+    /* completion list (backend threads -> loop) */
+    pthread_mutex_t done_mu;
+    struct eng_batch *done_head, *done_tail;
+    /* state */
+    int draining;
+    int failed;
+    int selfcheck_done;
+    void (*drain_cb)(void *);
+    void *drain_arg;
+    void (*fail_cb)(void *);
+    void *fail_arg;
+};
+
+static uint64_t now_ns(void) { return uv_hrtime(); }
+
+static void dispatch(struct moed_engine *e);
+
+/* ---- helpers ----------------------------------------------------------- */
+
+static int is_moe_layer_cb(const void *ctx, uint32_t layer)
+{
+    return moed_model_is_moe_layer(ctx, layer);
+}
+
+static size_t x_bytes(const struct moed_engine *e, uint32_t t) { return (size_t)t * e->dims->hidden * 2; }
+static size_t ids_bytes(const struct moed_engine *e, uint32_t t) { return (size_t)t * e->dims->top_k * 4; }
+
+static void req_free(struct eng_req *r)
+{
+    free(r->data);
+    free(r);
+}
+
+static void busy_begin(struct moed_engine *e)
+{
+    if (e->outstanding++ == 0)
+        e->busy_since_ns = now_ns();
+}
+
+static void busy_end(struct moed_engine *e)
+{
+    if (--e->outstanding == 0)
+        e->stats.busy_ns += now_ns() - e->busy_since_ns;
+}
+
+static void maybe_drained(struct moed_engine *e)
+{
+    if (e->draining && e->stats.in_flight == 0 && e->outstanding == 0 && e->drain_cb) {
+        void (*cb)(void *) = e->drain_cb;
+        e->drain_cb = NULL;
+        cb(e->drain_arg);
+    }
+}
+
+/* Answer one request with an error; frees it. */
+static void req_fail(struct moed_engine *e, struct eng_req *r, int code, const char *msg)
+{
+    moed_server_reply_error(r->conn, r->request_id, code, msg);
+    e->stats.in_flight--;
+    req_free(r);
+}
+
+/* ---- completions --------------------------------------------------------- */
+
+static void on_backend_done(void *ctx, struct moed_batch *b)
+{
+    /* Backend thread. */
+    struct moed_engine *e = ctx;
+    struct eng_batch *eb = (struct eng_batch *)b;
+    eb->next = NULL;
+    pthread_mutex_lock(&e->done_mu);
+    if (e->done_tail)
+        e->done_tail->next = eb;
+    else
+        e->done_head = eb;
+    e->done_tail = eb;
+    pthread_mutex_unlock(&e->done_mu);
+    uv_async_send(&e->async);
+}
+
+static void engine_fail(struct moed_engine *e, int code, const char *why)
+{
+    if (e->failed)
+        return;
+    e->failed = 1;
+    e->stats.healthy = 0;
+    LOG_E("backend failed: %s; failing every waiting request", why);
+    while (e->wait_head) {
+        struct eng_req *r = e->wait_head;
+        e->wait_head = r->next;
+        req_fail(e, r, code, why);
+    }
+    e->wait_tail = NULL;
+    e->n_waiting = 0;
+    if (e->fail_cb)
+        e->fail_cb(e->fail_arg);
+}
+
+static void batch_complete(struct moed_engine *e, struct eng_batch *eb)
+{
+    struct moed_batch *b = &eb->b;
+    const uint32_t H = e->dims->hidden;
+    busy_end(e);
+    if (eb->selfcheck) {
+        e->selfcheck_done = 1;
+        return; /* the self-check owns and frees it */
+    }
+    char msg[160];
+    if (b->status != 0)
+        snprintf(msg, sizeof msg, "backend %s failed the batch (seq %llu): %s", e->backend_name,
+                 (unsigned long long)b->seq, moed_strerror(b->status));
+    uint64_t now = now_ns();
+    uint32_t row = 0;
+    for (struct eng_req *r = eb->reqs, *nx; r; r = nx) {
+        nx = r->next;
+        if (b->status != 0) {
+            req_fail(e, r, b->status, msg);
+            continue;
+        }
+        if (moed_server_conn_gone(r->conn)) {
+            /* Client left: drop the reply; the server frees the connection
+             * once its last request is released here. */
+            moed_server_reply(r->conn, NULL, 0);
+        } else {
+            size_t ylen = x_bytes(e, r->n_tokens);
+            size_t plen = sizeof(struct moed_forward_rep) + ylen;
+            uint8_t *f = malloc(MOED_PROTO_HDR_SIZE + plen);
+            if (!f) {
+                moed_server_reply_error(r->conn, r->request_id, MOED_E_NOMEM,
+                                        "out of memory building the reply");
+            } else {
+                moed_frame_encode(f, MOED_MSG_FORWARD | MOED_PROTO_REPLY, r->request_id, plen);
+                struct moed_forward_rep rep = {.n_tokens = r->n_tokens, .hidden = H};
+                memcpy(f + MOED_PROTO_HDR_SIZE, &rep, sizeof rep);
+                memcpy(f + MOED_PROTO_HDR_SIZE + sizeof rep, (uint8_t *)b->y.ptr + (size_t)row * H * 2,
+                       ylen);
+                moed_server_reply(r->conn, f, MOED_PROTO_HDR_SIZE + plen);
+                e->stats.requests++;
+                e->stats.tokens += r->n_tokens;
+                moed_stats_record_latency(&e->stats, (double)(now - r->t0_ns) / 1000.0);
+            }
+        }
+        row += r->n_tokens;
+        e->stats.in_flight--;
+        req_free(r);
+    }
+    int status = b->status;
+    free(eb->mem);
+    free(eb);
+    if (status == MOED_E_BACKEND ||
+        (e->be && e->be->ops->healthy && !e->be->ops->healthy(e->be)))
+        engine_fail(e, MOED_E_BACKEND, "backend unhealthy (device error or stalled kernel)");
+}
+
+static void on_async(uv_async_t *h)
+{
+    struct moed_engine *e = h->data;
+    pthread_mutex_lock(&e->done_mu);
+    struct eng_batch *list = e->done_head;
+    e->done_head = e->done_tail = NULL;
+    pthread_mutex_unlock(&e->done_mu);
+    for (struct eng_batch *eb = list, *nx; eb; eb = nx) {
+        nx = eb->next;
+        batch_complete(e, eb);
+    }
+    dispatch(e);
+    maybe_drained(e);
+}
+
+/* ---- batching ----------------------------------------------------------------- */
+
+/* Take the oldest waiting request's layer; merge every waiting request of
+ * that layer that still fits. Returns the batch's requests in FIFO order. */
+static struct eng_req *take_batch(struct moed_engine *e, uint32_t *layer, uint32_t *n_tokens)
+{
+    struct eng_req *head = NULL, *tail = NULL, **pp = &e->wait_head, *prev = NULL;
+    uint32_t L = e->wait_head->layer, T = 0;
+    while (*pp) {
+        struct eng_req *r = *pp;
+        if (r->layer == L && T + r->n_tokens <= e->max_tokens) {
+            *pp = r->next;
+            if (e->wait_tail == r)
+                e->wait_tail = prev;
+            r->next = NULL;
+            if (tail)
+                tail->next = r;
+            else
+                head = r;
+            tail = r;
+            T += r->n_tokens;
+            e->n_waiting--;
+            if (T == e->max_tokens)
+                break;
+        } else {
+            prev = r;
+            pp = &r->next;
+        }
+    }
+    *layer = L;
+    *n_tokens = T;
+    return head;
+}
+
+static struct eng_batch *batch_alloc(struct moed_engine *e, uint32_t layer, uint32_t T)
+{
+    struct eng_batch *eb = calloc(1, sizeof *eb);
+    if (!eb)
+        return NULL;
+    size_t xb = x_bytes(e, T), ib = ids_bytes(e, T);
+    /* x | y | ids | w: every part 4-byte aligned (x, y are even multiples). */
+    eb->mem = malloc(2 * xb + 2 * ib);
+    if (!eb->mem) {
+        free(eb);
+        return NULL;
+    }
+    struct moed_batch *b = &eb->b;
+    b->seq = ++e->next_seq;
+    b->layer = layer;
+    b->n_tokens = T;
+    b->top_k = e->dims->top_k;
+    b->x = (struct moed_buf){MOED_BUF_HOST, 0, eb->mem, xb};
+    b->y = (struct moed_buf){MOED_BUF_HOST, 0, eb->mem + xb, xb};
+    b->ids = (struct moed_buf){MOED_BUF_HOST, 0, eb->mem + 2 * xb, ib};
+    b->w = (struct moed_buf){MOED_BUF_HOST, 0, eb->mem + 2 * xb + ib, ib};
+    b->user = eb;
+    return eb;
+}
+
+static void dispatch(struct moed_engine *e)
+{
+    while (!e->failed && e->wait_head && e->outstanding < MOED_ENGINE_MAX_OUTSTANDING) {
+        uint32_t layer, T;
+        struct eng_req *reqs = take_batch(e, &layer, &T);
+        struct eng_batch *eb = batch_alloc(e, layer, T);
+        if (!eb) {
+            for (struct eng_req *r = reqs, *nx; r; r = nx) {
+                nx = r->next;
+                req_fail(e, r, MOED_E_NOMEM, "out of memory building a batch");
+            }
+            continue;
+        }
+        eb->reqs = reqs;
+        uint8_t *x = eb->b.x.ptr, *ids = eb->b.ids.ptr, *w = eb->b.w.ptr;
+        for (struct eng_req *r = reqs; r; r = r->next) {
+            size_t xb = x_bytes(e, r->n_tokens), ib = ids_bytes(e, r->n_tokens);
+            memcpy(x, r->data, xb);
+            memcpy(ids, r->data + xb, ib);
+            memcpy(w, r->data + xb + ib, ib);
+            x += xb;
+            ids += ib;
+            w += ib;
+        }
+        busy_begin(e);
+        e->stats.batches++;
+        e->stats.batch_tokens += T;
+        int rc = moed_backend_submit(e->be, &eb->b);
+        if (rc < 0) {
+            busy_end(e);
+            char msg[128];
+            snprintf(msg, sizeof msg, "backend refused the batch: %s", moed_strerror(rc));
+            for (struct eng_req *r = reqs, *nx; r; r = nx) {
+                nx = r->next;
+                req_fail(e, r, rc, msg);
+            }
+            free(eb->mem);
+            free(eb);
+            if (rc == MOED_E_BACKEND)
+                engine_fail(e, rc, msg);
+        }
+    }
+}
+
+/* ---- server callbacks ---------------------------------------------------------- */
+
+static int eng_forward(void *ctx, struct moed_conn *c, uint64_t request_id, const uint8_t *payload,
+                       uint64_t len, char *err, size_t errlen)
+{
+    struct moed_engine *e = ctx;
+    if (e->draining)
+        return moed_seterr(err, errlen, MOED_E_SHUTDOWN, "moed is shutting down; request not taken");
+    if (e->failed)
+        return moed_seterr(err, errlen, MOED_E_BACKEND, "backend failed; moed is not serving");
+    const struct moed_dims *d = e->dims;
+    struct moed_forward_req fr;
+    int rc = moed_forward_validate(payload, len, d->hidden, d->n_experts, d->top_k, e->max_tokens,
+                                   is_moe_layer_cb, e->model, &fr, err, errlen);
+    if (rc < 0)
+        return rc;
+    struct eng_req *r = calloc(1, sizeof *r);
+    size_t body = (size_t)len - sizeof(struct moed_forward_req);
+    if (!r || !(r->data = malloc(body))) {
+        free(r);
+        return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory for a %zu-byte request", body);
+    }
+    memcpy(r->data, payload + sizeof fr, body);
+    r->conn = c;
+    r->request_id = request_id;
+    r->t0_ns = now_ns();
+    r->layer = fr.layer;
+    r->n_tokens = fr.n_tokens;
+    /* Per-expert hits: routed ids (validated in range), then every shared
+     * expert once per token. */
+    const uint8_t *ids = r->data + x_bytes(e, fr.n_tokens);
+    for (size_t i = 0; i < (size_t)fr.n_tokens * d->top_k; i++) {
+        int32_t id;
+        memcpy(&id, ids + 4 * i, 4);
+        e->stats.expert_hits[id]++;
+    }
+    for (uint32_t s = 0; s < d->n_shared; s++)
+        e->stats.expert_hits[d->n_experts + s] += fr.n_tokens;
+    if (e->wait_tail)
+        e->wait_tail->next = r;
+    else
+        e->wait_head = r;
+    e->wait_tail = r;
+    e->n_waiting++;
+    e->stats.in_flight++;
+    dispatch(e);
+    return 0;
+}
+
+static void eng_hello(void *ctx, struct moed_hello_rep *rep)
+{
+    struct moed_engine *e = ctx;
+    const struct moed_dims *d = e->dims;
+    rep->hidden = d->hidden;
+    rep->inter = d->inter;
+    rep->n_experts = d->n_experts;
+    rep->top_k = d->top_k;
+    rep->n_shared = d->n_shared;
+    rep->n_layers = d->n_layers;
+    rep->first_moe_layer = e->first_moe_layer;
+    rep->max_tokens = e->max_tokens;
+    rep->max_frame_bytes = e->max_frame_bytes;
+    snprintf(rep->backend, sizeof rep->backend, "%s", e->be->ops->name);
+}
+
+static char *eng_status_json(void *ctx)
+{
+    struct moed_engine *e = ctx;
+    return moed_status_json(moed_engine_stats(e), now_ns());
+}
+
+static const struct moed_server_ops engine_ops = {
+    .forward = eng_forward,
+    .hello = eng_hello,
+    .status_json = eng_status_json,
+};
+
+const struct moed_server_ops *moed_engine_server_ops(void) { return &engine_ops; }
+
+/* ---- open / self-check / close ------------------------------------------------- */
+
+static int open_backend(struct moed_engine *e, const struct moed_cfg *cfg, char *err, size_t errlen)
+{
+    struct moed_backend_cfg bc = {
+        .n_threads = (int)cfg->cpu_threads,
+        .gpus = cfg->n_gpus ? cfg->gpus : NULL,
+        .n_gpus = (int)cfg->n_gpus,
+        .sms_free = (int)cfg->sms_free,
+        .max_tokens = cfg->max_tokens,
+        .batch_deadline_ms = cfg->batch_deadline_ms,
+        .idle_exit_ms = cfg->idle_exit_ms,
+    };
+    enum moed_cfg_backend kind = cfg->backend;
+    if (kind == MOED_CFG_BACKEND_AUTO)
+        kind = moed_backend_cuda_available() ? MOED_CFG_BACKEND_CUDA : MOED_CFG_BACKEND_CPU;
+    if (kind == MOED_CFG_BACKEND_CUDA) {
+        if (!moed_backend_cuda_available())
+            return moed_seterr(err, errlen, MOED_E_BACKEND,
+                               "engine.backend is \"cuda\" but %s",
+#ifdef MOED_HAVE_CUDA
+                               "no CUDA device is visible"
+#else
+                               "this build has no CUDA (built with CUDA=0)"
+#endif
+            );
+        return moed_backend_cuda_open(e->model, &bc, on_backend_done, e, &e->be, err, errlen);
+    }
+    return moed_backend_cpu_open(e->model, &bc, on_backend_done, e, &e->be, err, errlen);
+}
+
+int moed_engine_open(uv_loop_t *loop, struct moed_model *model, const struct moed_cfg *cfg,
+                     struct moed_engine **out, char *err, size_t errlen)
+{
+    int rc;
+    *out = NULL;
+    struct moed_engine *e = calloc(1, sizeof *e);
+    if (!e) {
+        moed_model_close(model);
+        return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
+    }
+    e->loop = loop;
+    e->model = model;
+    e->dims = moed_model_dims(model);
+    e->max_tokens = cfg->max_tokens;
+    e->max_frame_bytes = cfg->max_frame_bytes;
+    e->first_moe_layer = e->dims->n_layers;
+    for (uint32_t l = 0; l < e->dims->n_layers; l++)
+        if (moed_model_is_moe_layer(model, l)) {
+            e->first_moe_layer = l;
+            break;
+        }
+    uint64_t need = moed_forward_payload_len(cfg->max_tokens, e->dims->hidden, e->dims->top_k);
+    if (need == 0 || need > cfg->max_frame_bytes) {
+        rc = moed_seterr(err, errlen, MOED_E_CONFIG,
+                         "server.max_frame_bytes %llu is below the %llu bytes a FORWARD of "
+                         "engine.max_tokens %u tokens needs for this model (H=%u, k=%u)",
+                         (unsigned long long)cfg->max_frame_bytes, (unsigned long long)need,
+                         cfg->max_tokens, e->dims->hidden, e->dims->top_k);
+        goto fail_model;
+    }
+    e->stats.version = MOED_VERSION;
+    e->stats.start_ns = now_ns();
+    e->stats.dims = e->dims;
+    e->stats.model_path = moed_model_dir(model);
+    e->stats.backend = "";
+    e->stats.n_expert_hits = e->dims->n_experts + e->dims->n_shared;
+    e->stats.expert_hits = calloc(e->stats.n_expert_hits, sizeof(uint64_t));
+    if (!e->stats.expert_hits) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
+        goto fail_model;
+    }
+    pthread_mutex_init(&e->done_mu, NULL);
+    rc = uv_async_init(loop, &e->async, on_async);
+    if (rc < 0) {
+        rc = moed_seterr(err, errlen, MOED_E_IO, "uv_async_init: %s", uv_strerror(rc));
+        goto fail_stats;
+    }
+    e->async.data = e;
+    rc = open_backend(e, cfg, err, errlen);
+    if (rc < 0)
+        goto fail_async;
+    e->stats.backend = e->be->ops->name;
+    e->backend_name = e->be->ops->name;
+    e->stats.healthy = 1;
+    if (e->be->ops->describe)
+        e->be->ops->describe(e->be, e->stats.backend_desc, sizeof e->stats.backend_desc);
+    *out = e;
+    return 0;
+
+fail_async:
+    /* The handle must be closed on the loop; the engine is freed in its
+     * close callback by moed_engine_close's path. */
+    e->be = NULL;
+    moed_engine_close(e);
+    return rc;
+fail_stats:
+    free(e->stats.expert_hits);
+    pthread_mutex_destroy(&e->done_mu);
+fail_model:
+    moed_model_close(model);
+    free(e);
+    return rc;
+}
+
+static double rel_l2(const uint16_t *a, const uint16_t *ref, size_t n)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        double x = bf16_to_float(a[i]), r = bf16_to_float(ref[i]);
+        num += (x - r) * (x - r);
+        den += r * r;
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+int moed_engine_self_check(struct moed_engine *e, char *err, size_t errlen)
+{
+    const struct moed_dims *d = e->dims;
+    const uint32_t T = e->max_tokens < 4 ? e->max_tokens : 4, H = d->hidden, k = d->top_k;
+    const uint32_t L = e->first_moe_layer;
+    int rc = 0;
+    uint16_t *ref = NULL;
+    struct eng_batch *eb = batch_alloc(e, L, T);
+    const struct moe_layer *layer = moed_model_layer(e->model, L);
+    if (!eb || !layer || !(ref = malloc((size_t)T * H * 2))) {
+        rc = moed_seterr(err, errlen, layer ? MOED_E_NOMEM : MOED_E_MODEL,
+                         layer ? "out of memory" : "self-check: model has no MoE layer %u", L);
+        goto out;
+    }
+    eb->selfcheck = 1;
+    /* Deterministic input: a small LCG, distinct experts per token. */
+    uint16_t *x = eb->b.x.ptr;
+    int32_t *ids = eb->b.ids.ptr;
+    float *w = eb->b.w.ptr;
+    uint32_t s = 12345u;
+    for (size_t i = 0; i < (size_t)T * H; i++) {
+        s = s * 1664525u + 1013904223u;
+        x[i] = bf16_from_float(((float)(s >> 8) / 16777216.0f - 0.5f) * 2.0f);
+    }
+    for (uint32_t t = 0; t < T; t++)
+        for (uint32_t j = 0; j < k; j++) {
+            ids[t * k + j] = (int32_t)((t * 7 + j * 3 + j * j) % d->n_experts);
+            w[t * k + j] = 1.0f / (float)(j + 1);
+        }
+    busy_begin(e);
+    rc = moed_backend_submit(e->be, &eb->b);
+    if (rc < 0) {
+        busy_end(e);
+        rc = moed_seterr(err, errlen, MOED_E_BACKEND, "self-check: backend %s refused a batch: %s",
+                         e->be->ops->name, moed_strerror(rc));
+        goto out;
+    }
+    while (!e->selfcheck_done)
+        uv_run(e->loop, UV_RUN_ONCE);
+    if (eb->b.status != 0) {
+        rc = moed_seterr(err, errlen, MOED_E_BACKEND, "self-check: backend %s failed the batch: %s",
+                         e->be->ops->name, moed_strerror(eb->b.status));
+        goto out;
+    }
+    rc = moe_ref_forward(layer, T, x, ids, w, ref, 0);
+    if (rc < 0) {
+        rc = moed_seterr(err, errlen, rc, "self-check: moe_ref_forward: %s", moed_strerror(rc));
+        goto out;
+    }
+    double rel = rel_l2(eb->b.y.ptr, ref, (size_t)T * H);
+    if (!(rel <= 1e-2)) {
+        rc = moed_seterr(err, errlen, MOED_E_BACKEND,
+                         "self-check: backend %s differs from the CPU reference on layer %u, %u "
+                         "tokens: relative L2 error %.3g (allowed 1e-2)",
+                         e->be->ops->name, L, T, rel);
+        goto out;
+    }
+    LOG_I("self-check passed: backend %s, layer %u, %u tokens, relative L2 error %.2e",
+          e->be->ops->name, L, T, rel);
+    e->stats.loaded = 1;
+out:
+    free(ref);
+    if (eb) {
+        free(eb->mem);
+        free(eb);
+    }
+    return rc;
+}
+
+struct moed_stats *moed_engine_stats(struct moed_engine *e)
+{
+    /* busy_ns is kept in closed intervals; include the open one here by
+     * closing and reopening it. */
+    if (e->outstanding > 0) {
+        uint64_t t = now_ns();
+        e->stats.busy_ns += t - e->busy_since_ns;
+        e->busy_since_ns = t;
+    }
+    if (e->be && e->be->ops->healthy && !e->failed)
+        e->stats.healthy = e->be->ops->healthy(e->be) ? 1 : 0;
+    return &e->stats;
+}
+
+void moed_engine_on_failure(struct moed_engine *e, void (*cb)(void *arg), void *arg)
+{
+    e->fail_cb = cb;
+    e->fail_arg = arg;
+}
+
+void moed_engine_drain(struct moed_engine *e, void (*done)(void *arg), void *arg)
+{
+    e->draining = 1;
+    e->drain_cb = done;
+    e->drain_arg = arg;
+    LOG_I("draining: %llu requests in flight (%llu waiting, %u batches at the backend)",
+          (unsigned long long)e->stats.in_flight, (unsigned long long)e->n_waiting, e->outstanding);
+    maybe_drained(e);
+}
+
+int moed_engine_failed(const struct moed_engine *e) { return e->failed; }
+
+static void on_async_closed(uv_handle_t *h)
+{
+    struct moed_engine *e = h->data;
+    free(e->stats.expert_hits);
+    pthread_mutex_destroy(&e->done_mu);
+    free(e);
+}
+
+void moed_engine_close(struct moed_engine *e)
+{
+    if (!e)
+        return;
+    /* The backend finishes (or fails) what is queued and calls done for each
+     * batch; run their completions here so every request is answered. */
+    moed_backend_close(e->be);
+    e->be = NULL;
+    e->failed = 1; /* nothing more is submitted */
+    on_async(&e->async);
+    while (e->wait_head) {
+        struct eng_req *r = e->wait_head;
+        e->wait_head = r->next;
+        req_fail(e, r, MOED_E_SHUTDOWN, "moed is shutting down");
+    }
+    e->wait_tail = NULL;
+    moed_model_close(e->model);
+    e->model = NULL;
+    uv_close((uv_handle_t *)&e->async, on_async_closed);
+}

@@ -1,0 +1,478 @@
+/* moed_main.c - the moed daemon: config, model, engine, server, signals.
+ *
+ * Start-up order: config -> model (generated first for "synthetic:...") ->
+ * engine + backend -> self-check -> socket -> status HTTP -> READY=1.
+ * Shutdown (SIGTERM/SIGINT, or a backend failure): STOPPING=1, stop
+ * accepting and remove the socket, answer everything in flight, close the
+ * clients, close the backend, exit.
+ */
+#include <errno.h>
+#include <ftw.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <systemd/sd-daemon.h>
+#include <uv.h>
+
+#include "config.h"
+#include "engine.h"
+#include "genmodel.h"
+#include "http.h"
+#include "model.h"
+#include "moed_err.h"
+#include "moed_log.h"
+#include "server.h"
+
+#define SYNTH_MARKER ".moed-complete"        /* written last into a generated model */
+#define SYNTH_DEFAULT_LAYERS 2u
+#define SYNTH_DEFAULT_SEED 1u
+#define EXTEND_TIMEOUT_US 60000000ull        /* per EXTEND_TIMEOUT_USEC during loads */
+
+enum exit_code {
+    EXIT_CLEAN = 0,
+    EXIT_RUNTIME = 1,
+    EXIT_USAGE = 2,
+    EXIT_MODEL = 3,
+    EXIT_BACKEND = 4,
+};
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: moed [--config FILE]\n"
+            "       moed --check-config FILE | --config-reference | --help | --version\n"
+            "\n"
+            "Serves Mixture-of-Experts layers (NVFP4 expert weights) over a Unix socket.\n"
+            "Runs in the foreground and logs to stderr; systemd Type=notify aware.\n"
+            "\n"
+            "options:\n"
+            "  --config FILE        JSON config (without it: built-in defaults, a tiny\n"
+            "                       synthetic model)\n"
+            "  --check-config FILE  validate FILE, print the effective config as JSON\n"
+            "                       (or every error) and exit\n"
+            "  --config-reference   print the reference of every config key (Markdown)\n"
+            "  --version            print the version\n"
+            "  --help               this text\n"
+            "\n"
+            "signals: SIGTERM/SIGINT stop accepting, answer every request in flight,\n"
+            "remove the socket file and exit 0.\n"
+            "\n"
+            "exit codes:\n"
+            "  0  clean shutdown\n"
+            "  1  runtime failure (socket in use or not creatable, out of memory, ...)\n"
+            "  2  config or usage error\n"
+            "  3  model load error (checkpoint missing, malformed, does not fit)\n"
+            "  4  backend failure (no device, sticky device error, stalled kernel,\n"
+            "     self-check mismatch)\n");
+}
+
+/* ---- model location ------------------------------------------------------ */
+
+static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
+{
+    (void)st;
+    (void)flag;
+    (void)ftw;
+    return remove(path);
+}
+
+static int rm_tree(const char *path)
+{
+    return nftw(path, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+static int file_exists(const char *dir, const char *name)
+{
+    char p[MOED_CFG_PATH_MAX + 64];
+    snprintf(p, sizeof p, "%s/%s", dir, name);
+    return access(p, F_OK) == 0;
+}
+
+/* "synthetic:PRESET[:layers=N][:seed=S]" -> generated (or reused) checkpoint
+ * directory in synthetic_dir/PRESET-lN-sS. Generation goes to a temporary
+ * directory renamed into place after the marker file, so a crash or a second
+ * daemon never sees a half-written model. */
+static int resolve_synthetic(const struct moed_cfg *cfg, char *dir, size_t dirlen, char *err,
+                             size_t errlen)
+{
+    char spec[256];
+    const char *s = cfg->model + strlen("synthetic:");
+    if (strlen(s) >= sizeof spec)
+        return moed_seterr(err, errlen, MOED_E_CONFIG, "model.path: synthetic spec too long");
+    snprintf(spec, sizeof spec, "%s", s);
+    char *save = NULL;
+    char *preset = strtok_r(spec, ":", &save);
+    unsigned long long layers = SYNTH_DEFAULT_LAYERS, seed = SYNTH_DEFAULT_SEED;
+    if (!preset || !*preset)
+        return moed_seterr(err, errlen, MOED_E_CONFIG,
+                           "model.path \"%s\": expected synthetic:PRESET[:layers=N][:seed=S]",
+                           cfg->model);
+    for (char *tok; (tok = strtok_r(NULL, ":", &save));) {
+        char *end;
+        unsigned long long *dst = NULL;
+        const char *v = NULL;
+        if (strncmp(tok, "layers=", 7) == 0)
+            dst = &layers, v = tok + 7;
+        else if (strncmp(tok, "seed=", 5) == 0)
+            dst = &seed, v = tok + 5;
+        if (!dst)
+            return moed_seterr(err, errlen, MOED_E_CONFIG,
+                               "model.path \"%s\": unknown option \"%s\" (allowed: layers=N, seed=S)",
+                               cfg->model, tok);
+        errno = 0;
+        *dst = strtoull(v, &end, 10);
+        if (errno || end == v || *end)
+            return moed_seterr(err, errlen, MOED_E_CONFIG, "model.path \"%s\": bad number in \"%s\"",
+                               cfg->model, tok);
+    }
+    if (layers < 1 || layers > MOED_MAX_LAYERS)
+        return moed_seterr(err, errlen, MOED_E_CONFIG, "model.path \"%s\": layers=%llu not in 1..%d",
+                           cfg->model, layers, MOED_MAX_LAYERS);
+    struct moed_dims dims;
+    int rc = moed_gen_preset(preset, &dims, err, errlen);
+    if (rc < 0)
+        return MOED_E_CONFIG;
+    int n = snprintf(dir, dirlen, "%s/%s-l%llu-s%llu", cfg->synthetic_dir, preset, layers, seed);
+    if (n < 0 || (size_t)n >= dirlen - 32)
+        return moed_seterr(err, errlen, MOED_E_CONFIG, "model.synthetic_dir: path too long");
+    if (file_exists(dir, SYNTH_MARKER)) {
+        LOG_I("using synthetic model %s", dir);
+        return 0;
+    }
+    char tmp[MOED_CFG_PATH_MAX + 64];
+    snprintf(tmp, sizeof tmp, "%s.tmp-%d", dir, (int)getpid());
+    rm_tree(tmp);
+    LOG_I("generating synthetic model %s (preset %s, %llu layers, seed %llu)", dir, preset, layers,
+          seed);
+    sd_notifyf(0, "STATUS=generating synthetic model %s\nEXTEND_TIMEOUT_USEC=%llu", dir,
+               (unsigned long long)EXTEND_TIMEOUT_US * 10);
+    struct moed_gen_opts go = {.preset = preset, .layers = (uint32_t)layers, .seed = seed,
+                               .threads = 0};
+    rc = moed_gen_model(&go, tmp, err, errlen);
+    if (rc < 0) {
+        rm_tree(tmp);
+        return rc;
+    }
+    char marker[MOED_CFG_PATH_MAX + 96];
+    snprintf(marker, sizeof marker, "%s/%s", tmp, SYNTH_MARKER);
+    FILE *f = fopen(marker, "w");
+    if (!f || fputs("complete\n", f) < 0 || fclose(f) != 0) {
+        rm_tree(tmp);
+        return moed_seterr(err, errlen, MOED_E_IO, "%s: %s", marker, strerror(errno));
+    }
+    if (rename(tmp, dir) < 0) {
+        int e = errno;
+        if (file_exists(dir, SYNTH_MARKER)) {
+            rm_tree(tmp); /* another moed finished first: use its copy */
+            return 0;
+        }
+        /* An incomplete leftover (no marker): replace it. */
+        if ((e == EEXIST || e == ENOTEMPTY) && rm_tree(dir) == 0 && rename(tmp, dir) == 0)
+            return 0;
+        rm_tree(tmp);
+        return moed_seterr(err, errlen, MOED_E_IO, "rename %s -> %s: %s", tmp, dir, strerror(e));
+    }
+    return 0;
+}
+
+/* MemAvailable from /proc/meminfo in bytes (0 if unknown = no limit). */
+static uint64_t mem_available(void)
+{
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f)
+        return 0;
+    char line[256];
+    uint64_t kb = 0;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "MemAvailable: %" SCNu64 " kB", &kb) == 1)
+            break;
+    fclose(f);
+    return kb * 1024;
+}
+
+struct load_progress {
+    uint64_t last_ns;
+};
+
+static void on_load_progress(void *ctx, uint64_t done, uint64_t total)
+{
+    struct load_progress *lp = ctx;
+    uint64_t t = uv_hrtime();
+    if (t - lp->last_ns < 1000000000ull && done < total)
+        return; /* rate limit: one notification a second */
+    lp->last_ns = t;
+    sd_notifyf(0, "EXTEND_TIMEOUT_USEC=%llu\nSTATUS=loading model: %" PRIu64 "/%" PRIu64 " MiB",
+               EXTEND_TIMEOUT_US, done >> 20, total >> 20);
+}
+
+/* ---- daemon state and shutdown -------------------------------------------- */
+
+struct daemon {
+    uv_loop_t loop;
+    uv_signal_t sigterm, sigint;
+    struct moed_engine *engine;
+    struct moed_server *server;
+    struct moed_http *http;
+    int stopping;
+    int exit_code;
+};
+
+static void on_server_closed(void *arg)
+{
+    struct daemon *d = arg;
+    d->server = NULL;
+    uv_close((uv_handle_t *)&d->sigterm, NULL);
+    uv_close((uv_handle_t *)&d->sigint, NULL);
+    moed_engine_close(d->engine);
+    d->engine = NULL;
+    LOG_I("stopped");
+}
+
+static void on_drained(void *arg)
+{
+    struct daemon *d = arg;
+    LOG_I("every request answered; closing clients");
+    moed_server_close(d->server, on_server_closed, d);
+}
+
+static void daemon_stop(struct daemon *d, const char *why)
+{
+    if (d->stopping)
+        return;
+    d->stopping = 1;
+    LOG_I("stopping: %s", why);
+    sd_notifyf(0, "STOPPING=1\nSTATUS=stopping: %s", why);
+    if (d->http) {
+        moed_http_stop(d->http);
+        d->http = NULL;
+    }
+    moed_server_stop_listening(d->server);
+    moed_engine_drain(d->engine, on_drained, d);
+}
+
+static void on_signal(uv_signal_t *h, int signum)
+{
+    struct daemon *d = h->data;
+    if (d->stopping) {
+        LOG_W("%s again: already stopping", strsignal(signum));
+        return;
+    }
+    daemon_stop(d, strsignal(signum));
+}
+
+static void on_backend_failure(void *arg)
+{
+    struct daemon *d = arg;
+    d->exit_code = EXIT_BACKEND;
+    sd_notify(0, "STATUS=backend failed");
+    daemon_stop(d, "backend failure");
+}
+
+static const struct moed_stats *http_snapshot(void *ctx)
+{
+    struct daemon *d = ctx;
+    return d->engine ? moed_engine_stats(d->engine) : NULL;
+}
+
+static void close_walk(uv_handle_t *h, void *arg)
+{
+    (void)arg;
+    if (!uv_is_closing(h))
+        uv_close(h, NULL);
+}
+
+/* ---- main ---------------------------------------------------------------------- */
+
+static int run_daemon(const struct moed_cfg *cfg)
+{
+    char err[MOED_ERRLEN * 4] = "";
+    int rc;
+    struct daemon d;
+    memset(&d, 0, sizeof d);
+    signal(SIGPIPE, SIG_IGN);
+    uv_loop_init(&d.loop);
+    d.exit_code = EXIT_CLEAN;
+
+    /* model */
+    char dir[MOED_CFG_PATH_MAX];
+    if (strncmp(cfg->model, "synthetic:", 10) == 0) {
+        rc = resolve_synthetic(cfg, dir, sizeof dir, err, sizeof err);
+        if (rc < 0) {
+            LOG_E("%s", err);
+            d.exit_code = rc == MOED_E_CONFIG ? EXIT_USAGE : EXIT_MODEL;
+            goto out_loop;
+        }
+    } else {
+        snprintf(dir, sizeof dir, "%s", cfg->model);
+    }
+    int use_cuda = cfg->backend == MOED_CFG_BACKEND_CUDA ||
+                   (cfg->backend == MOED_CFG_BACKEND_AUTO && moed_backend_cuda_available());
+    /* The CPU backend computes from the host mapping: the weights must fit in
+     * the memory available now. The CUDA backend checks device memory itself. */
+    uint64_t budget = use_cuda ? 0 : mem_available();
+    sd_notifyf(0, "STATUS=loading model %s", dir);
+    LOG_I("loading model %s (memory budget %" PRIu64 " MiB%s)", dir, budget >> 20,
+          budget ? "" : ", unlimited");
+    struct load_progress lp = {0};
+    struct moed_model *model = NULL;
+    rc = moed_model_open(dir, budget, on_load_progress, &lp, &model, err, sizeof err);
+    if (rc < 0) {
+        LOG_E("model: %s", err);
+        d.exit_code = EXIT_MODEL;
+        goto out_loop;
+    }
+    const struct moed_dims *dims = moed_model_dims(model);
+    LOG_I("model %s: %s, H=%u I=%u E=%u k=%u shared=%u, %u MoE layers of %u, %" PRIu64 " MiB",
+          dir, dims->family, dims->hidden, dims->inter, dims->n_experts, dims->top_k,
+          dims->n_shared, dims->n_moe_layers, dims->n_layers, moed_model_weight_bytes(model) >> 20);
+
+    /* engine + backend (the engine owns the model from here) */
+    rc = moed_engine_open(&d.loop, model, cfg, &d.engine, err, sizeof err);
+    if (rc < 0) {
+        LOG_E("engine: %s", err);
+        d.exit_code = rc == MOED_E_CONFIG ? EXIT_USAGE : EXIT_BACKEND;
+        goto out_loop;
+    }
+    struct moed_stats *st = moed_engine_stats(d.engine);
+    st->load_done = st->load_total = moed_model_weight_bytes(model);
+    sd_notify(0, "STATUS=self-check");
+    rc = moed_engine_self_check(d.engine, err, sizeof err);
+    if (rc < 0) {
+        LOG_E("%s", err);
+        d.exit_code = EXIT_BACKEND;
+        goto out_engine;
+    }
+
+    /* socket */
+    rc = moed_server_open(&d.loop, cfg, moed_engine_server_ops(), d.engine, st, &d.server, err,
+                          sizeof err);
+    if (rc < 0) {
+        LOG_E("%s", err);
+        d.exit_code = rc == MOED_E_CONFIG ? EXIT_USAGE : EXIT_RUNTIME;
+        goto out_engine;
+    }
+    moed_engine_on_failure(d.engine, on_backend_failure, &d);
+
+    if (cfg->status_port != 0) {
+        rc = moed_http_start(&d.loop, cfg->status_addr, (uint16_t)cfg->status_port, http_snapshot,
+                             &d, &d.http, err, sizeof err);
+        if (rc < 0) {
+            LOG_E("status: %s", err);
+            d.exit_code = rc == MOED_E_CONFIG ? EXIT_USAGE : EXIT_RUNTIME;
+            moed_server_close(d.server, NULL, NULL);
+            d.server = NULL;
+            goto out_engine;
+        }
+        LOG_I("status on http://%s:%u/status", cfg->status_addr, moed_http_port(d.http));
+    }
+
+    uv_signal_init(&d.loop, &d.sigterm);
+    uv_signal_init(&d.loop, &d.sigint);
+    d.sigterm.data = d.sigint.data = &d;
+    uv_signal_start(&d.sigterm, on_signal, SIGTERM);
+    uv_signal_start(&d.sigint, on_signal, SIGINT);
+
+    LOG_I("ready: socket %s, backend %s", cfg->socket_path, st->backend);
+    sd_notifyf(0, "READY=1\nSTATUS=serving on %s (backend %s)", cfg->socket_path, st->backend);
+    uv_run(&d.loop, UV_RUN_DEFAULT);
+    goto out_loop;
+
+out_engine:
+    moed_engine_close(d.engine);
+    d.engine = NULL;
+out_loop:
+    /* Let pending close callbacks run, then close whatever is left. */
+    uv_run(&d.loop, UV_RUN_DEFAULT);
+    uv_walk(&d.loop, close_walk, NULL);
+    uv_run(&d.loop, UV_RUN_DEFAULT);
+    if (uv_loop_close(&d.loop) != 0)
+        LOG_W("event loop closed with handles still open");
+    return d.exit_code;
+}
+
+int main(int argc, char **argv)
+{
+    const char *config_path = NULL;
+    const char *check_path = NULL;
+    char err[MOED_ERRLEN * 8] = "";
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+            usage(stdout);
+            return EXIT_CLEAN;
+        } else if (strcmp(a, "--version") == 0) {
+            printf("moed %s\n", MOED_VERSION);
+            return EXIT_CLEAN;
+        } else if (strcmp(a, "--config-reference") == 0) {
+            char *md = moed_cfg_reference_md();
+            if (!md) {
+                fprintf(stderr, "moed: out of memory\n");
+                return EXIT_RUNTIME;
+            }
+            fputs(md, stdout);
+            free(md);
+            return EXIT_CLEAN;
+        } else if ((strcmp(a, "--config") == 0 || strcmp(a, "--check-config") == 0) && i + 1 < argc) {
+            if (strcmp(a, "--config") == 0)
+                config_path = argv[++i];
+            else
+                check_path = argv[++i];
+        } else if (strncmp(a, "--config=", 9) == 0) {
+            config_path = a + 9;
+        } else if (strncmp(a, "--check-config=", 15) == 0) {
+            check_path = a + 15;
+        } else {
+            fprintf(stderr, "moed: %s '%s'\n",
+                    (strcmp(a, "--config") == 0 || strcmp(a, "--check-config") == 0)
+                        ? "missing FILE after"
+                        : "unknown argument",
+                    a);
+            usage(stderr);
+            return EXIT_USAGE;
+        }
+    }
+
+    struct moed_cfg *cfg = calloc(1, sizeof *cfg);
+    if (!cfg) {
+        fprintf(stderr, "moed: out of memory\n");
+        return EXIT_RUNTIME;
+    }
+    int code = EXIT_CLEAN;
+    if (check_path) {
+        if (moed_cfg_load(check_path, cfg, err, sizeof err) < 0) {
+            fprintf(stderr, "%s\n", err);
+            code = EXIT_USAGE;
+        } else {
+            char *js = moed_cfg_to_json(cfg);
+            if (js) {
+                fputs(js, stdout);
+                if (js[0] && js[strlen(js) - 1] != '\n')
+                    fputc('\n', stdout);
+            }
+            code = js ? EXIT_CLEAN : EXIT_RUNTIME;
+            free(js);
+        }
+        goto out;
+    }
+    if (config_path) {
+        if (moed_cfg_load(config_path, cfg, err, sizeof err) < 0) {
+            fprintf(stderr, "moed: %s\n", err);
+            code = EXIT_USAGE;
+            goto out;
+        }
+    } else {
+        moed_cfg_defaults(cfg);
+    }
+    moed_log_set_level((enum moed_log_level)cfg->log_level);
+    LOG_I("moed %s starting (config %s)", MOED_VERSION, config_path ? config_path : "built-in defaults");
+    code = run_daemon(cfg);
+out:
+    free(cfg);
+    return code;
+}

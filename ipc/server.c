@@ -1,0 +1,907 @@
+/* server.c - libuv Unix-socket server: accept, peer check, framing, limits.
+ *
+ * Per connection (struct moed_conn):
+ *   - a read buffer buf[off..len) that grows on demand, never beyond
+ *     32 + max_frame_bytes (the largest frame we accept);
+ *   - `skip`: bytes of a rejected frame (unknown type, valid header) still to
+ *     discard, so the stream stays in sync;
+ *   - `pending`: FORWARD requests handed to the engine and not yet answered;
+ *     at max_pending_per_client we stop parsing and reading until replies
+ *     drain (TCP-style backpressure onto the client);
+ *   - the write queue (uv_stream_get_write_queue_size): over
+ *     max_client_buffer_bytes we stop reading; if it does not drain within
+ *     frame_timeout_ms the client is disconnected;
+ *   - one timer: the frame deadline (runs only while we read and a frame is
+ *     incomplete: started at the frame's first byte) or the drain deadline.
+ *
+ * Closing is Redis-style: conn_close() only marks the connection and queues
+ * it; an idle handle closes it on a later loop pass, so no callback ever sees
+ * its own connection freed under it. Memory is freed when both handles are
+ * closed and the engine has answered every FORWARD it took (pending == 0).
+ */
+#include "server.h"
+
+#include <errno.h>
+#include <grp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "moed_err.h"
+#include "moed_log.h"
+
+#define CONN_BUF_INITIAL (64u * 1024u) /* first read buffer; grows to 32 + max_frame_bytes */
+#define CLOSE_GRACE_MS 2000u           /* max wait for queued replies when closing */
+#define LISTEN_BACKLOG 128
+
+enum timer_mode { TIMER_NONE = 0, TIMER_FRAME, TIMER_DRAIN, TIMER_CLOSE };
+
+struct moed_conn {
+    uv_pipe_t pipe;
+    uv_timer_t timer;
+    uv_shutdown_t shutdown_req;
+    struct moed_server *srv;
+    uint64_t id;
+    uint8_t *buf;
+    size_t cap, off, len;
+    uint64_t skip;
+    uint32_t pending;
+    int handles_open;     /* pipe + timer still not closed */
+    enum timer_mode tmode;
+    unsigned reading : 1;
+    unsigned closing : 1; /* marked: no more reads, replies dropped */
+    unsigned graceful : 1;/* flush queued writes before closing */
+    unsigned queued : 1;  /* on the srv close list */
+    unsigned closed : 1;  /* uv_close called */
+    unsigned eof : 1;
+    unsigned wpaused : 1; /* write queue over the limit */
+    unsigned counted : 1; /* counted in srv->n_clients */
+    struct moed_conn *prev, *next;   /* srv->conns */
+    struct moed_conn *close_next;    /* srv->close_list */
+};
+
+struct moed_server {
+    uv_loop_t *loop;
+    struct moed_cfg cfg;
+    const struct moed_server_ops *ops;
+    void *ctx;
+    struct moed_stats *stats;
+    uv_pipe_t listener;
+    uv_idle_t closer;
+    int listening;
+    int closer_active;
+    int n_handles; /* listener + closer still open */
+    uint32_t n_clients;
+    uint64_t next_id;
+    struct moed_conn *conns;
+    struct moed_conn *close_list;
+    int closing;
+    void (*done)(void *arg);
+    void *done_arg;
+};
+
+struct write_req {
+    uv_write_t req;
+    uint8_t *data;
+    struct moed_conn *c;
+};
+
+static void conn_process(struct moed_conn *c);
+static void conn_update(struct moed_conn *c);
+static void conn_close(struct moed_conn *c, int graceful);
+static void server_maybe_done(struct moed_server *srv);
+
+/* ---- frames and writes ------------------------------------------------ */
+
+uint8_t *moed_server_error_frame(uint64_t request_id, int code, const char *msg, size_t *len)
+{
+    size_t mlen = msg ? strlen(msg) : 0;
+    if (mlen > MOED_PROTO_MAX_ERRMSG)
+        mlen = MOED_PROTO_MAX_ERRMSG;
+    size_t n = MOED_PROTO_HDR_SIZE + sizeof(struct moed_error_rep) + mlen;
+    uint8_t *f = malloc(n);
+    if (!f)
+        return NULL;
+    moed_frame_encode(f, MOED_MSG_ERROR | MOED_PROTO_REPLY, request_id,
+                      sizeof(struct moed_error_rep) + mlen);
+    struct moed_error_rep er = {.code = code, .msg_len = (uint32_t)mlen};
+    memcpy(f + MOED_PROTO_HDR_SIZE, &er, sizeof er);
+    if (mlen)
+        memcpy(f + MOED_PROTO_HDR_SIZE + sizeof er, msg, mlen);
+    *len = n;
+    return f;
+}
+
+static void on_write(uv_write_t *req, int status)
+{
+    struct write_req *wr = (struct write_req *)req;
+    struct moed_conn *c = wr->c;
+    free(wr->data);
+    free(wr);
+    if (status < 0 && status != UV_ECANCELED && !c->closing) {
+        LOG_D("client %llu: write failed: %s", (unsigned long long)c->id, uv_strerror(status));
+        conn_close(c, 0);
+        return;
+    }
+    if (c->wpaused && !c->closing &&
+        uv_stream_get_write_queue_size((uv_stream_t *)&c->pipe) <= c->srv->cfg.max_client_buffer_bytes) {
+        c->wpaused = 0;
+        if (c->tmode == TIMER_DRAIN) {
+            uv_timer_stop(&c->timer);
+            c->tmode = TIMER_NONE;
+        }
+        conn_process(c);
+    }
+}
+
+/* Queue a whole frame; takes ownership of `data`. */
+static void conn_write(struct moed_conn *c, uint8_t *data, size_t len)
+{
+    if (c->closed || (c->closing && !c->graceful)) {
+        free(data);
+        return;
+    }
+    struct write_req *wr = malloc(sizeof *wr);
+    if (!wr) {
+        free(data);
+        conn_close(c, 0);
+        return;
+    }
+    wr->data = data;
+    wr->c = c;
+    uv_buf_t b = uv_buf_init((char *)data, (unsigned)len);
+    int rc = uv_write(&wr->req, (uv_stream_t *)&c->pipe, &b, 1, on_write);
+    if (rc < 0) {
+        free(data);
+        free(wr);
+        if (!c->closing)
+            conn_close(c, 0);
+        return;
+    }
+    if (!c->closing &&
+        uv_stream_get_write_queue_size((uv_stream_t *)&c->pipe) > c->srv->cfg.max_client_buffer_bytes &&
+        !c->wpaused) {
+        c->wpaused = 1;
+        conn_update(c);
+    }
+}
+
+static void conn_send_error(struct moed_conn *c, uint64_t request_id, int code, const char *msg)
+{
+    struct moed_server *srv = c->srv;
+    if (code < 0 && -code < MOED_E__COUNT)
+        srv->stats->errors[-code]++;
+    LOG_D("client %llu: error %s (request %llu): %s", (unsigned long long)c->id,
+          moed_errname(code), (unsigned long long)request_id, msg);
+    size_t len;
+    uint8_t *f = moed_server_error_frame(request_id, code, msg, &len);
+    if (f)
+        conn_write(c, f, len);
+}
+
+static void conn_send(struct moed_conn *c, uint16_t type, uint64_t request_id, const void *payload,
+                      size_t plen)
+{
+    uint8_t *f = malloc(MOED_PROTO_HDR_SIZE + plen);
+    if (!f) {
+        conn_close(c, 0);
+        return;
+    }
+    moed_frame_encode(f, type | MOED_PROTO_REPLY, request_id, plen);
+    if (plen)
+        memcpy(f + MOED_PROTO_HDR_SIZE, payload, plen);
+    conn_write(c, f, MOED_PROTO_HDR_SIZE + plen);
+}
+
+/* ---- closing ------------------------------------------------------------ */
+
+static void conn_free_if_done(struct moed_conn *c)
+{
+    if (c->handles_open > 0 || c->pending > 0 || !c->closed)
+        return;
+    struct moed_server *srv = c->srv;
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        srv->conns = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    free(c->buf);
+    free(c);
+    server_maybe_done(srv);
+}
+
+static void on_conn_handle_closed(uv_handle_t *h)
+{
+    struct moed_conn *c = h->data;
+    c->handles_open--;
+    conn_free_if_done(c);
+}
+
+static void conn_close_now(struct moed_conn *c)
+{
+    if (c->closed)
+        return;
+    c->closed = 1;
+    uv_close((uv_handle_t *)&c->pipe, on_conn_handle_closed);
+    uv_close((uv_handle_t *)&c->timer, on_conn_handle_closed);
+}
+
+static void on_shutdown(uv_shutdown_t *req, int status)
+{
+    (void)status;
+    conn_close_now(req->data);
+}
+
+static void on_close_grace(uv_timer_t *t)
+{
+    conn_close_now(t->data);
+}
+
+/* Runs on a later loop pass than the one that marked the connections. */
+static void on_closer(uv_idle_t *h)
+{
+    struct moed_server *srv = h->data;
+    struct moed_conn *list = srv->close_list;
+    srv->close_list = NULL;
+    uv_idle_stop(&srv->closer);
+    srv->closer_active = 0;
+    for (struct moed_conn *c = list, *nx; c; c = nx) {
+        nx = c->close_next;
+        c->queued = 0;
+        if (c->closed)
+            continue;
+        if (c->graceful && uv_stream_get_write_queue_size((uv_stream_t *)&c->pipe) > 0) {
+            /* Let the queued replies (often the ERROR frame explaining the
+             * close) reach the client, but never wait more than the grace. */
+            c->shutdown_req.data = c;
+            if (uv_shutdown(&c->shutdown_req, (uv_stream_t *)&c->pipe, on_shutdown) == 0) {
+                uv_timer_stop(&c->timer);
+                c->tmode = TIMER_CLOSE;
+                uv_timer_start(&c->timer, on_close_grace, CLOSE_GRACE_MS, 0);
+                continue;
+            }
+        }
+        conn_close_now(c);
+    }
+}
+
+static void conn_close(struct moed_conn *c, int graceful)
+{
+    struct moed_server *srv = c->srv;
+    if (c->closing) {
+        if (!graceful)
+            c->graceful = 0;
+        return;
+    }
+    c->closing = 1;
+    c->graceful = graceful ? 1 : 0;
+    if (c->reading) {
+        uv_read_stop((uv_stream_t *)&c->pipe);
+        c->reading = 0;
+    }
+    uv_timer_stop(&c->timer);
+    c->tmode = TIMER_NONE;
+    if (c->counted) {
+        c->counted = 0;
+        srv->n_clients--;
+        srv->stats->clients = srv->n_clients;
+    }
+    if (!c->queued) {
+        c->queued = 1;
+        c->close_next = srv->close_list;
+        srv->close_list = c;
+    }
+    if (!srv->closer_active) {
+        srv->closer_active = 1;
+        uv_idle_start(&srv->closer, on_closer);
+    }
+}
+
+/* ---- timers and read state --------------------------------------------- */
+
+static void on_conn_timer(uv_timer_t *t)
+{
+    struct moed_conn *c = t->data;
+    enum timer_mode m = c->tmode;
+    c->tmode = TIMER_NONE;
+    if (c->closing)
+        return;
+    char msg[160];
+    if (m == TIMER_FRAME) {
+        uint64_t rid = 0;
+        if (c->len - c->off >= MOED_PROTO_HDR_SIZE) {
+            struct moed_frame_hdr h;
+            memcpy(&h, c->buf + c->off, sizeof h);
+            rid = h.request_id;
+        }
+        snprintf(msg, sizeof msg,
+                 "frame not complete within %u ms (server.frame_timeout_ms); %zu bytes received",
+                 c->srv->cfg.frame_timeout_ms, c->len - c->off);
+        conn_send_error(c, rid, MOED_E_TIMEOUT, msg);
+        conn_close(c, 1);
+    } else if (m == TIMER_DRAIN) {
+        LOG_W("client %llu: %zu reply bytes not read within %u ms; disconnecting",
+              (unsigned long long)c->id, uv_stream_get_write_queue_size((uv_stream_t *)&c->pipe),
+              c->srv->cfg.frame_timeout_ms);
+        conn_close(c, 0);
+    }
+}
+
+static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *out)
+{
+    (void)suggested;
+    struct moed_conn *c = h->data;
+    size_t limit = MOED_PROTO_HDR_SIZE + (size_t)c->srv->cfg.max_frame_bytes;
+    if (c->off > 0 && c->off == c->len)
+        c->off = c->len = 0;
+    if (c->len == c->cap && c->cap < limit) {
+        size_t ncap = c->cap ? c->cap * 2 : CONN_BUF_INITIAL;
+        if (ncap > limit)
+            ncap = limit;
+        uint8_t *nb = realloc(c->buf, ncap);
+        if (nb) {
+            c->buf = nb;
+            c->cap = ncap;
+        }
+    }
+    /* A full buffer (only possible on allocation failure) gives UV_ENOBUFS. */
+    *out = uv_buf_init((char *)c->buf + c->len, (unsigned)(c->cap - c->len));
+}
+
+static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *b)
+{
+    (void)b;
+    struct moed_conn *c = s->data;
+    if (nread == 0)
+        return;
+    if (nread < 0) {
+        if (c->closing)
+            return;
+        if (nread == UV_EOF) {
+            c->eof = 1;
+            if (c->reading) {
+                uv_read_stop(s);
+                c->reading = 0;
+            }
+            size_t have = c->len - c->off;
+            if (have > 0 || c->skip > 0) {
+                char msg[160];
+                snprintf(msg, sizeof msg, "connection closed mid-frame (%zu bytes of a frame received)",
+                         have);
+                conn_send_error(c, 0, MOED_E_PROTO, msg);
+                conn_close(c, 1);
+            } else if (c->pending == 0) {
+                conn_close(c, 1);
+            }
+            /* else: the client half-closed; answer what it sent, then close. */
+            return;
+        }
+        if (nread == UV_ENOBUFS) {
+            conn_send_error(c, 0, MOED_E_NOMEM, "out of memory for the read buffer");
+            conn_close(c, 1);
+            return;
+        }
+        LOG_D("client %llu: read: %s", (unsigned long long)c->id, uv_strerror((int)nread));
+        conn_close(c, 0);
+        return;
+    }
+    c->len += (size_t)nread;
+    conn_process(c);
+}
+
+/* Start or stop reading and the timer to match the connection's state. */
+static void conn_update(struct moed_conn *c)
+{
+    if (c->closing)
+        return;
+    struct moed_server *srv = c->srv;
+    int want = !c->eof && !c->wpaused && c->pending < srv->cfg.max_pending_per_client;
+    if (want && !c->reading) {
+        if (uv_read_start((uv_stream_t *)&c->pipe, on_alloc, on_read) == 0)
+            c->reading = 1;
+    } else if (!want && c->reading) {
+        uv_read_stop((uv_stream_t *)&c->pipe);
+        c->reading = 0;
+    }
+    enum timer_mode m = TIMER_NONE;
+    if (c->wpaused)
+        m = TIMER_DRAIN;
+    else if (c->reading && (c->len > c->off || c->skip > 0))
+        m = TIMER_FRAME;
+    if (m == c->tmode)
+        return;
+    uv_timer_stop(&c->timer);
+    c->tmode = m;
+    if (m != TIMER_NONE)
+        uv_timer_start(&c->timer, on_conn_timer, srv->cfg.frame_timeout_ms, 0);
+}
+
+/* ---- frame handling ------------------------------------------------------ */
+
+static void handle_hello(struct moed_conn *c, const struct moed_frame_hdr *h, const uint8_t *p)
+{
+    struct moed_server *srv = c->srv;
+    if (h->payload_len != sizeof(struct moed_hello_req) && h->payload_len != 0) {
+        char msg[128];
+        snprintf(msg, sizeof msg, "HELLO payload is %llu bytes; expected %zu",
+                 (unsigned long long)h->payload_len, sizeof(struct moed_hello_req));
+        conn_send_error(c, h->request_id, MOED_E_INVAL, msg);
+        return;
+    }
+    if (h->payload_len == sizeof(struct moed_hello_req)) {
+        struct moed_hello_req rq;
+        memcpy(&rq, p, sizeof rq);
+        if (rq.min_version > MOED_PROTO_VERSION || rq.max_version < MOED_PROTO_VERSION) {
+            char msg[128];
+            snprintf(msg, sizeof msg, "client speaks versions %u..%u; this daemon speaks %u",
+                     rq.min_version, rq.max_version, MOED_PROTO_VERSION);
+            conn_send_error(c, h->request_id, MOED_E_VERSION, msg);
+            return;
+        }
+    }
+    struct moed_hello_rep rep;
+    memset(&rep, 0, sizeof rep);
+    srv->ops->hello(srv->ctx, &rep);
+    rep.version = MOED_PROTO_VERSION;
+    conn_send(c, MOED_MSG_HELLO, h->request_id, &rep, sizeof rep);
+}
+
+static void handle_frame(struct moed_conn *c, const struct moed_frame_hdr *h, const uint8_t *p)
+{
+    struct moed_server *srv = c->srv;
+    char msg[MOED_ERRLEN];
+    switch (h->type) {
+    case MOED_MSG_HELLO:
+        handle_hello(c, h, p);
+        return;
+    case MOED_MSG_PING:
+        if (h->payload_len > MOED_PROTO_MAX_PING) {
+            snprintf(msg, sizeof msg, "PING payload is %llu bytes; at most %d allowed",
+                     (unsigned long long)h->payload_len, MOED_PROTO_MAX_PING);
+            conn_send_error(c, h->request_id, MOED_E_INVAL, msg);
+            return;
+        }
+        conn_send(c, MOED_MSG_PING, h->request_id, p, (size_t)h->payload_len);
+        return;
+    case MOED_MSG_STATUS: {
+        char *js = srv->ops->status_json(srv->ctx);
+        if (!js) {
+            conn_send_error(c, h->request_id, MOED_E_NOMEM, "out of memory rendering the status");
+            return;
+        }
+        conn_send(c, MOED_MSG_STATUS, h->request_id, js, strlen(js));
+        free(js);
+        return;
+    }
+    case MOED_MSG_FORWARD: {
+        msg[0] = 0;
+        c->pending++;
+        int rc = srv->ops->forward(srv->ctx, c, h->request_id, p, h->payload_len, msg, sizeof msg);
+        if (rc < 0) {
+            c->pending--;
+            conn_send_error(c, h->request_id, rc, msg[0] ? msg : moed_strerror(rc));
+        }
+        return;
+    }
+    case MOED_MSG_REGISTER_BUF:
+    case MOED_MSG_UNREGISTER_BUF:
+        snprintf(msg, sizeof msg,
+                 "message type %u (buffer registration) is not supported by protocol version %d",
+                 h->type, MOED_PROTO_VERSION);
+        conn_send_error(c, h->request_id, MOED_E_UNSUPPORTED, msg);
+        return;
+    default:
+        snprintf(msg, sizeof msg, "unknown message type %u (0x%04x)", h->type, h->type);
+        conn_send_error(c, h->request_id, MOED_E_TYPE, msg);
+        return;
+    }
+}
+
+/* Describe a framing error from what the parser saw. */
+static void framing_message(const struct moed_conn *c, int rc, const struct moed_frame_hdr *h,
+                            size_t have, char *msg, size_t len)
+{
+    const uint8_t *p = c->buf + c->off;
+    uint32_t magic = 0;
+    memcpy(&magic, p, have < 4 ? have : 4);
+    if (rc == MOED_E_TOOBIG) {
+        snprintf(msg, len, "payload_len %llu is over the limit %llu (server.max_frame_bytes)",
+                 (unsigned long long)h->payload_len, (unsigned long long)c->srv->cfg.max_frame_bytes);
+    } else if (rc == MOED_E_VERSION) {
+        snprintf(msg, len, "protocol version %u not supported (this daemon speaks %d)", h->version,
+                 MOED_PROTO_VERSION);
+    } else if (rc == MOED_E_TYPE) {
+        snprintf(msg, len, "unknown message type %u (0x%04x)", h->type, h->type);
+    } else if (have >= 4 && magic != MOED_PROTO_MAGIC) {
+        snprintf(msg, len, "bad magic 0x%08x (expected 0x%08x \"MOED\")", magic, MOED_PROTO_MAGIC);
+    } else if (have >= MOED_PROTO_HDR_SIZE && (h->flags != 0 || h->reserved != 0)) {
+        snprintf(msg, len, "flags 0x%x / reserved 0x%x must be 0 in version %d", h->flags,
+                 h->reserved, MOED_PROTO_VERSION);
+    } else {
+        snprintf(msg, len, "malformed frame header (%s)", moed_strerror(rc));
+    }
+}
+
+/* Parse and handle every complete frame in the buffer, as far as the limits
+ * allow; then compact the buffer and update the read state. */
+static void conn_process(struct moed_conn *c)
+{
+    struct moed_server *srv = c->srv;
+    while (!c->closing) {
+        size_t have = c->len - c->off;
+        if (c->skip > 0) {
+            size_t n = have < c->skip ? have : (size_t)c->skip;
+            c->off += n;
+            c->skip -= n;
+            if (c->skip > 0)
+                break;
+            uv_timer_stop(&c->timer); /* the skipped frame is complete */
+            c->tmode = TIMER_NONE;
+            continue;
+        }
+        if (have == 0 || c->pending >= srv->cfg.max_pending_per_client || c->wpaused)
+            break;
+        struct moed_frame_hdr h;
+        memset(&h, 0, sizeof h);
+        int rc = moed_frame_parse(c->buf + c->off, have, srv->cfg.max_frame_bytes, &h);
+        if (rc == MOED_PARSE_NEED_MORE)
+            break;
+        if (rc < 0) {
+            char msg[256];
+            int full = have >= MOED_PROTO_HDR_SIZE;
+            if (rc == MOED_E_TYPE && full && h.magic == MOED_PROTO_MAGIC &&
+                h.payload_len <= srv->cfg.max_frame_bytes) {
+                /* Request-level: the header is sound, so skip its payload and
+                 * keep the connection. */
+                framing_message(c, rc, &h, have, msg, sizeof msg);
+                conn_send_error(c, h.request_id, MOED_E_TYPE, msg);
+                c->skip = MOED_PROTO_HDR_SIZE + h.payload_len;
+                continue;
+            }
+            /* The stream cannot be resynchronised: answer and close. */
+            if (rc == MOED_E_TYPE)
+                rc = MOED_E_PROTO;
+            framing_message(c, rc, &h, have, msg, sizeof msg);
+            conn_send_error(c, full ? h.request_id : 0, rc, msg);
+            conn_close(c, 1);
+            break;
+        }
+        /* Complete frame. */
+        uv_timer_stop(&c->timer);
+        c->tmode = TIMER_NONE;
+        size_t flen = MOED_PROTO_HDR_SIZE + (size_t)h.payload_len;
+        handle_frame(c, &h, c->buf + c->off + MOED_PROTO_HDR_SIZE);
+        c->off += flen;
+    }
+    if (c->off == c->len) {
+        c->off = c->len = 0;
+    } else if (c->off > 0 && !c->closing) {
+        memmove(c->buf, c->buf + c->off, c->len - c->off);
+        c->len -= c->off;
+        c->off = 0;
+    }
+    if (c->closing)
+        return;
+    /* A known header: make room for the whole frame now, so the next reads
+     * fill it without repeated doubling. */
+    size_t have = c->len;
+    if (have >= MOED_PROTO_HDR_SIZE && c->skip == 0) {
+        struct moed_frame_hdr h;
+        memcpy(&h, c->buf, sizeof h);
+        size_t need = MOED_PROTO_HDR_SIZE + (size_t)h.payload_len;
+        if (h.payload_len <= srv->cfg.max_frame_bytes && need > c->cap) {
+            uint8_t *nb = realloc(c->buf, need);
+            if (nb) {
+                c->buf = nb;
+                c->cap = need;
+            }
+        }
+    }
+    if (c->eof && c->pending == 0) {
+        conn_close(c, 1);
+        return;
+    }
+    conn_update(c);
+}
+
+/* ---- engine-facing replies ----------------------------------------------- */
+
+static void conn_request_done(struct moed_conn *c)
+{
+    c->pending--;
+    if (c->closing) {
+        conn_free_if_done(c);
+        return;
+    }
+    if (c->eof && c->pending == 0) {
+        conn_close(c, 1);
+        return;
+    }
+    /* Below the pending limit again: frames already buffered come first. */
+    if (c->pending + 1 == c->srv->cfg.max_pending_per_client)
+        conn_process(c);
+}
+
+void moed_server_reply(struct moed_conn *c, uint8_t *frame, size_t len)
+{
+    if (c->closing || !frame)
+        free(frame); /* client gone: the reply is dropped */
+    else
+        conn_write(c, frame, len);
+    conn_request_done(c);
+}
+
+void moed_server_reply_error(struct moed_conn *c, uint64_t request_id, int code, const char *msg)
+{
+    if (!c->closing)
+        conn_send_error(c, request_id, code, msg);
+    else if (code < 0 && -code < MOED_E__COUNT)
+        c->srv->stats->errors[-code]++;
+    conn_request_done(c);
+}
+
+int moed_server_conn_gone(const struct moed_conn *c) { return c->closing; }
+
+/* ---- accept ---------------------------------------------------------------- */
+
+static int peer_allowed(const struct moed_server *srv, uid_t uid, gid_t gid)
+{
+    /* The daemon's own uid and root are always allowed (the operator must be
+     * able to run moectl); the lists add more. */
+    if (uid == 0 || uid == geteuid())
+        return 1;
+    for (uint32_t i = 0; i < srv->cfg.n_allowed_uids; i++)
+        if (srv->cfg.allowed_uids[i] == uid)
+            return 1;
+    for (uint32_t i = 0; i < srv->cfg.n_allowed_gids; i++)
+        if (srv->cfg.allowed_gids[i] == gid)
+            return 1;
+    return 0;
+}
+
+static void on_connection(uv_stream_t *ls, int status)
+{
+    struct moed_server *srv = ls->data;
+    if (status < 0) {
+        LOG_W("accept: %s", uv_strerror(status));
+        return;
+    }
+    struct moed_conn *c = calloc(1, sizeof *c);
+    if (!c) {
+        LOG_E("accept: out of memory");
+        return;
+    }
+    c->srv = srv;
+    c->id = ++srv->next_id;
+    uv_pipe_init(srv->loop, &c->pipe, 0);
+    uv_timer_init(srv->loop, &c->timer);
+    c->pipe.data = c;
+    c->timer.data = c;
+    c->handles_open = 2;
+    c->next = srv->conns;
+    if (srv->conns)
+        srv->conns->prev = c;
+    srv->conns = c;
+    if (uv_accept(ls, (uv_stream_t *)&c->pipe) < 0) {
+        c->closing = 1;
+        conn_close_now(c);
+        return;
+    }
+    uv_os_fd_t fd;
+    struct ucred cred = {0};
+    socklen_t clen = sizeof cred;
+    if (uv_fileno((uv_handle_t *)&c->pipe, &fd) < 0 ||
+        getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) < 0) {
+        LOG_W("client %llu: SO_PEERCRED failed: %s", (unsigned long long)c->id, strerror(errno));
+        c->closing = 1;
+        conn_close_now(c);
+        return;
+    }
+    char msg[160];
+    if (!peer_allowed(srv, cred.uid, cred.gid)) {
+        srv->stats->clients_refused++;
+        snprintf(msg, sizeof msg, "peer uid %u gid %u is not allowed (server.allowed_uids/allowed_gids)",
+                 (unsigned)cred.uid, (unsigned)cred.gid);
+        LOG_W("client %llu (pid %d): %s", (unsigned long long)c->id, (int)cred.pid, msg);
+        conn_send_error(c, 0, MOED_E_PERM, msg);
+        conn_close(c, 1);
+        return;
+    }
+    if (srv->n_clients >= srv->cfg.max_clients) {
+        srv->stats->clients_refused++;
+        snprintf(msg, sizeof msg, "too many clients (limit %u)", srv->cfg.max_clients);
+        LOG_W("client %llu (pid %d): %s", (unsigned long long)c->id, (int)cred.pid, msg);
+        conn_send_error(c, 0, MOED_E_BUSY, msg);
+        conn_close(c, 1);
+        return;
+    }
+    c->counted = 1;
+    srv->n_clients++;
+    srv->stats->clients = srv->n_clients;
+    srv->stats->clients_total++;
+    LOG_D("client %llu connected (pid %d uid %u)", (unsigned long long)c->id, (int)cred.pid,
+          (unsigned)cred.uid);
+    conn_update(c);
+}
+
+/* ---- open / close ------------------------------------------------------------ */
+
+/* Refuse a non-socket at the path; replace a stale socket only if nothing
+ * listens on it. */
+static int prepare_path(const char *path, char *err, size_t errlen)
+{
+    struct stat st;
+    if (lstat(path, &st) < 0) {
+        if (errno == ENOENT)
+            return 0;
+        return moed_seterr(err, errlen, MOED_E_IO, "server.socket %s: stat: %s", path,
+                           strerror(errno));
+    }
+    if (!S_ISSOCK(st.st_mode))
+        return moed_seterr(err, errlen, MOED_E_IO,
+                           "server.socket %s exists and is not a socket; refusing to replace it",
+                           path);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return moed_seterr(err, errlen, MOED_E_IO, "socket(): %s", strerror(errno));
+    struct sockaddr_un sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sun_family = AF_UNIX;
+    memcpy(sa.sun_path, path, strlen(path));
+    int rc = connect(fd, (struct sockaddr *)&sa, sizeof sa);
+    int e = errno;
+    close(fd);
+    if (rc == 0)
+        return moed_seterr(err, errlen, MOED_E_IO, "another moed is listening on %s", path);
+    if (e != ECONNREFUSED)
+        return moed_seterr(err, errlen, MOED_E_IO, "server.socket %s: probing the old socket: %s",
+                           path, strerror(e));
+    LOG_I("removing stale socket %s (nothing listens on it)", path);
+    if (unlink(path) < 0 && errno != ENOENT)
+        return moed_seterr(err, errlen, MOED_E_IO, "server.socket %s: unlink stale socket: %s", path,
+                           strerror(errno));
+    return 0;
+}
+
+static int apply_group(const char *path, const char *group, char *err, size_t errlen)
+{
+    if (!group[0])
+        return 0;
+    struct group gr, *res = NULL;
+    char buf[4096];
+    gid_t gid;
+    int rc = getgrnam_r(group, &gr, buf, sizeof buf, &res);
+    if (rc == 0 && res) {
+        gid = res->gr_gid;
+    } else {
+        char *end;
+        unsigned long v = strtoul(group, &end, 10);
+        if (*end || end == group)
+            return moed_seterr(err, errlen, MOED_E_CONFIG, "server.socket_group: no group named '%s'",
+                               group);
+        gid = (gid_t)v;
+    }
+    if (chown(path, (uid_t)-1, gid) < 0)
+        return moed_seterr(err, errlen, MOED_E_IO, "server.socket_group: chgrp %s to %s: %s", path,
+                           group, strerror(errno));
+    return 0;
+}
+
+static void on_server_handle_closed(uv_handle_t *h)
+{
+    struct moed_server *srv = h->data;
+    srv->n_handles--;
+    server_maybe_done(srv);
+}
+
+int moed_server_open(uv_loop_t *loop, const struct moed_cfg *cfg, const struct moed_server_ops *ops,
+                     void *ctx, struct moed_stats *stats, struct moed_server **out, char *err,
+                     size_t errlen)
+{
+    int rc;
+    *out = NULL;
+    size_t plen = strnlen(cfg->socket_path, sizeof cfg->socket_path);
+    if (plen == 0 || plen > MOED_SOCKET_PATH_MAX)
+        return moed_seterr(err, errlen, MOED_E_CONFIG,
+                           "server.socket: path is %zu bytes; must be 1..%d (sun_path)", plen,
+                           MOED_SOCKET_PATH_MAX);
+    if (cfg->max_clients == 0 || cfg->max_pending_per_client == 0 || cfg->frame_timeout_ms == 0)
+        return moed_seterr(err, errlen, MOED_E_CONFIG,
+                           "server: max_clients, max_pending_per_client and frame_timeout_ms must be > 0");
+    rc = prepare_path(cfg->socket_path, err, errlen);
+    if (rc < 0)
+        return rc;
+    struct moed_server *srv = calloc(1, sizeof *srv);
+    if (!srv)
+        return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
+    srv->loop = loop;
+    srv->cfg = *cfg;
+    srv->ops = ops;
+    srv->ctx = ctx;
+    srv->stats = stats;
+    uv_pipe_init(loop, &srv->listener, 0);
+    srv->listener.data = srv;
+    uv_idle_init(loop, &srv->closer);
+    srv->closer.data = srv;
+    srv->n_handles = 2;
+    /* The socket is created with the configured mode (umask), then chmod'ed
+     * in case the umask was not enough (e.g. 0666 under a 022 umask). */
+    mode_t old = umask((mode_t)(~cfg->socket_mode & 0777));
+    rc = uv_pipe_bind(&srv->listener, cfg->socket_path);
+    umask(old);
+    if (rc < 0) {
+        rc = moed_seterr(err, errlen, MOED_E_IO, "server.socket %s: bind: %s", cfg->socket_path,
+                         uv_strerror(rc));
+        goto fail_handles;
+    }
+    if (chmod(cfg->socket_path, (mode_t)cfg->socket_mode) < 0) {
+        rc = moed_seterr(err, errlen, MOED_E_IO, "server.socket %s: chmod %o: %s", cfg->socket_path,
+                         cfg->socket_mode, strerror(errno));
+        goto fail_unlink;
+    }
+    rc = apply_group(cfg->socket_path, cfg->socket_group, err, errlen);
+    if (rc < 0)
+        goto fail_unlink;
+    rc = uv_listen((uv_stream_t *)&srv->listener, LISTEN_BACKLOG, on_connection);
+    if (rc < 0) {
+        rc = moed_seterr(err, errlen, MOED_E_IO, "server.socket %s: listen: %s", cfg->socket_path,
+                         uv_strerror(rc));
+        goto fail_unlink;
+    }
+    srv->listening = 1;
+    LOG_I("listening on %s (mode %04o%s%s)", cfg->socket_path, cfg->socket_mode,
+          cfg->socket_group[0] ? ", group " : "", cfg->socket_group);
+    *out = srv;
+    return 0;
+
+fail_unlink:
+    unlink(cfg->socket_path);
+fail_handles:
+    /* The handles were initialised on the loop: close them, free after. */
+    srv->closing = 1;
+    srv->done = NULL;
+    srv->n_handles = 2;
+    uv_close((uv_handle_t *)&srv->listener, on_server_handle_closed);
+    uv_close((uv_handle_t *)&srv->closer, on_server_handle_closed);
+    return rc;
+}
+
+void moed_server_stop_listening(struct moed_server *srv)
+{
+    if (!srv->listening)
+        return;
+    srv->listening = 0;
+    uv_close((uv_handle_t *)&srv->listener, on_server_handle_closed);
+    if (unlink(srv->cfg.socket_path) < 0 && errno != ENOENT)
+        LOG_W("unlink %s: %s", srv->cfg.socket_path, strerror(errno));
+}
+
+static void server_maybe_done(struct moed_server *srv)
+{
+    if (!srv->closing || srv->n_handles > 0 || srv->conns)
+        return;
+    void (*done)(void *) = srv->done;
+    void *arg = srv->done_arg;
+    free(srv);
+    if (done)
+        done(arg);
+}
+
+void moed_server_close(struct moed_server *srv, void (*done)(void *arg), void *arg)
+{
+    moed_server_stop_listening(srv);
+    srv->done = done;
+    srv->done_arg = arg;
+    for (struct moed_conn *c = srv->conns; c; c = c->next)
+        conn_close(c, 1);
+    /* The closer handle is closed only after it ran for the marked clients. */
+    srv->closing = 1;
+    if (srv->close_list)
+        on_closer(&srv->closer);
+    uv_close((uv_handle_t *)&srv->closer, on_server_handle_closed);
+}

@@ -1,0 +1,253 @@
+"""Helpers for the daemon tests: start the real moed binary on a temp socket,
+wait until it serves, stop it, and craft raw frames on a raw socket.
+
+Build dir from $MOED_BUILD (default "build"). Every daemon gets its own temp
+directory (config, socket, log); models are generated once per test session
+into a shared synthetic_dir (the daemon reuses a complete one).
+"""
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUILD = os.environ.get("MOED_BUILD", "build")
+if not os.path.isabs(BUILD):
+    BUILD = os.path.join(ROOT, BUILD)
+MOED = os.path.join(BUILD, "moed")
+MOECTL = os.path.join(BUILD, "moectl")
+
+MAGIC = 0x44454F4D
+VERSION = 1
+HDR = struct.Struct("<IHHIIQQ")
+REPLY = 0x8000
+MSG_HELLO, MSG_FORWARD, MSG_STATUS, MSG_PING, MSG_ERROR = 1, 2, 3, 4, 5
+MSG_REGISTER_BUF = 16
+
+E = {  # common/moed_err.h
+    "nomem": -1, "io": -2, "proto": -8, "version": -9, "type": -10, "toobig": -11,
+    "inval": -12, "busy": -13, "timeout": -14, "shutdown": -15, "backend": -16,
+    "unsupported": -17, "perm": -18,
+}
+
+# The model every daemon test uses (generated on first use by the daemon).
+SYNTH_PRESET = "tiny"
+SYNTH_LAYERS = 2
+SYNTH_SEED = 7
+SYNTH_SPEC = "synthetic:%s:layers=%d:seed=%d" % (SYNTH_PRESET, SYNTH_LAYERS, SYNTH_SEED)
+
+
+def synth_dir(synthetic_dir):
+    """Where the daemon puts the checkpoint for SYNTH_SPEC."""
+    return os.path.join(synthetic_dir, "%s-l%d-s%d" % (SYNTH_PRESET, SYNTH_LAYERS, SYNTH_SEED))
+
+
+def base_config(tmpdir, synthetic_dir, **over):
+    """A small, strict config: CPU backend, tight limits, short frame deadline."""
+    cfg = {
+        "server": {
+            "socket": os.path.join(tmpdir, "moed.sock"),
+            "socket_mode": "0660",
+            "max_clients": 40,
+            "max_pending_per_client": 32,
+            "max_frame_bytes": 1 << 20,
+            "max_client_buffer_bytes": 4 << 20,
+            "frame_timeout_ms": 300,
+        },
+        "status": {"address": "127.0.0.1", "port": 0},
+        "model": {"path": SYNTH_SPEC, "synthetic_dir": synthetic_dir},
+        "engine": {"backend": "cpu", "max_tokens": 64, "cpu_threads": 0},
+        "log": {"level": "info"},
+    }
+    for key, val in over.items():
+        sect, name = key.split("__", 1)
+        cfg.setdefault(sect, {})[name] = val
+    return cfg
+
+
+class Daemon:
+    """One moed process. Use as a context manager (always cleans up)."""
+
+    def __init__(self, tmpdir, cfg, start_timeout=120.0):
+        self.tmpdir = str(tmpdir)
+        self.cfg = cfg
+        self.sock_path = cfg["server"]["socket"]
+        self.cfg_path = os.path.join(self.tmpdir, "moed.json")
+        self.log_path = os.path.join(self.tmpdir, "moed.log")
+        self.start_timeout = start_timeout
+        self.proc = None
+        self.returncode = None
+
+    def start(self):
+        with open(self.cfg_path, "w") as f:
+            json.dump(self.cfg, f)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([MOED, "--config", self.cfg_path], stdin=subprocess.DEVNULL,
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("moed exited with %d during start-up:\n%s"
+                                   % (self.proc.returncode, self.log()))
+            if "ready: socket" in self.log():
+                return self
+            time.sleep(0.02)
+        raise RuntimeError("moed not ready after %.0fs:\n%s" % (self.start_timeout, self.log()))
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.kill()
+
+    @property
+    def pid(self):
+        return self.proc.pid
+
+    def log(self):
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def signal(self, sig=signal.SIGTERM):
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout=30.0):
+        self.returncode = self.proc.wait(timeout)
+        return self.returncode
+
+    def stop(self, timeout=30.0):
+        """SIGTERM and wait; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def kill(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        if getattr(self, "_log", None):
+            self._log.close()
+            self._log = None
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def rss_kb(self):
+        with open("/proc/%d/status" % self.proc.pid) as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+        raise RuntimeError("no VmRSS")
+
+    def http_port(self):
+        """The status port the daemon logged (config port 0 picks a free one)."""
+        for line in self.log().splitlines():
+            if "status on http://" in line:
+                return int(line.rsplit(":", 1)[1].split("/", 1)[0])
+        return None
+
+    def connect(self, timeout=10.0):
+        return raw_connect(self.sock_path, timeout)
+
+
+# ---- raw frames ----------------------------------------------------------------
+
+def raw_connect(path, timeout=10.0):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.connect(path)
+    return s
+
+
+def header(mtype, rid=0, plen=0, magic=MAGIC, version=VERSION, flags=0, reserved=0):
+    return HDR.pack(magic, version, mtype, flags, reserved, rid, plen)
+
+
+def frame(mtype, rid=0, payload=b"", **kw):
+    return header(mtype, rid, len(payload), **kw) + payload
+
+
+def recv_exact(s, n):
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise EOFError("EOF after %d of %d bytes" % (len(buf), n))
+        buf += chunk
+    return bytes(buf)
+
+
+def read_frame(s):
+    """-> (type, request_id, payload)."""
+    magic, ver, mtype, flags, res, rid, plen = HDR.unpack(recv_exact(s, 32))
+    assert magic == MAGIC and ver == VERSION, (hex(magic), ver)
+    return mtype, rid, recv_exact(s, plen)
+
+
+def parse_error(payload):
+    code, mlen = struct.unpack_from("<iI", payload)
+    msg = payload[8:8 + mlen].decode("utf-8")
+    assert len(payload) == 8 + mlen
+    return code, msg
+
+
+def expect_error(s, code, substr, rid=None):
+    """Read one frame; it must be ERROR with `code` and `substr` in its message."""
+    mtype, r, payload = read_frame(s)
+    assert mtype == MSG_ERROR | REPLY, "expected ERROR, got type 0x%04x" % mtype
+    c, msg = parse_error(payload)
+    assert c == code, "error code %d (%s), expected %d" % (c, msg, code)
+    assert substr in msg, "%r not in %r" % (substr, msg)
+    if rid is not None:
+        assert r == rid, "request id %d, expected %d" % (r, rid)
+    return msg
+
+
+def expect_closed(s, timeout=5.0):
+    """The daemon closed the connection (EOF or reset), nothing more to read."""
+    s.settimeout(timeout)
+    try:
+        data = s.recv(65536)
+    except ConnectionResetError:
+        return
+    assert data == b"", "expected EOF, got %d more bytes" % len(data)
+
+
+def hello_payload():
+    return struct.pack("<HHI", 1, 1, 0)
+
+
+def hello(s, rid=1):
+    s.sendall(frame(MSG_HELLO, rid, hello_payload()))
+    mtype, r, p = read_frame(s)
+    assert mtype == MSG_HELLO | REPLY and r == rid, (mtype, r)
+    f = struct.unpack("<HHIIIIIIIIIQ16s", p)
+    return dict(version=f[0], hidden=f[2], inter=f[3], n_experts=f[4], top_k=f[5],
+                n_shared=f[6], n_layers=f[7], first_moe_layer=f[8], max_tokens=f[9],
+                max_frame_bytes=f[11], backend=f[12].rstrip(b"\0").decode())
+
+
+def forward_payload(layer, x_bits, ids, w, n_tokens=None, top_k=None, flags=0):
+    """x_bits: bytes (bf16 little-endian [T,H]); ids int32 [T,k]; w fp32 [T,k]
+    (numpy arrays or bytes). n_tokens/top_k override the head fields."""
+    xb = bytes(x_bits)
+    ib = ids.astype("<i4").tobytes() if hasattr(ids, "astype") else bytes(ids)
+    wb = w.astype("<f4").tobytes() if hasattr(w, "astype") else bytes(w)
+    if n_tokens is None:
+        n_tokens = ids.shape[0]
+    if top_k is None:
+        top_k = ids.shape[1]
+    return struct.pack("<IIII", layer, n_tokens, top_k, flags) + xb + ib + wb
+
+
+def forward_reply(payload):
+    t, h = struct.unpack_from("<II", payload)
+    assert len(payload) == 8 + 2 * t * h
+    return t, h, payload[8:]
