@@ -46,21 +46,19 @@ float nvfp4_e4m3_decode(uint8_t code)
     return f32_from_bits(sign | ((e - 7 + 127) << 23) | (m << 20));
 }
 
-/* Magnitude index for |x| (x not NaN). The thresholds are ModelOpt's
- * _cast_fp4 bounds; at a tie the even code wins: 0.25 -> 0, 0.75 -> 1.0,
- * 1.25 -> 1.0, 1.75 -> 2.0, 2.5 -> 2.0, 3.5 -> 4.0, 5 -> 4.0. Even indices are
- * the ones with a zero mantissa bit, which is what "ties to even" means for a
- * 1-bit mantissa. */
-static inline uint8_t e2m1_index(float a)
+/* E2M1 code of x (x not NaN): the magnitude index counts the ModelOpt
+ * _cast_fp4 bounds that |x| has passed. At a tie the even index wins: 0.25 ->
+ * 0, 0.75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2.0, 2.5 -> 2.0, 3.5 -> 4.0, 5 -> 4.0
+ * (even indices have a zero mantissa bit: "ties to even" for a 1-bit
+ * mantissa), hence > for bounds below an even index and >= below an odd one.
+ * Branch-free so the quantizer's inner loop vectorizes; static so -fPIC does
+ * not block inlining. */
+static inline uint8_t e2m1_code(float x)
 {
-    if (a <= 0.25f) return 0;
-    if (a < 0.75f) return 1;
-    if (a <= 1.25f) return 2;
-    if (a < 1.75f) return 3;
-    if (a <= 2.5f) return 4;
-    if (a < 3.5f) return 5;
-    if (a <= 5.0f) return 6;
-    return 7; /* (5, inf]: saturate to 6 */
+    float a = fabsf(x);
+    int idx = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
+              (a >= 3.5f) + (a > 5.0f); /* (5, inf] saturates to 6 */
+    return (uint8_t)((signbit(x) ? 8 : 0) | idx);
 }
 
 uint8_t nvfp4_e2m1_encode(float x)
@@ -69,8 +67,7 @@ uint8_t nvfp4_e2m1_encode(float x)
      * nvfp4_quantize on finite input). */
     if (isnan(x))
         return 0;
-    uint8_t sign = signbit(x) ? 8 : 0;
-    return (uint8_t)(sign | e2m1_index(fabsf(x)));
+    return e2m1_code(x);
 }
 
 uint8_t nvfp4_e4m3_encode(float x)
@@ -150,11 +147,11 @@ static void quantize_row(const float *w, uint32_t k, float scale_2, uint8_t *pac
             memset(out, 0, NVFP4_GROUP / 2);
             continue;
         }
-        for (int i = 0; i < NVFP4_GROUP; i += 2) {
-            uint8_t lo = nvfp4_e2m1_encode(blk[i] / denom);
-            uint8_t hi = nvfp4_e2m1_encode(blk[i + 1] / denom);
-            out[i / 2] = (uint8_t)(lo | (hi << 4)); /* element 2j in the low nibble */
-        }
+        uint8_t code[NVFP4_GROUP];
+        for (int i = 0; i < NVFP4_GROUP; i++)
+            code[i] = e2m1_code(blk[i] / denom);
+        for (int i = 0; i < NVFP4_GROUP; i += 2)
+            out[i / 2] = (uint8_t)(code[i] | (code[i + 1] << 4)); /* element 2j: low nibble */
     }
 }
 
