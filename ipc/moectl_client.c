@@ -1,0 +1,770 @@
+/* moectl_client.c - `moectl status|ping|forward|bench`: the command-line
+ * client of a running daemon, built on the C client library (moed_client.h).
+ *
+ * Exit codes: 0 success, 1 the daemon or the check failed, 2 usage error.
+ */
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "model.h"
+#include "moe_ref.h"
+#include "moectl.h"
+#include "moed_client.h"
+#include "moed_err.h"
+#include "moed_log.h"
+#include "nvfp4.h"
+
+#define DEFAULT_SOCKET "/tmp/moed.sock"
+#define DEFAULT_TIMEOUT_MS 30000
+#define MAX_CONNECTIONS 1024
+#define MAX_INFLIGHT 1024
+#define MAX_DURATION_S 86400
+#define MAX_PING_COUNT 1000000
+/* Latency samples kept by bench (beyond this, requests are still counted). */
+#define MAX_SAMPLES (64u << 20)
+/* Failing rel-L2 of `forward --check`: bf16 output rounding is ~4e-3. */
+#define CHECK_REL_L2 1e-2
+
+struct opts {
+    const char *cmd;
+    const char *socket;
+    const char *model;
+    int json, check;
+    uint64_t count, layer, tokens, seed, connections, duration, inflight, timeout_ms;
+    int have_layer;
+};
+
+/* One table of options: name, which commands take it, numeric bounds. */
+enum opt_kind { OPT_FLAG, OPT_STR, OPT_U64 };
+static const struct opt_def {
+    const char *name;
+    enum opt_kind kind;
+    const char *cmds; /* space-separated commands that accept it */
+    uint64_t min, max;
+    size_t off;
+    const char *help;
+} opt_table[] = {
+    {"--socket", OPT_STR, "status ping forward bench", 0, 0, offsetof(struct opts, socket),
+     "daemon socket (default $MOED_SOCKET or " DEFAULT_SOCKET ")"},
+    {"--timeout-ms", OPT_U64, "status ping forward bench", 1, 3600000,
+     offsetof(struct opts, timeout_ms), "reply timeout in ms (default 30000)"},
+    {"--json", OPT_FLAG, "status", 0, 0, offsetof(struct opts, json), "print the raw JSON"},
+    {"--count", OPT_U64, "ping", 1, MAX_PING_COUNT, offsetof(struct opts, count),
+     "number of pings (default 4)"},
+    {"--layer", OPT_U64, "forward bench", 0, MOED_MAX_LAYERS - 1, offsetof(struct opts, layer),
+     "MoE layer id (default: the first MoE layer)"},
+    {"--tokens", OPT_U64, "forward bench", 1, UINT32_MAX, offsetof(struct opts, tokens),
+     "tokens per request (default 1)"},
+    {"--seed", OPT_U64, "forward bench", 0, UINT64_MAX, offsetof(struct opts, seed),
+     "random seed (default 1)"},
+    {"--check", OPT_FLAG, "forward", 0, 0, offsetof(struct opts, check),
+     "compare with the CPU reference (needs --model)"},
+    {"--model", OPT_STR, "forward", 0, 0, offsetof(struct opts, model),
+     "checkpoint directory the daemon serves (for --check)"},
+    {"--connections", OPT_U64, "bench", 1, MAX_CONNECTIONS, offsetof(struct opts, connections),
+     "concurrent connections, one thread each (default 1)"},
+    {"--duration", OPT_U64, "bench", 1, MAX_DURATION_S, offsetof(struct opts, duration),
+     "seconds to run (default 10)"},
+    {"--inflight", OPT_U64, "bench", 1, MAX_INFLIGHT, offsetof(struct opts, inflight),
+     "requests pipelined per connection (default 1)"},
+};
+#define N_OPTS (sizeof opt_table / sizeof opt_table[0])
+
+static const char *cmd_summary(const char *cmd)
+{
+    if (strcmp(cmd, "status") == 0)
+        return "print a readable summary of the daemon's status";
+    if (strcmp(cmd, "ping") == 0)
+        return "round-trip PINGs and print their latency";
+    if (strcmp(cmd, "forward") == 0)
+        return "send one random batch and print its latency (--check: compare with the CPU "
+               "reference)";
+    return "N connections x K pipelined requests for a duration: requests/s, tokens/s, "
+           "p50/p99/p999 latency";
+}
+
+static int cmd_takes(const struct opt_def *d, const char *cmd)
+{
+    size_t n = strlen(cmd);
+    for (const char *p = d->cmds; (p = strstr(p, cmd)) != NULL; p += n)
+        if ((p == d->cmds || p[-1] == ' ') && (p[n] == ' ' || p[n] == 0))
+            return 1;
+    return 0;
+}
+
+static void usage(FILE *f, const char *cmd)
+{
+    fprintf(f, "usage: moectl %s [options]\n  %s\n\noptions:\n", cmd, cmd_summary(cmd));
+    for (size_t i = 0; i < N_OPTS; i++) {
+        if (!cmd_takes(&opt_table[i], cmd))
+            continue;
+        const char *arg = opt_table[i].kind == OPT_FLAG ? "" :
+                          opt_table[i].kind == OPT_STR ? " S" : " N";
+        fprintf(f, "  %s%-*s %s\n", opt_table[i].name, (int)(16 - strlen(opt_table[i].name)),
+                arg, opt_table[i].help);
+    }
+    fprintf(f, "  --help           this text\n");
+}
+
+/* Returns 0, 1 for --help (printed), or 2 for a usage error (printed). */
+static int parse_opts(const char *cmd, int argc, char **argv, struct opts *o)
+{
+    *o = (struct opts){.cmd = cmd, .count = 4, .tokens = 1, .seed = 1, .connections = 1,
+                       .duration = 10, .inflight = 1, .timeout_ms = DEFAULT_TIMEOUT_MS};
+    o->socket = getenv("MOED_SOCKET");
+    if (!o->socket || !*o->socket)
+        o->socket = DEFAULT_SOCKET;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+            usage(stdout, cmd);
+            return 1;
+        }
+        const char *val = NULL;
+        const char *eq = strchr(a, '=');
+        size_t nlen = eq ? (size_t)(eq - a) : strlen(a);
+        const struct opt_def *d = NULL;
+        for (size_t k = 0; k < N_OPTS; k++)
+            if (strlen(opt_table[k].name) == nlen && strncmp(a, opt_table[k].name, nlen) == 0 &&
+                cmd_takes(&opt_table[k], cmd))
+                d = &opt_table[k];
+        if (!d) {
+            fprintf(stderr, "moectl %s: unknown option '%s'\n", cmd, a);
+            usage(stderr, cmd);
+            return 2;
+        }
+        char *field = (char *)o + d->off;
+        if (d->kind == OPT_FLAG) {
+            if (eq) {
+                fprintf(stderr, "moectl %s: %s takes no value\n", cmd, d->name);
+                return 2;
+            }
+            *(int *)(void *)field = 1;
+            continue;
+        }
+        if (eq)
+            val = eq + 1;
+        else if (i + 1 < argc)
+            val = argv[++i];
+        else {
+            fprintf(stderr, "moectl %s: %s needs a value\n", cmd, d->name);
+            return 2;
+        }
+        if (d->kind == OPT_STR) {
+            if (!*val) {
+                fprintf(stderr, "moectl %s: %s needs a non-empty value\n", cmd, d->name);
+                return 2;
+            }
+            *(const char **)(void *)field = val;
+            continue;
+        }
+        char *end;
+        errno = 0;
+        unsigned long long v = strtoull(val, &end, 10);
+        if (errno || end == val || *end || val[0] == '-' || v < d->min || v > d->max) {
+            fprintf(stderr, "moectl %s: %s '%s' is not an integer in [%" PRIu64 ", %" PRIu64
+                    "]\n", cmd, d->name, val, d->min, d->max);
+            return 2;
+        }
+        *(uint64_t *)(void *)field = v;
+        if (strcmp(d->name, "--layer") == 0)
+            o->have_layer = 1;
+    }
+    if (o->check && !o->model) {
+        fprintf(stderr, "moectl %s: --check needs --model DIR\n", cmd);
+        return 2;
+    }
+    return 0;
+}
+
+static int connect_hello(const struct opts *o, struct moedc **c, struct moed_hello_rep *h)
+{
+    char err[MOED_ERRLEN];
+    int rc = moedc_connect(o->socket, (int)o->timeout_ms, c, err, sizeof err);
+    if (rc) {
+        fprintf(stderr, "moectl %s: %s\n", o->cmd, err);
+        return rc;
+    }
+    if (!h)
+        return 0;
+    rc = moedc_hello(*c, h, err, sizeof err);
+    if (rc) {
+        fprintf(stderr, "moectl %s: HELLO: %s (%s)\n", o->cmd, err, moedc_strerror(rc));
+        moedc_close(*c);
+        *c = NULL;
+    }
+    return rc;
+}
+
+/* --- status ------------------------------------------------------------- */
+
+/* A readable, schema-agnostic rendering: nested objects indent, long numeric
+ * arrays (per-expert hit counts) are summarised. */
+static void print_json(const cJSON *it, int depth)
+{
+    for (const cJSON *c = it->child; c; c = c->next) {
+        const char *key = c->string ? c->string : "-";
+        printf("%*s%s:", 2 * depth, "", key);
+        if (cJSON_IsObject(c)) {
+            printf("\n");
+            print_json(c, depth + 1);
+        } else if (cJSON_IsArray(c)) {
+            int n = cJSON_GetArraySize(c), all_num = 1;
+            double sum = 0, max = -INFINITY;
+            int argmax = -1, i = 0;
+            for (const cJSON *e = c->child; e; e = e->next, i++) {
+                if (!cJSON_IsNumber(e)) {
+                    all_num = 0;
+                    break;
+                }
+                sum += e->valuedouble;
+                if (e->valuedouble > max) {
+                    max = e->valuedouble;
+                    argmax = i;
+                }
+            }
+            if (n == 0) {
+                printf(" []\n");
+            } else if (all_num && n > 8) {
+                printf(" %d values, sum %.6g, mean %.6g, max %.6g at [%d]\n", n, sum, sum / n,
+                       max, argmax);
+            } else if (all_num) {
+                for (const cJSON *e = c->child; e; e = e->next)
+                    printf(" %.6g", e->valuedouble);
+                printf("\n");
+            } else {
+                printf("\n");
+                print_json(c, depth + 1);
+            }
+        } else if (cJSON_IsString(c)) {
+            printf(" %s\n", c->valuestring);
+        } else if (cJSON_IsBool(c)) {
+            printf(" %s\n", cJSON_IsTrue(c) ? "yes" : "no");
+        } else if (cJSON_IsNull(c)) {
+            printf(" -\n");
+        } else if (cJSON_IsNumber(c)) {
+            double v = c->valuedouble;
+            if (v == floor(v) && fabs(v) < 9e15)
+                printf(" %.0f\n", v);
+            else
+                printf(" %.6g\n", v);
+        } else {
+            printf(" ?\n");
+        }
+    }
+}
+
+static int cmd_status(const struct opts *o)
+{
+    struct moedc *c;
+    char err[MOED_ERRLEN];
+    char *js = NULL;
+    int ret = 1;
+    if (connect_hello(o, &c, NULL))
+        return 1;
+    int rc = moedc_status(c, &js, err, sizeof err);
+    if (rc) {
+        fprintf(stderr, "moectl status: %s (%s)\n", err, moedc_strerror(rc));
+        goto close_c;
+    }
+    if (o->json) {
+        printf("%s\n", js);
+        ret = 0;
+        goto free_js;
+    }
+    cJSON *root = cJSON_Parse(js);
+    if (!root || !cJSON_IsObject(root)) {
+        fprintf(stderr, "moectl status: the daemon's status is not a JSON object: %.200s\n", js);
+        cJSON_Delete(root);
+        goto free_js;
+    }
+    printf("moed at %s\n", o->socket);
+    print_json(root, 0);
+    cJSON_Delete(root);
+    ret = 0;
+free_js:
+    free(js);
+close_c:
+    moedc_close(c);
+    return ret;
+}
+
+/* --- ping --------------------------------------------------------------- */
+
+static int cmd_ping(const struct opts *o)
+{
+    struct moedc *c;
+    char err[MOED_ERRLEN];
+    if (connect_hello(o, &c, NULL))
+        return 1;
+    double mn = INFINITY, mx = 0, sum = 0;
+    uint64_t i;
+    for (i = 0; i < o->count; i++) {
+        uint64_t ns;
+        int rc = moedc_ping(c, &ns, err, sizeof err);
+        if (rc) {
+            fprintf(stderr, "moectl ping: %s (%s)\n", err, moedc_strerror(rc));
+            moedc_close(c);
+            return 1;
+        }
+        double us = ns / 1e3;
+        mn = us < mn ? us : mn;
+        mx = us > mx ? us : mx;
+        sum += us;
+        printf("ping %" PRIu64 ": %.1f us\n", i + 1, us);
+        if (i + 1 < o->count && o->count <= 100)
+            usleep(100000); /* a short pause for an interactive run */
+    }
+    printf("%" PRIu64 " pings: min %.1f us, avg %.1f us, max %.1f us\n", i, mn, sum / i, mx);
+    moedc_close(c);
+    return 0;
+}
+
+/* --- random batches ------------------------------------------------------- */
+
+static uint64_t splitmix64(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static double rnd01(uint64_t *s)
+{
+    return (splitmix64(s) >> 11) * 0x1.0p-53;
+}
+
+struct batch {
+    uint32_t T, H, k;
+    uint16_t *x;
+    int32_t *ids;
+    float *w;
+};
+
+static void batch_free(struct batch *b)
+{
+    free(b->x);
+    free(b->ids);
+    free(b->w);
+}
+
+/* x ~ N(0, 1) in bf16; k distinct ids per token (partial Fisher-Yates);
+ * weights positive and summing to 1, like a softmax router's. */
+static int batch_make(struct batch *b, uint32_t T, const struct moed_hello_rep *h, uint64_t seed)
+{
+    *b = (struct batch){.T = T, .H = h->hidden, .k = h->top_k};
+    uint64_t s = seed;
+    int32_t *perm = NULL;
+    if (h->top_k == 0 || h->top_k > h->n_experts || h->n_experts > MOED_MAX_EXPERTS)
+        return MOED_E_INVAL;
+    b->x = malloc((size_t)T * h->hidden * sizeof *b->x);
+    b->ids = malloc((size_t)T * h->top_k * sizeof *b->ids);
+    b->w = malloc((size_t)T * h->top_k * sizeof *b->w);
+    perm = malloc(h->n_experts * sizeof *perm);
+    if (!b->x || !b->ids || !b->w || !perm) {
+        free(perm);
+        batch_free(b);
+        return MOED_E_NOMEM;
+    }
+    for (size_t i = 0; i < (size_t)T * h->hidden; i++) {
+        double u1 = rnd01(&s), u2 = rnd01(&s);
+        double g = sqrt(-2.0 * log(u1 > 0 ? u1 : 1e-300)) * cos(2 * M_PI * u2);
+        b->x[i] = bf16_from_float((float)g);
+    }
+    for (uint32_t t = 0; t < T; t++) {
+        for (uint32_t e = 0; e < h->n_experts; e++)
+            perm[e] = (int32_t)e;
+        double sum = 0;
+        for (uint32_t j = 0; j < h->top_k; j++) {
+            uint32_t r = j + (uint32_t)(splitmix64(&s) % (h->n_experts - j));
+            int32_t tmp = perm[j];
+            perm[j] = perm[r];
+            perm[r] = tmp;
+            b->ids[t * h->top_k + j] = perm[j];
+            b->w[t * h->top_k + j] = (float)(0.05 + rnd01(&s));
+            sum += b->w[t * h->top_k + j];
+        }
+        for (uint32_t j = 0; j < h->top_k; j++)
+            b->w[t * h->top_k + j] = (float)(b->w[t * h->top_k + j] / sum);
+    }
+    free(perm);
+    return 0;
+}
+
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Pick the layer: --layer, else the daemon's first MoE layer; range-check
+ * against HELLO so a typo gets a local message. */
+static int pick_layer(const struct opts *o, const struct moed_hello_rep *h, uint32_t *layer)
+{
+    *layer = o->have_layer ? (uint32_t)o->layer : h->first_moe_layer;
+    if (*layer >= h->n_layers) {
+        fprintf(stderr, "moectl %s: --layer %" PRIu32 " is out of range [0, %" PRIu32 ")\n",
+                o->cmd, *layer, h->n_layers);
+        return 2;
+    }
+    if (o->tokens > h->max_tokens) {
+        fprintf(stderr, "moectl %s: --tokens %" PRIu64 " is over the daemon's max_tokens %"
+                PRIu32 "\n", o->cmd, o->tokens, h->max_tokens);
+        return 2;
+    }
+    return 0;
+}
+
+/* --- forward -------------------------------------------------------------- */
+
+static int check_against_ref(const struct opts *o, const struct moed_hello_rep *h,
+                             uint32_t layer, const struct batch *b, const uint16_t *y)
+{
+    char err[MOED_ERRLEN];
+    struct moed_model *m = NULL;
+    uint16_t *yref = NULL;
+    int ret = 1;
+    /* The loader's progress lines would drown the result; keep warnings. */
+    if (moed_log_threshold > MOED_LOG_WARN)
+        moed_log_set_level(MOED_LOG_WARN);
+    int rc = moed_model_open(o->model, 0, NULL, NULL, &m, err, sizeof err);
+    if (rc) {
+        fprintf(stderr, "moectl forward: --model %s: %s\n", o->model, err);
+        return 1;
+    }
+    const struct moed_dims *d = moed_model_dims(m);
+    if (d->hidden != h->hidden || d->top_k != h->top_k || d->n_experts != h->n_experts ||
+        d->n_shared != h->n_shared) {
+        fprintf(stderr, "moectl forward: --model %s has H=%" PRIu32 " k=%" PRIu32 " E=%" PRIu32
+                " S=%" PRIu32 " but the daemon serves H=%" PRIu32 " k=%" PRIu32 " E=%" PRIu32
+                " S=%" PRIu32 "\n", o->model, d->hidden, d->top_k, d->n_experts, d->n_shared,
+                h->hidden, h->top_k, h->n_experts, h->n_shared);
+        goto close_m;
+    }
+    const struct moe_layer *ml = moed_model_layer(m, layer);
+    if (!ml) {
+        fprintf(stderr, "moectl forward: layer %" PRIu32 " is not an MoE layer of %s\n", layer,
+                o->model);
+        goto close_m;
+    }
+    yref = malloc((size_t)b->T * b->H * sizeof *yref);
+    if (!yref) {
+        fprintf(stderr, "moectl forward: out of memory\n");
+        goto close_m;
+    }
+    uint64_t t0 = mono_ns();
+    rc = moe_ref_forward(ml, b->T, b->x, b->ids, b->w, yref, 0);
+    uint64_t t1 = mono_ns();
+    if (rc) {
+        fprintf(stderr, "moectl forward: CPU reference failed: %s\n", moed_strerror(rc));
+        goto free_ref;
+    }
+    double num = 0, den = 0, maxabs = 0;
+    size_t n = (size_t)b->T * b->H, same = 0, nonfinite = 0, worst = 0;
+    for (size_t i = 0; i < n; i++) {
+        double a = bf16_to_float(y[i]), r = bf16_to_float(yref[i]);
+        same += y[i] == yref[i];
+        if (!isfinite(a) || !isfinite(r)) {
+            nonfinite++;
+            continue;
+        }
+        double dd = fabs(a - r);
+        if (dd > maxabs) {
+            maxabs = dd;
+            worst = i;
+        }
+        num += dd * dd;
+        den += r * r;
+    }
+    double rel = den > 0 ? sqrt(num / den) : sqrt(num);
+    printf("check: CPU reference %.2f ms; %zu/%zu outputs bit-identical; max abs diff %.6g "
+           "(token %zu, col %zu); rel L2 %.3e%s\n",
+           (t1 - t0) / 1e6, same, n, maxabs, worst / b->H, worst % b->H, rel,
+           nonfinite ? " (non-finite outputs!)" : "");
+    if (nonfinite || !(rel <= CHECK_REL_L2)) {
+        printf("check: FAILED (rel L2 over %.0e or non-finite values)\n", CHECK_REL_L2);
+        goto free_ref;
+    }
+    printf("check: ok\n");
+    ret = 0;
+free_ref:
+    free(yref);
+close_m:
+    moed_model_close(m);
+    return ret;
+}
+
+static int cmd_forward(const struct opts *o)
+{
+    struct moedc *c;
+    struct moed_hello_rep h;
+    struct batch b;
+    char err[MOED_ERRLEN];
+    uint16_t *y = NULL;
+    uint32_t layer;
+    int ret = 1;
+    if (connect_hello(o, &c, &h))
+        return 1;
+    ret = pick_layer(o, &h, &layer);
+    if (ret)
+        goto close_c;
+    ret = 1;
+    if (batch_make(&b, (uint32_t)o->tokens, &h, o->seed)) {
+        fprintf(stderr, "moectl forward: cannot build a batch (k=%" PRIu32 ", E=%" PRIu32 ")\n",
+                h.top_k, h.n_experts);
+        goto close_c;
+    }
+    y = malloc((size_t)b.T * b.H * sizeof *y);
+    if (!y)
+        goto free_b;
+    uint64_t t0 = mono_ns();
+    int rc = moedc_forward(c, layer, b.T, b.k, b.x, b.ids, b.w, y, err, sizeof err);
+    uint64_t t1 = mono_ns();
+    if (rc) {
+        fprintf(stderr, "moectl forward: %s (%s)\n", err, moedc_strerror(rc));
+        goto free_y;
+    }
+    printf("forward: layer %" PRIu32 ", %" PRIu32 " tokens, H=%" PRIu32 ", k=%" PRIu32
+           ", backend %s: %.1f us\n", layer, b.T, b.H, b.k, h.backend, (t1 - t0) / 1e3);
+    ret = o->check ? check_against_ref(o, &h, layer, &b, y) : 0;
+free_y:
+    free(y);
+free_b:
+    batch_free(&b);
+close_c:
+    moedc_close(c);
+    return ret;
+}
+
+/* --- bench ---------------------------------------------------------------- */
+
+struct bench_shared {
+    const struct opts *o;
+    uint32_t layer;
+    struct moed_hello_rep h;
+    atomic_int stop;
+    atomic_uint_fast64_t done, errors, failed_threads;
+};
+
+struct bench_thread {
+    pthread_t tid;
+    struct bench_shared *sh;
+    uint32_t index;
+    uint64_t *lat_ns; /* samples */
+    size_t n_lat, cap_lat;
+    char err[MOED_ERRLEN];
+    int rc;
+};
+
+static void add_sample(struct bench_thread *t, uint64_t ns)
+{
+    if (t->n_lat == t->cap_lat) {
+        size_t cap = t->cap_lat ? t->cap_lat * 2 : 4096;
+        if (cap > MAX_SAMPLES / t->sh->o->connections + 1)
+            return;
+        uint64_t *p = realloc(t->lat_ns, cap * sizeof *p);
+        if (!p)
+            return;
+        t->lat_ns = p;
+        t->cap_lat = cap;
+    }
+    t->lat_ns[t->n_lat++] = ns;
+}
+
+/* One connection: keep K requests in flight; the request id carries the
+ * slot (low 16 bits) so the send time is found however replies are ordered. */
+static void *bench_worker(void *arg)
+{
+    struct bench_thread *t = arg;
+    struct bench_shared *sh = t->sh;
+    const struct opts *o = sh->o;
+    struct moedc *c = NULL;
+    struct batch b = {0};
+    uint64_t sent_at[MAX_INFLIGHT];
+    uint64_t seq = 0;
+    t->rc = moedc_connect(o->socket, (int)o->timeout_ms, &c, t->err, sizeof t->err);
+    if (t->rc)
+        goto out;
+    t->rc = moedc_hello(c, NULL, t->err, sizeof t->err);
+    if (t->rc)
+        goto out;
+    t->rc = batch_make(&b, (uint32_t)o->tokens, &sh->h, o->seed + t->index);
+    if (t->rc) {
+        snprintf(t->err, sizeof t->err, "cannot build a batch");
+        goto out;
+    }
+    for (uint32_t s = 0; s < o->inflight; s++) {
+        sent_at[s] = mono_ns();
+        t->rc = moedc_send_forward(c, (++seq << 16) | s, sh->layer, b.T, b.k, b.x, b.ids, b.w,
+                                   t->err, sizeof t->err);
+        if (t->rc)
+            goto out;
+    }
+    while (moedc_inflight(c) > 0) {
+        struct moedc_reply r;
+        int rc = moedc_recv(c, &r, t->err, sizeof t->err);
+        uint64_t now = mono_ns();
+        if (rc && !r.from_daemon) {
+            t->rc = rc;
+            goto out;
+        }
+        uint32_t slot = (uint32_t)(r.request_id & 0xffff);
+        if (rc) {
+            atomic_fetch_add(&sh->errors, 1);
+            if (r.request_id == 0) { /* a connection-level error: it will close */
+                t->rc = rc;
+                goto out;
+            }
+        } else {
+            atomic_fetch_add(&sh->done, 1);
+        }
+        if (slot < o->inflight)
+            add_sample(t, now - sent_at[slot]);
+        if (atomic_load(&sh->stop) || slot >= o->inflight)
+            continue;
+        sent_at[slot] = mono_ns();
+        t->rc = moedc_send_forward(c, (++seq << 16) | slot, sh->layer, b.T, b.k, b.x, b.ids,
+                                   b.w, t->err, sizeof t->err);
+        if (t->rc)
+            goto out;
+    }
+out:
+    if (t->rc)
+        atomic_fetch_add(&sh->failed_threads, 1);
+    batch_free(&b);
+    moedc_close(c);
+    return NULL;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+static double pct(const uint64_t *v, size_t n, double p)
+{
+    if (n == 0)
+        return 0;
+    size_t i = (size_t)ceil(p * (double)n) - 1;
+    return v[i < n ? i : n - 1] / 1e3;
+}
+
+static int cmd_bench(const struct opts *o)
+{
+    struct bench_shared sh = {.o = o};
+    struct bench_thread *th = NULL;
+    struct moedc *c;
+    uint64_t *all = NULL;
+    int ret = 1;
+    uint32_t started = 0;
+    if (connect_hello(o, &c, &sh.h))
+        return 1;
+    moedc_close(c);
+    ret = pick_layer(o, &sh.h, &sh.layer);
+    if (ret)
+        return ret;
+    ret = 1;
+    th = calloc(o->connections, sizeof *th);
+    if (!th) {
+        fprintf(stderr, "moectl bench: out of memory\n");
+        return 1;
+    }
+    fprintf(stderr, "bench: %" PRIu64 " connections x %" PRIu64 " in flight, %" PRIu64
+            " tokens/request, layer %" PRIu32 ", %" PRIu64 " s, backend %s\n",
+            o->connections, o->inflight, o->tokens, sh.layer, o->duration, sh.h.backend);
+    uint64_t t0 = mono_ns();
+    for (; started < o->connections; started++) {
+        th[started].sh = &sh;
+        th[started].index = started;
+        if (pthread_create(&th[started].tid, NULL, bench_worker, &th[started])) {
+            fprintf(stderr, "moectl bench: cannot start thread %" PRIu32 "\n", started);
+            atomic_store(&sh.stop, 1);
+            goto join;
+        }
+    }
+    uint64_t last_done = 0;
+    for (uint64_t s = 1; s <= o->duration; s++) {
+        /* Sleep to the next whole second since start, so lines stay on time. */
+        uint64_t target = t0 + s * 1000000000ull, now = mono_ns();
+        if (target > now) {
+            struct timespec ts = {(time_t)((target - now) / 1000000000ull),
+                                  (long)((target - now) % 1000000000ull)};
+            while (nanosleep(&ts, &ts) && errno == EINTR) {
+            }
+        }
+        uint64_t done = atomic_load(&sh.done);
+        fprintf(stderr, "[%3" PRIu64 "s] %8" PRIu64 " req/s  %10" PRIu64 " tokens/s  errors %"
+                PRIu64 "  failed connections %" PRIu64 "\n", s, done - last_done,
+                (done - last_done) * o->tokens, (uint64_t)atomic_load(&sh.errors),
+                (uint64_t)atomic_load(&sh.failed_threads));
+        last_done = done;
+        if (atomic_load(&sh.failed_threads) == o->connections)
+            break;
+    }
+    atomic_store(&sh.stop, 1);
+join:
+    for (uint32_t i = 0; i < started; i++)
+        pthread_join(th[i].tid, NULL);
+    double secs = (mono_ns() - t0) / 1e9;
+    size_t n = 0;
+    for (uint32_t i = 0; i < started; i++)
+        n += th[i].n_lat;
+    all = malloc((n ? n : 1) * sizeof *all);
+    if (!all) {
+        fprintf(stderr, "moectl bench: out of memory\n");
+        goto free_th;
+    }
+    n = 0;
+    for (uint32_t i = 0; i < started; i++) {
+        if (th[i].rc)
+            fprintf(stderr, "moectl bench: connection %" PRIu32 ": %s (%s)\n", i, th[i].err,
+                    moedc_strerror(th[i].rc));
+        memcpy(all + n, th[i].lat_ns, th[i].n_lat * sizeof *all);
+        n += th[i].n_lat;
+    }
+    qsort(all, n, sizeof *all, cmp_u64);
+    uint64_t done = atomic_load(&sh.done), errors = atomic_load(&sh.errors);
+    printf("requests: %" PRIu64 " ok, %" PRIu64 " errors in %.2f s\n", done, errors, secs);
+    printf("throughput: %.1f requests/s, %.1f tokens/s\n", done / secs, done * o->tokens / secs);
+    printf("latency: p50 %.1f us, p99 %.1f us, p999 %.1f us, max %.1f us (%zu samples)\n",
+           pct(all, n, 0.50), pct(all, n, 0.99), pct(all, n, 0.999), n ? all[n - 1] / 1e3 : 0.0,
+           n);
+    ret = (done > 0 && errors == 0 && atomic_load(&sh.failed_threads) == 0) ? 0 : 1;
+free_th:
+    for (uint32_t i = 0; i < started; i++)
+        free(th[i].lat_ns);
+    free(th);
+    free(all);
+    return ret;
+}
+
+int moectl_client_main(const char *cmd, int argc, char **argv)
+{
+    struct opts o;
+    int rc = parse_opts(cmd, argc, argv, &o);
+    if (rc)
+        return rc == 1 ? 0 : 2;
+    if (strcmp(cmd, "status") == 0)
+        return cmd_status(&o);
+    if (strcmp(cmd, "ping") == 0)
+        return cmd_ping(&o);
+    if (strcmp(cmd, "forward") == 0)
+        return cmd_forward(&o);
+    if (strcmp(cmd, "bench") == 0)
+        return cmd_bench(&o);
+    fprintf(stderr, "moectl: unknown client command '%s'\n", cmd);
+    return 2;
+}
