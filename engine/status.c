@@ -146,6 +146,13 @@ static int json_model(cJSON *root, const struct moed_stats *s)
     return 0;
 }
 
+/* Bucket bounds are irrational (2^(i/3)); round up to 0.01 us so the JSON
+ * stays readable and the value is still an upper bound. */
+static double pct_json(const struct moed_stats *s, double p)
+{
+    return ceil(moed_stats_latency_pct(s, p) * 100.0) / 100.0;
+}
+
 static int json_body(cJSON *root, const struct moed_stats *s, uint64_t now_ns)
 {
     double up = uptime_s(s, now_ns);
@@ -189,9 +196,8 @@ static int json_body(cJSON *root, const struct moed_stats *s, uint64_t now_ns)
 
     cJSON *lat = cJSON_AddObjectToObject(root, "latency_us");
     double mean = s->lat_count ? s->lat_sum_us / (double)s->lat_count : 0.0;
-    if (!lat || jnum(lat, "p50", moed_stats_latency_pct(s, 0.50)) ||
-        jnum(lat, "p99", moed_stats_latency_pct(s, 0.99)) ||
-        jnum(lat, "p999", moed_stats_latency_pct(s, 0.999)) || jnum(lat, "mean", mean) ||
+    if (!lat || jnum(lat, "p50", pct_json(s, 0.50)) || jnum(lat, "p99", pct_json(s, 0.99)) ||
+        jnum(lat, "p999", pct_json(s, 0.999)) || jnum(lat, "mean", mean) ||
         jnum(lat, "count", (double)s->lat_count))
         return -1;
 
