@@ -1,0 +1,93 @@
+/* fuzz_frame.c - libFuzzer target over the wire parser (moed_frame_parse) and
+ * FORWARD validation (moed_forward_validate), the two functions that see
+ * untrusted bytes from every client.
+ *
+ * Input layout: byte 0 picks the model limits used for validation, the rest
+ * is a byte stream fed to the parser the way the server does: frame after
+ * frame, each complete frame's payload also validated as a FORWARD. Besides
+ * the sanitizers, the target checks the parser's own contract (a result is
+ * COMPLETE, NEED_MORE or one of its four codes; COMPLETE means the frame fits
+ * in the bytes given; a frame that parses re-encodes to the same header).
+ *
+ *   make fuzz && build/fuzz/fuzz_frame -max_total_time=60
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moed_err.h"
+#include "moed_proto.h"
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+static int odd_layers(const void *ctx, uint32_t layer)
+{
+    (void)ctx;
+    return layer & 1;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    if (size < 1)
+        return 0;
+    /* Small model dims so that random inputs reach the id checks. */
+    static const struct {
+        uint32_t hidden, n_experts, top_k, max_tokens;
+        uint64_t max_payload;
+    } limits[4] = {
+        {1, 4, 1, 8, 256},
+        {2, 8, 2, 4, 4096},
+        {4, 3, 2, 16, 1u << 20},
+        {0, 1, 0, 1, UINT64_MAX},
+    };
+    const uint8_t sel = data[0] & 3;
+    const uint8_t *p = data + 1;
+    size_t left = size - 1;
+    char err[MOED_ERRLEN];
+
+    while (left > 0) {
+        struct moed_frame_hdr h;
+        int rc = moed_frame_parse(p, left, limits[sel].max_payload, &h);
+        if (rc == MOED_PARSE_NEED_MORE)
+            break;
+        if (rc != MOED_PARSE_COMPLETE) {
+            if (rc != MOED_E_PROTO && rc != MOED_E_VERSION && rc != MOED_E_TYPE &&
+                rc != MOED_E_TOOBIG)
+                abort();
+            /* A type error leaves a trustworthy length: skip the frame, as
+             * the server does; every other error ends the stream. */
+            if (rc != MOED_E_TYPE || left - MOED_PROTO_HDR_SIZE < h.payload_len)
+                break;
+            p += MOED_PROTO_HDR_SIZE + h.payload_len;
+            left -= MOED_PROTO_HDR_SIZE + h.payload_len;
+            continue;
+        }
+        if (h.payload_len > left - MOED_PROTO_HDR_SIZE)
+            abort();
+        uint8_t re[MOED_PROTO_HDR_SIZE];
+        moed_frame_encode(re, h.type, h.request_id, h.payload_len);
+        if (memcmp(re, p, MOED_PROTO_HDR_SIZE) != 0)
+            abort();
+        /* Copy the payload so that ASan sees reads past its end. */
+        size_t n = (size_t)h.payload_len;
+        uint8_t *payload = malloc(n ? n : 1);
+        if (!payload)
+            return 0;
+        memcpy(payload, p + MOED_PROTO_HDR_SIZE, n);
+        struct moed_forward_req req;
+        err[0] = 0;
+        rc = moed_forward_validate(payload, n, limits[sel].hidden, limits[sel].n_experts,
+                                   limits[sel].top_k, limits[sel].max_tokens,
+                                   sel & 1 ? odd_layers : NULL, NULL, &req, err, sizeof err);
+        if (rc != 0 && (rc != MOED_E_INVAL || err[0] == 0))
+            abort();
+        if (rc == 0 && (n != moed_forward_payload_len(req.n_tokens, limits[sel].hidden,
+                                                       req.top_k) ||
+                        req.n_tokens < 1 || req.n_tokens > limits[sel].max_tokens))
+            abort();
+        free(payload);
+        p += MOED_PROTO_HDR_SIZE + n;
+        left -= MOED_PROTO_HDR_SIZE + n;
+    }
+    return 0;
+}
