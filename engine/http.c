@@ -219,6 +219,7 @@ struct moed_http_conn {
     struct moed_http *h;
     struct moed_http_conn *prev, *next;
     int closing;
+    int draining;             /* reply sent: discard input until EOF */
     int pending_close;        /* handles not yet closed (tcp, timer) */
     char *resp;               /* response bytes, owned, freed with the conn */
     size_t len;               /* bytes in buf */
@@ -283,10 +284,23 @@ static void conn_on_timeout(uv_timer_t *t)
     conn_close(c);
 }
 
+static void conn_alloc(uv_handle_t *hd, size_t suggested, uv_buf_t *buf);
+static void conn_on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf);
+
+/* Lingering close: closing a socket that still has unread input makes the
+ * kernel send RST, which can destroy the reply before the client reads it.
+ * So after our FIN, read and discard until the client's EOF (or the
+ * connection deadline). */
 static void conn_on_shutdown(uv_shutdown_t *r, int status)
 {
-    (void)status; /* closing either way */
-    conn_close(r->data);
+    struct moed_http_conn *c = r->data;
+    if (status < 0 || c->closing) {
+        conn_close(c);
+        return;
+    }
+    c->draining = 1;
+    if (uv_read_start((uv_stream_t *)&c->tcp, conn_alloc, conn_on_read) < 0)
+        conn_close(c);
 }
 
 static void conn_on_write(uv_write_t *w, int status)
@@ -424,6 +438,10 @@ static void conn_alloc(uv_handle_t *hd, size_t suggested, uv_buf_t *buf)
 {
     (void)suggested;
     struct moed_http_conn *c = hd->data;
+    if (c->draining) { /* the request is done with: reuse the buffer */
+        *buf = uv_buf_init(c->buf, sizeof c->buf);
+        return;
+    }
     /* Never more than the request cap: the parser answers 431 at the cap, so
      * a full buffer is never read into again. */
     *buf = uv_buf_init(c->buf + c->len, (unsigned)(sizeof c->buf - c->len));
@@ -435,10 +453,12 @@ static void conn_on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
     struct moed_http_conn *c = st->data;
     if (nread == 0 || c->closing)
         return; /* EAGAIN */
-    if (nread < 0) { /* EOF before a full request, or an error */
+    if (nread < 0) { /* EOF (before a full request, or after our reply), or an error */
         conn_close(c);
         return;
     }
+    if (c->draining)
+        return;
     c->len += (size_t)nread;
     struct moed_http_req req;
     int rc = moed_http_parse_request(c->buf, c->len, &req);
