@@ -224,7 +224,10 @@ def _routing_to_wire(a, fmt, what):
     """(bytes, rows, cols) of ids (int32) or weights (fp32)."""
     np = _np()
     if _is_torch(a):
-        a = a.detach().to("cpu").numpy()
+        a = a.detach().to("cpu")
+        if a.is_floating_point():
+            a = a.float()  # numpy has no bf16: widen first
+        a = a.numpy()
     if np is not None:
         arr = np.asarray(a, dtype="<i4" if fmt == "i" else "<f4")
         if arr.ndim != 2:
@@ -269,8 +272,9 @@ class Client:
 
     path: the daemon's Unix socket (default: $MOED_SOCKET or /tmp/moed.sock).
     timeout: seconds to wait for a connect and for each reply (None: forever).
-    connect=True connects at once; hello() is sent lazily by the first
-    forward()/send_forward() if not called explicitly.
+    sock: an already connected stream socket to use instead of path (tests).
+    The constructor connects at once (MoedError "conn" if it cannot); hello()
+    is sent lazily by the first forward()/send_forward() if not called.
     """
 
     def __init__(self, path=None, timeout=30.0, sock=None):
