@@ -1,0 +1,821 @@
+/* backend_cuda.c - the CUDA backend: weight placement, the submission ring,
+ * the completion thread and failure handling around the persistent kernel
+ * (kernels/moe_gpu.cu).
+ *
+ * Placement. Every expert of every MoE layer is repacked on the host
+ * (moe_gpu_repack_expert, in parallel over experts) into the kernel's stream
+ * order and copied into one device allocation; each matrix's
+ * weight_scale_2 goes to a per-layer float table. The whole placement is
+ * counted first and refused with both numbers if it does not fit
+ * (cudaMemGetInfo).
+ *
+ * Hot path (submit). No CUDA call: the inline inputs are copied into the ring
+ * slot's pinned, device-mapped staging area, the descriptor is written, and
+ * ctrl->head is stored with release semantics (x86: a plain store after the
+ * descriptor stores; the kernel reads head with ld.acquire.sys). Batches that
+ * find the ring full wait in a FIFO that the completion thread drains.
+ *
+ * Completion thread (one per GPU). Watches ctrl->done_seq (acquire), copies
+ * outputs out of the staging area into the engine's buffer, calls done().
+ * It spins briefly after progress and then backs off; idle, it sleeps on a
+ * condition variable that submit signals. It also enforces the batch
+ * deadline, watches the heartbeat, polls the stream for a sticky CUDA error
+ * and, after idle_exit_ms of idleness, stops the kernel (relaunched on the
+ * next batch). Any failure marks the backend unhealthy and fails every queued
+ * and in-flight batch with MOED_E_BACKEND; the daemon then exits with code 4
+ * (docs/GPU.md) so the service manager restarts it.
+ *
+ * This version drives one GPU; expert parallelism over several GPUs (NCCL)
+ * is refused at open with a message.
+ */
+#include <cuda_runtime.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "backend.h"
+#include "backend_cuda.h"
+#include "moe_gpu.h"
+#include "moed_err.h"
+#include "moed_log.h"
+
+/* Every CUDA call goes through CK: the call text, file and line go to the log
+ * and to err, rc becomes MOED_E_BACKEND, control goes to `cleanup`. */
+#define CK(call)                                                                               \
+    do {                                                                                       \
+        cudaError_t ck_e_ = (call);                                                            \
+        if (ck_e_ != cudaSuccess) {                                                            \
+            rc = ck_fail(err, errlen, ck_e_, #call, __FILE__, __LINE__);                       \
+            goto cleanup;                                                                      \
+        }                                                                                      \
+    } while (0)
+
+static int ck_fail(char *err, size_t errlen, cudaError_t e, const char *call, const char *file,
+                   int line)
+{
+    LOG_E("CUDA error %s (%s) in %s at %s:%d", cudaGetErrorName(e), cudaGetErrorString(e), call,
+          file, line);
+    return moed_seterr(err, errlen, MOED_E_BACKEND, "CUDA error %s (%s) in %s at %s:%d",
+                       cudaGetErrorName(e), cudaGetErrorString(e), call, file, line);
+}
+
+#define HB_STALL_MS 5000u /* idle kernel heartbeat must advance within this */
+
+struct pend {
+    struct pend *next;
+    struct moed_batch *b;
+};
+
+struct cuda_backend {
+    struct moed_backend base; /* first: ops receive &base */
+    struct moe_gpu_dims d;
+    int dev;
+    char dev_name[256];
+    int n_sms;
+    uint32_t deadline_ms, idle_exit_ms;
+    /* layer id -> slot */
+    int32_t *slot_of;
+    uint32_t n_slot_of;
+    uint32_t n_layers;
+    /* device memory */
+    uint8_t *wbuf;
+    float *s2;
+    struct moe_gpu_layer *layers_d;
+    void *state;
+    uint16_t *xs, *h;
+    int32_t *ids_s;
+    float *w_s, *dout;
+    uint64_t weight_bytes, scratch_bytes, dev_used, dev_total;
+    /* mapped host memory */
+    struct moe_gpu_ctrl *ctrl, *ctrl_d;
+    uint8_t *stage, *stage_d;
+    size_t off_ids, off_w, off_y, slot_bytes;
+    cudaStream_t stream;
+    struct moe_gpu_launch launch;
+    struct moe_gpu_params params;
+    /* queue state (mu) */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    pthread_t thr;
+    int thr_started;
+    int running;   /* kernel launched and not stopped */
+    int closing;
+    int failed;    /* sticky: unhealthy */
+    uint64_t next_seq;  /* last seq published */
+    uint64_t delivered; /* last seq completed and handed back */
+    struct moed_batch *inflight[MOE_GPU_RING];
+    struct pend *ph, *pt;
+    uint64_t head_start_ns, last_active_ns;
+    uint64_t launches;
+    char fail_msg[256];
+};
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* ---------------- repack + upload ---------------- */
+
+struct pack_job {
+    const struct moe_layer *layer;
+    uint32_t e0, e1, H, I;
+    uint8_t *out; /* experts e0..e1 packed, gu then dn per expert */
+};
+
+static void *pack_worker(void *arg)
+{
+    struct pack_job *j = arg;
+    uint64_t gb = moe_gpu_gu_bytes(j->H, j->I), db = moe_gpu_dn_bytes(j->H, j->I);
+    for (uint32_t e = j->e0; e < j->e1; e++) {
+        uint8_t *o = j->out + (uint64_t)(e - j->e0) * (gb + db);
+        moe_gpu_repack_expert(&j->layer->experts[e], j->H, j->I, o, o + gb);
+    }
+    return NULL;
+}
+
+/* Repack experts [e0, e1) of `layer` into host buffer `out` using up to
+ * n_thr threads (falls back to this thread if thread creation fails). */
+static void pack_range(const struct moe_layer *layer, uint32_t e0, uint32_t e1, uint32_t H,
+                       uint32_t I, uint8_t *out, int n_thr)
+{
+    pthread_t th[64];
+    struct pack_job jobs[64];
+    int started[64] = {0};
+    uint32_t n = e1 - e0;
+    if (n_thr > 64)
+        n_thr = 64;
+    if (n_thr > (int)n)
+        n_thr = (int)n;
+    uint64_t per = moe_gpu_gu_bytes(H, I) + moe_gpu_dn_bytes(H, I);
+    for (int t = 0; t < n_thr; t++) {
+        uint32_t a = e0 + (uint32_t)((uint64_t)n * t / n_thr), b = e0 + (uint32_t)((uint64_t)n * (t + 1) / n_thr);
+        jobs[t] = (struct pack_job){layer, a, b, H, I, out + (uint64_t)(a - e0) * per};
+        started[t] = pthread_create(&th[t], NULL, pack_worker, &jobs[t]) == 0;
+        if (!started[t])
+            pack_worker(&jobs[t]);
+    }
+    for (int t = 0; t < n_thr; t++)
+        if (started[t])
+            pthread_join(th[t], NULL);
+}
+
+static int place_weights(struct cuda_backend *cb, const struct moed_cuda_src *src, char *err,
+                         size_t errlen)
+{
+    int rc = 0;
+    const uint32_t H = cb->d.hidden, I = cb->d.inter, NE = cb->d.n_experts + cb->d.n_shared;
+    const uint64_t per = moe_gpu_gu_bytes(H, I) + moe_gpu_dn_bytes(H, I);
+    const uint64_t layer_bytes = per * NE;
+    uint8_t *host = NULL;
+    float *s2h = NULL;
+    struct moe_gpu_layer *lh = NULL;
+    uint32_t chunk = 0;
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    int n_thr = ncpu > 0 ? (int)ncpu : 1;
+
+    lh = calloc(cb->n_layers, sizeof *lh);
+    s2h = calloc((size_t)cb->n_layers * 3 * NE, sizeof *s2h);
+    if (!lh || !s2h) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "cuda backend: out of host memory");
+        goto cleanup;
+    }
+    CK(cudaMalloc((void **)&cb->wbuf, layer_bytes * cb->n_layers));
+    CK(cudaMalloc((void **)&cb->s2, sizeof(float) * 3 * NE * cb->n_layers));
+    CK(cudaMalloc((void **)&cb->layers_d, sizeof(struct moe_gpu_layer) * cb->n_layers));
+    for (uint32_t l = 0; l < cb->n_layers; l++) {
+        lh[l].gu = cb->wbuf + layer_bytes * l; /* gu and dn of expert e at gu + e*per */
+        lh[l].dn = cb->wbuf + layer_bytes * l + moe_gpu_gu_bytes(H, I);
+        lh[l].s2 = cb->s2 + (size_t)3 * NE * l;
+    }
+    if (src->random_weights) {
+        for (uint32_t l = 0; l < cb->n_layers; l++)
+            for (uint32_t e = 0; e < NE; e++) {
+                uint64_t x = src->seed * 0x9E3779B97F4A7C15ull + l * 1000003ull + e * 7919ull + 1;
+                for (int m = 0; m < 3; m++) {
+                    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+                    /* like ModelOpt's amax/(6*448) for unit-scale weights, gate != up */
+                    s2h[(size_t)3 * NE * l + (size_t)m * NE + e] =
+                        (1.0f + (float)(x % 1000) / 1000.0f) / (6.0f * 448.0f);
+                }
+            }
+        CK((cudaError_t)moe_gpu_fill_random(cb->wbuf, layer_bytes * cb->n_layers, src->seed));
+        CK(cudaDeviceSynchronize());
+    } else {
+        /* the kernel reads gu at e*per and dn at e*per + gu bytes: interleave
+         * experts as [gu dn][gu dn]..., which is what pack_range writes */
+        chunk = NE < 64 ? NE : 64;
+        host = malloc(per * chunk);
+        if (!host) {
+            rc = moed_seterr(err, errlen, MOED_E_NOMEM,
+                             "cuda backend: cannot allocate %llu bytes of repack buffer",
+                             (unsigned long long)(per * chunk));
+            goto cleanup;
+        }
+        uint64_t done = 0, total = layer_bytes * cb->n_layers, next_log = 0;
+        for (uint32_t l = 0; l < cb->n_layers; l++) {
+            const struct moe_layer *ly = src->layers[l];
+            for (uint32_t e = 0; e < NE; e++) {
+                s2h[(size_t)3 * NE * l + e] = ly->experts[e].gate.scale_2;
+                s2h[(size_t)3 * NE * l + NE + e] = ly->experts[e].up.scale_2;
+                s2h[(size_t)3 * NE * l + 2 * NE + e] = ly->experts[e].down.scale_2;
+            }
+            for (uint32_t e0 = 0; e0 < NE; e0 += chunk) {
+                uint32_t e1 = e0 + chunk < NE ? e0 + chunk : NE;
+                pack_range(ly, e0, e1, H, I, host, n_thr);
+                CK(cudaMemcpy(cb->wbuf + layer_bytes * l + per * e0, host, per * (e1 - e0),
+                              cudaMemcpyHostToDevice));
+                done += per * (e1 - e0);
+                if (done >= next_log || done == total) {
+                    LOG_I("cuda: GPU %d: uploaded %.2f of %.2f GiB of expert weights (layer %u/%u)",
+                          cb->dev, done / 1073741824.0, total / 1073741824.0, l + 1, cb->n_layers);
+                    next_log = done + total / 10;
+                }
+            }
+        }
+    }
+    /* per-layer tables; the kernel indexes gu/dn by e*per: fix the layer
+     * pointers to that stride (gu at +0, dn at +gu bytes within each expert) */
+    CK(cudaMemcpy(cb->s2, s2h, sizeof(float) * 3 * NE * cb->n_layers, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(cb->layers_d, lh, sizeof *lh * cb->n_layers, cudaMemcpyHostToDevice));
+cleanup:
+    free(host);
+    free(s2h);
+    free(lh);
+    return rc;
+}
+
+/* ---------------- queue ---------------- */
+
+/* Copy the batch's inputs into slot staging and publish it. Caller holds mu. */
+static void publish_locked(struct cuda_backend *cb, struct moed_batch *b)
+{
+    uint64_t seq = ++cb->next_seq;
+    unsigned slot = (unsigned)(seq % MOE_GPU_RING);
+    uint8_t *st = cb->stage + slot * cb->slot_bytes;
+    uint8_t *sd = cb->stage_d + slot * cb->slot_bytes;
+    const uint32_t T = b->n_tokens, H = cb->d.hidden, k = cb->d.top_k;
+    struct moe_gpu_desc *dsc = &cb->ctrl->ring[slot];
+    dsc->seq = seq;
+    dsc->layer = (uint32_t)cb->slot_of[b->layer];
+    dsc->n_tokens = T;
+    if (b->x.kind == MOED_BUF_HOST) {
+        memcpy(st, b->x.ptr, (size_t)T * H * 2);
+        dsc->x = (uint64_t)(uintptr_t)sd;
+    } else {
+        dsc->x = (uint64_t)(uintptr_t)b->x.ptr;
+    }
+    if (b->ids.kind == MOED_BUF_HOST) {
+        memcpy(st + cb->off_ids, b->ids.ptr, (size_t)T * k * 4);
+        dsc->ids = (uint64_t)(uintptr_t)(sd + cb->off_ids);
+    } else {
+        dsc->ids = (uint64_t)(uintptr_t)b->ids.ptr;
+    }
+    if (b->w.kind == MOED_BUF_HOST) {
+        memcpy(st + cb->off_w, b->w.ptr, (size_t)T * k * 4);
+        dsc->w = (uint64_t)(uintptr_t)(sd + cb->off_w);
+    } else {
+        dsc->w = (uint64_t)(uintptr_t)b->w.ptr;
+    }
+    dsc->y = b->y.kind == MOED_BUF_HOST ? (uint64_t)(uintptr_t)(sd + cb->off_y)
+                                        : (uint64_t)(uintptr_t)b->y.ptr;
+    cb->inflight[slot] = b;
+    if (cb->next_seq == cb->delivered + 1)
+        cb->head_start_ns = now_ns();
+    __atomic_store_n(&cb->ctrl->head, seq, __ATOMIC_RELEASE);
+}
+
+static void fill_from_pending_locked(struct cuda_backend *cb)
+{
+    while (cb->ph && cb->running && !cb->failed && cb->next_seq - cb->delivered < MOE_GPU_RING) {
+        struct pend *p = cb->ph;
+        cb->ph = p->next;
+        if (!cb->ph)
+            cb->pt = NULL;
+        publish_locked(cb, p->b);
+        free(p);
+    }
+}
+
+static int cuda_submit(struct moed_backend *be, struct moed_batch *b)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)be;
+    const uint32_t T = b->n_tokens, H = cb->d.hidden, k = cb->d.top_k;
+    int rc = 0;
+    /* shapes (the engine validated the request; these are internal asserts) */
+    if (T == 0 || T > cb->d.max_tokens || b->top_k != k || b->layer >= cb->n_slot_of ||
+        cb->slot_of[b->layer] < 0 || b->x.bytes < (uint64_t)T * H * 2 ||
+        b->y.bytes < (uint64_t)T * H * 2 || b->ids.bytes < (uint64_t)T * k * 4 ||
+        b->w.bytes < (uint64_t)T * k * 4)
+        return MOED_E_INVAL;
+    const struct moed_buf *bufs[4] = {&b->x, &b->ids, &b->w, &b->y};
+    for (int i = 0; i < 4; i++)
+        if (!bufs[i]->ptr || (bufs[i]->kind == MOED_BUF_DEVICE && bufs[i]->device != cb->dev))
+            return MOED_E_INVAL;
+    if (b->ids.kind == MOED_BUF_HOST) {
+        const int32_t *ids = b->ids.ptr;
+        for (uint64_t i = 0; i < (uint64_t)T * k; i++)
+            if (ids[i] < 0 || (uint32_t)ids[i] >= cb->d.n_experts)
+                return MOED_E_INVAL;
+    }
+    pthread_mutex_lock(&cb->mu);
+    if (cb->failed) {
+        rc = MOED_E_BACKEND;
+    } else if (cb->closing) {
+        rc = MOED_E_SHUTDOWN;
+    } else if (cb->running && !cb->ph && cb->next_seq - cb->delivered < MOE_GPU_RING) {
+        publish_locked(cb, b);
+    } else {
+        struct pend *p = malloc(sizeof *p);
+        if (!p) {
+            rc = MOED_E_NOMEM;
+        } else {
+            p->next = NULL;
+            p->b = b;
+            if (cb->pt)
+                cb->pt->next = p;
+            else
+                cb->ph = p;
+            cb->pt = p;
+        }
+    }
+    cb->last_active_ns = now_ns();
+    pthread_cond_signal(&cb->cv);
+    pthread_mutex_unlock(&cb->mu);
+    return rc;
+}
+
+/* Mark unhealthy and fail everything queued or in flight (done() outside mu). */
+static void fail_all(struct cuda_backend *cb, const char *why)
+{
+    struct moed_batch *list[MOE_GPU_RING];
+    int n = 0;
+    struct pend *p;
+    pthread_mutex_lock(&cb->mu);
+    if (!cb->failed) {
+        cb->failed = 1;
+        snprintf(cb->fail_msg, sizeof cb->fail_msg, "%s", why);
+        LOG_E("cuda: GPU %d: backend unhealthy: %s; failing %llu in-flight batches", cb->dev, why,
+              (unsigned long long)(cb->next_seq - cb->delivered));
+    }
+    for (uint64_t s = cb->delivered + 1; s <= cb->next_seq; s++) {
+        unsigned slot = (unsigned)(s % MOE_GPU_RING);
+        if (cb->inflight[slot])
+            list[n++] = cb->inflight[slot];
+        cb->inflight[slot] = NULL;
+    }
+    cb->delivered = cb->next_seq;
+    p = cb->ph;
+    cb->ph = cb->pt = NULL;
+    pthread_mutex_unlock(&cb->mu);
+    for (int i = 0; i < n; i++) {
+        list[i]->status = MOED_E_BACKEND;
+        cb->base.done(cb->base.done_ctx, list[i]);
+    }
+    while (p) {
+        struct pend *nx = p->next;
+        p->b->status = MOED_E_BACKEND;
+        cb->base.done(cb->base.done_ctx, p->b);
+        free(p);
+        p = nx;
+    }
+}
+
+static int launch_locked(struct cuda_backend *cb)
+{
+    cb->ctrl->stop = 0;
+    __atomic_store_n(&cb->ctrl->exited, 0, __ATOMIC_RELEASE);
+    cb->params.start_seq = cb->delivered + 1;
+    int e = moe_gpu_start(&cb->params, &cb->launch, cb->stream);
+    if (e) {
+        LOG_E("cuda: GPU %d: kernel launch failed: %s", cb->dev, cudaGetErrorString((cudaError_t)e));
+        return MOED_E_BACKEND;
+    }
+    cb->launches++;
+    cb->running = 1;
+    cb->head_start_ns = now_ns();
+    return 0;
+}
+
+/* Ask an idle kernel to exit and wait for it (mu held by caller is dropped
+ * while waiting; returns 0 or MOED_E_BACKEND). */
+static int stop_kernel(struct cuda_backend *cb, uint32_t timeout_ms)
+{
+    __atomic_store_n(&cb->ctrl->stop, 1, __ATOMIC_RELEASE);
+    uint64_t t0 = now_ns();
+    while (!__atomic_load_n(&cb->ctrl->exited, __ATOMIC_ACQUIRE)) {
+        if (now_ns() - t0 > (uint64_t)timeout_ms * 1000000ull)
+            return MOED_E_BACKEND;
+        usleep(50);
+    }
+    cudaError_t e = cudaStreamSynchronize(cb->stream);
+    if (e != cudaSuccess) {
+        LOG_E("cuda: GPU %d: kernel ended with %s", cb->dev, cudaGetErrorString(e));
+        return MOED_E_BACKEND;
+    }
+    return 0;
+}
+
+static void *completion_thread(void *arg)
+{
+    struct cuda_backend *cb = arg;
+    uint64_t last_progress = now_ns(), last_query = 0, hb_val = 0, hb_at = now_ns();
+    unsigned backoff_us = 0;
+    if (cudaSetDevice(cb->dev) != cudaSuccess) {
+        fail_all(cb, "cudaSetDevice failed in the completion thread");
+        return NULL;
+    }
+    for (;;) {
+        uint64_t now = now_ns();
+        /* ---- deliver completions ---- */
+        uint64_t done = __atomic_load_n(&cb->ctrl->done_seq, __ATOMIC_ACQUIRE);
+        int progressed = 0;
+        for (;;) {
+            struct moed_batch *b = NULL;
+            pthread_mutex_lock(&cb->mu);
+            if (cb->delivered < done && cb->delivered < cb->next_seq && !cb->failed) {
+                unsigned slot = (unsigned)((cb->delivered + 1) % MOE_GPU_RING);
+                b = cb->inflight[slot];
+                cb->inflight[slot] = NULL;
+                if (b && b->y.kind == MOED_BUF_HOST)
+                    memcpy(b->y.ptr, cb->stage + slot * cb->slot_bytes + cb->off_y,
+                           (size_t)b->n_tokens * cb->d.hidden * 2);
+                cb->delivered++;
+                cb->head_start_ns = now;
+                cb->last_active_ns = now;
+                fill_from_pending_locked(cb);
+            }
+            pthread_mutex_unlock(&cb->mu);
+            if (!b)
+                break;
+            b->status = 0;
+            cb->base.done(cb->base.done_ctx, b);
+            progressed = 1;
+        }
+        if (progressed) {
+            last_progress = now;
+            backoff_us = 0;
+        }
+
+        /* ---- state machine under mu ---- */
+        pthread_mutex_lock(&cb->mu);
+        int failed = cb->failed;
+        uint64_t inflight = cb->next_seq - cb->delivered;
+        int pending = cb->ph != NULL;
+        const char *why = NULL;
+        if (!failed) {
+            if (!cb->running && pending) {
+                if (launch_locked(cb))
+                    why = "kernel relaunch failed";
+                else
+                    fill_from_pending_locked(cb);
+            }
+            if (inflight && cb->deadline_ms &&
+                now - cb->head_start_ns > (uint64_t)cb->deadline_ms * 1000000ull)
+                why = "a batch missed engine.batch_deadline_ms";
+        }
+        if (cb->closing && (failed || (!inflight && !pending))) {
+            pthread_mutex_unlock(&cb->mu);
+            break;
+        }
+        int want_idle_stop = !failed && !why && cb->running && !inflight && !pending &&
+                             !cb->closing && cb->idle_exit_ms &&
+                             now - cb->last_active_ns > (uint64_t)cb->idle_exit_ms * 1000000ull;
+        if (want_idle_stop)
+            cb->running = 0; /* submits now queue; we stop the kernel below */
+        pthread_mutex_unlock(&cb->mu);
+
+        if (want_idle_stop) {
+            if (stop_kernel(cb, 2000))
+                why = "the kernel did not stop on request";
+            else
+                LOG_D("cuda: GPU %d: kernel exited after %u ms idle", cb->dev, cb->idle_exit_ms);
+        }
+        /* ---- health: sticky CUDA error, heartbeat ---- */
+        if (!why && !failed && now - last_query > 10000000ull) {
+            last_query = now;
+            cudaError_t e = cudaStreamQuery(cb->stream);
+            if (e != cudaSuccess && e != cudaErrorNotReady)
+                why = cudaGetErrorString(e);
+            uint64_t hb = __atomic_load_n(&cb->ctrl->heartbeat, __ATOMIC_RELAXED);
+            if (hb != hb_val || !cb->running || inflight) {
+                hb_val = hb;
+                hb_at = now;
+            } else if (now - hb_at > (uint64_t)HB_STALL_MS * 1000000ull) {
+                why = "kernel heartbeat stopped";
+            }
+        }
+        if (why && !failed) {
+            fail_all(cb, why);
+            continue;
+        }
+        /* ---- wait: spin briefly after progress, then back off ---- */
+        if (inflight) {
+            if (now - last_progress > 200000ull) {
+                backoff_us = backoff_us ? (backoff_us * 2 > 200 ? 200 : backoff_us * 2) : 5;
+                usleep(backoff_us);
+            }
+        } else {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            ts.tv_nsec += 10 * 1000000;
+            if (ts.tv_nsec >= 1000000000) {
+                ts.tv_sec++;
+                ts.tv_nsec -= 1000000000;
+            }
+            pthread_mutex_lock(&cb->mu);
+            if (!cb->ph && cb->next_seq == cb->delivered && !cb->closing)
+                pthread_cond_timedwait(&cb->cv, &cb->mu, &ts);
+            pthread_mutex_unlock(&cb->mu);
+            last_progress = now_ns();
+        }
+    }
+    return NULL;
+}
+
+/* ---------------- ops ---------------- */
+
+static int cuda_healthy(struct moed_backend *be)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)be;
+    pthread_mutex_lock(&cb->mu);
+    int ok = !cb->failed;
+    pthread_mutex_unlock(&cb->mu);
+    return ok;
+}
+
+static void cuda_describe(struct moed_backend *be, char *buf, unsigned len)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)be;
+    snprintf(buf, len,
+             "cuda: GPU %d %s, %d SMs used, grid %d CTAs (%d/SM x %d threads, %d B smem), "
+             "weights %.2f GiB, scratch %.2f GiB, device memory used %.2f of %.2f GiB%s%s",
+             cb->dev, cb->dev_name, cb->launch.sms, cb->launch.grid, cb->launch.ctas_per_sm,
+             cb->launch.block, cb->launch.smem_bytes, cb->weight_bytes / 1073741824.0,
+             cb->scratch_bytes / 1073741824.0, cb->dev_used / 1073741824.0,
+             cb->dev_total / 1073741824.0, cb->failed ? "; UNHEALTHY: " : "",
+             cb->failed ? cb->fail_msg : "");
+}
+
+static void free_all(struct cuda_backend *cb, int device_ok)
+{
+    if (device_ok) {
+        if (cb->stream)
+            cudaStreamDestroy(cb->stream);
+        cudaFree(cb->wbuf);
+        cudaFree(cb->s2);
+        cudaFree(cb->layers_d);
+        cudaFree(cb->state);
+        cudaFree(cb->xs);
+        cudaFree(cb->h);
+        cudaFree(cb->ids_s);
+        cudaFree(cb->w_s);
+        cudaFree(cb->dout);
+        if (cb->ctrl)
+            cudaFreeHost(cb->ctrl);
+        if (cb->stage)
+            cudaFreeHost(cb->stage);
+    }
+    free(cb->slot_of);
+    pthread_mutex_destroy(&cb->mu);
+    pthread_cond_destroy(&cb->cv);
+    free(cb);
+}
+
+static void cuda_close(struct moed_backend *be)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)be;
+    if (!cb)
+        return;
+    pthread_mutex_lock(&cb->mu);
+    cb->closing = 1;
+    pthread_cond_signal(&cb->cv);
+    pthread_mutex_unlock(&cb->mu);
+    if (cb->thr_started)
+        pthread_join(cb->thr, NULL);
+    int device_ok = !cb->failed;
+    if (device_ok && cb->running) {
+        if (stop_kernel(cb, 5000)) {
+            LOG_E("cuda: GPU %d: kernel did not stop; leaving device memory to process exit",
+                  cb->dev);
+            device_ok = 0;
+        }
+        cb->running = 0;
+    }
+    if (cb->failed)
+        LOG_W("cuda: GPU %d: closing a failed backend; device memory is left to process exit",
+              cb->dev);
+    free_all(cb, device_ok);
+}
+
+static const struct moed_backend_ops cuda_ops = {
+    .name = "cuda",
+    .submit = cuda_submit,
+    .healthy = cuda_healthy,
+    .describe = cuda_describe,
+    .close = cuda_close,
+};
+
+/* ---------------- open ---------------- */
+
+int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moed_backend_cfg *cfg,
+                               moed_backend_done_fn done, void *done_ctx,
+                               struct moed_backend **out, char *err, size_t errlen)
+{
+    int rc = 0;
+    struct cuda_backend *cb = NULL;
+    struct cudaDeviceProp prop;
+    size_t free_b = 0, total_b = 0;
+    *out = NULL;
+    if (cfg->n_gpus > 1)
+        return moed_seterr(err, errlen, MOED_E_UNSUPPORTED,
+                           "cuda backend: engine.gpus lists %d GPUs; this version serves one GPU "
+                           "(expert parallelism over NCCL is not implemented yet)", cfg->n_gpus);
+    if (src->n_layers == 0)
+        return moed_seterr(err, errlen, MOED_E_MODEL, "cuda backend: the model has no MoE layers");
+    cb = calloc(1, sizeof *cb);
+    if (!cb)
+        return moed_seterr(err, errlen, MOED_E_NOMEM, "cuda backend: out of memory");
+    pthread_mutex_init(&cb->mu, NULL);
+    pthread_cond_init(&cb->cv, NULL);
+    cb->base.ops = &cuda_ops;
+    cb->base.done = done;
+    cb->base.done_ctx = done_ctx;
+    cb->d = src->dims;
+    cb->d.max_tokens = cfg->max_tokens;
+    cb->dev = cfg->n_gpus == 1 && cfg->gpus ? cfg->gpus[0] : 0;
+    cb->deadline_ms = cfg->batch_deadline_ms;
+    cb->idle_exit_ms = cfg->idle_exit_ms;
+    cb->n_layers = src->n_layers;
+    if ((rc = moe_gpu_check_dims(&cb->d, err, errlen)))
+        goto cleanup;
+
+    /* layer id -> slot */
+    uint32_t max_id = 0;
+    for (uint32_t l = 0; l < src->n_layers; l++) {
+        uint32_t id = src->layer_ids ? src->layer_ids[l] : l;
+        if (id > max_id)
+            max_id = id;
+    }
+    cb->n_slot_of = max_id + 1;
+    cb->slot_of = malloc(sizeof(int32_t) * cb->n_slot_of);
+    if (!cb->slot_of) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "cuda backend: out of memory");
+        goto cleanup;
+    }
+    for (uint32_t i = 0; i < cb->n_slot_of; i++)
+        cb->slot_of[i] = -1;
+    for (uint32_t l = 0; l < src->n_layers; l++)
+        cb->slot_of[src->layer_ids ? src->layer_ids[l] : l] = (int32_t)l;
+
+    CK(cudaSetDevice(cb->dev));
+    CK(cudaGetDeviceProperties(&prop, cb->dev));
+    snprintf(cb->dev_name, sizeof cb->dev_name, "%s", prop.name);
+    cb->n_sms = prop.multiProcessorCount;
+
+    /* fit: weights + scratch against free device memory */
+    const uint32_t H = cb->d.hidden, I = cb->d.inter, NE = cb->d.n_experts + cb->d.n_shared;
+    const uint64_t MT = cb->d.max_tokens, KS = cb->d.top_k + cb->d.n_shared, k = cb->d.top_k;
+    cb->weight_bytes = (moe_gpu_gu_bytes(H, I) + moe_gpu_dn_bytes(H, I)) * NE * cb->n_layers;
+    cb->scratch_bytes = MT * H * 2 + MT * k * 8 + MT * KS * I * 2 + MT * KS * H * 4 +
+                        moe_gpu_state_bytes(&cb->d) + (uint64_t)sizeof(float) * 3 * NE * cb->n_layers;
+    CK(cudaMemGetInfo(&free_b, &total_b));
+    const uint64_t margin = 256ull << 20;
+    if (cb->weight_bytes + cb->scratch_bytes + margin > free_b) {
+        rc = moed_seterr(err, errlen, MOED_E_NOFIT,
+                         "cuda backend: GPU %d (%s) needs %.2f GiB (weights %.2f + scratch %.2f "
+                         "+ 0.25 reserve) but has %.2f GiB free of %.2f",
+                         cb->dev, cb->dev_name,
+                         (cb->weight_bytes + cb->scratch_bytes + margin) / 1073741824.0,
+                         cb->weight_bytes / 1073741824.0, cb->scratch_bytes / 1073741824.0,
+                         free_b / 1073741824.0, total_b / 1073741824.0);
+        goto cleanup;
+    }
+    LOG_I("cuda: GPU %d %s: placing %u layers, %.2f GiB of weights (%.2f GiB free)", cb->dev,
+          cb->dev_name, cb->n_layers, cb->weight_bytes / 1073741824.0, free_b / 1073741824.0);
+
+    if ((rc = place_weights(cb, src, err, errlen)))
+        goto cleanup;
+    CK(cudaMalloc(&cb->state, moe_gpu_state_bytes(&cb->d)));
+    CK(cudaMemset(cb->state, 0, moe_gpu_state_bytes(&cb->d)));
+    CK(cudaMalloc((void **)&cb->xs, MT * H * 2));
+    CK(cudaMalloc((void **)&cb->ids_s, MT * k * 4));
+    CK(cudaMalloc((void **)&cb->w_s, MT * k * 4));
+    CK(cudaMalloc((void **)&cb->h, MT * KS * I * 2));
+    CK(cudaMalloc((void **)&cb->dout, MT * KS * H * 4));
+
+    /* mapped host memory: control block + per-slot staging */
+    CK(cudaHostAlloc((void **)&cb->ctrl, sizeof *cb->ctrl, cudaHostAllocMapped));
+    memset(cb->ctrl, 0, sizeof *cb->ctrl);
+    CK(cudaHostGetDevicePointer((void **)&cb->ctrl_d, cb->ctrl, 0));
+    cb->off_ids = (MT * H * 2 + 255) & ~(size_t)255;
+    cb->off_w = cb->off_ids + ((MT * k * 4 + 255) & ~(size_t)255);
+    cb->off_y = cb->off_w + ((MT * k * 4 + 255) & ~(size_t)255);
+    cb->slot_bytes = cb->off_y + ((MT * H * 2 + 255) & ~(size_t)255);
+    CK(cudaHostAlloc((void **)&cb->stage, cb->slot_bytes * MOE_GPU_RING, cudaHostAllocMapped));
+    CK(cudaHostGetDevicePointer((void **)&cb->stage_d, cb->stage, 0));
+    CK(cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking));
+
+    int e = moe_gpu_plan(cb->dev, &cb->d, cfg->sms_free, &cb->launch);
+    if (e)
+        CK((cudaError_t)e);
+    cb->params = (struct moe_gpu_params){
+        .d = cb->d, .layers = cb->layers_d, .ctrl = cb->ctrl_d, .state = cb->state,
+        .xs = cb->xs, .ids_s = cb->ids_s, .w_s = cb->w_s, .h = cb->h, .dout = cb->dout,
+        .start_seq = 1, .smem_route = moe_gpu_smem_route_bytes(&cb->d)};
+    LOG_I("cuda: GPU %d: persistent kernel grid %d CTAs = %d/SM x %d SMs (%d left free), %d "
+          "threads, %d B dynamic smem", cb->dev, cb->launch.grid, cb->launch.ctas_per_sm,
+          cb->launch.sms, cfg->sms_free, cb->launch.block, cb->launch.smem_bytes);
+    pthread_mutex_lock(&cb->mu);
+    rc = launch_locked(cb);
+    pthread_mutex_unlock(&cb->mu);
+    if (rc) {
+        rc = moed_seterr(err, errlen, MOED_E_BACKEND, "cuda backend: kernel launch failed on GPU %d",
+                         cb->dev);
+        goto cleanup;
+    }
+    CK(cudaMemGetInfo(&free_b, &total_b));
+    cb->dev_used = total_b - free_b;
+    cb->dev_total = total_b;
+    if (pthread_create(&cb->thr, NULL, completion_thread, cb) != 0) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "cuda backend: cannot start completion thread");
+        goto cleanup;
+    }
+    cb->thr_started = 1;
+    LOG_I("cuda: GPU %d: ready; device memory used %.2f of %.2f GiB", cb->dev,
+          cb->dev_used / 1073741824.0, cb->dev_total / 1073741824.0);
+    *out = &cb->base;
+    return 0;
+cleanup:
+    if (cb) {
+        if (cb->running && stop_kernel(cb, 2000) == 0)
+            cb->running = 0;
+        free_all(cb, !cb->running);
+    }
+    return rc;
+}
+
+int moed_backend_cuda_open(struct moed_model *m, const struct moed_backend_cfg *cfg,
+                           moed_backend_done_fn done, void *done_ctx,
+                           struct moed_backend **out, char *err, size_t errlen)
+{
+    const struct moed_dims *dm = moed_model_dims(m);
+    struct moed_cuda_src src = {0};
+    const struct moe_layer **layers = NULL;
+    uint32_t *ids = NULL;
+    int rc;
+    layers = calloc(dm->n_layers ? dm->n_layers : 1, sizeof *layers);
+    ids = calloc(dm->n_layers ? dm->n_layers : 1, sizeof *ids);
+    if (!layers || !ids) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "cuda backend: out of memory");
+        goto cleanup;
+    }
+    for (uint32_t l = 0; l < dm->n_layers; l++) {
+        if (!moed_model_is_moe_layer(m, l))
+            continue;
+        layers[src.n_layers] = moed_model_layer(m, l);
+        ids[src.n_layers++] = l;
+    }
+    src.layers = layers;
+    src.layer_ids = ids;
+    src.dims = (struct moe_gpu_dims){.hidden = dm->hidden, .inter = dm->inter,
+                                     .n_experts = dm->n_experts, .n_shared = dm->n_shared,
+                                     .top_k = dm->top_k, .max_tokens = cfg->max_tokens};
+    rc = moed_backend_cuda_open_src(&src, cfg, done, done_ctx, out, err, errlen);
+cleanup:
+    free(layers);
+    free(ids);
+    return rc;
+}
+
+int moed_backend_cuda_available(void)
+{
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+uint64_t moed_backend_cuda_heartbeat(struct moed_backend *be)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)be;
+    return __atomic_load_n(&cb->ctrl->heartbeat, __ATOMIC_RELAXED);
+}
+
+uint64_t moed_backend_cuda_launches(struct moed_backend *be)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)be;
+    pthread_mutex_lock(&cb->mu);
+    uint64_t n = cb->launches;
+    pthread_mutex_unlock(&cb->mu);
+    return n;
+}
+
+int moed_backend_cuda_grid(struct moed_backend *be)
+{
+    return ((struct cuda_backend *)be)->launch.grid;
+}

@@ -1,0 +1,126 @@
+/* moe_gpu.h - the persistent fused NVFP4 MoE kernel: layouts, queue, launch.
+ *
+ * C interface between the host backend (engine/backend_cuda.c) and the CUDA
+ * code (kernels/moe_gpu.cu), plus the host-side weight repacker
+ * (kernels/moe_gpu_pack.c, plain C, built in every configuration so that it
+ * can be unit-tested without a GPU).
+ *
+ * Weight stream layout ("tiles"): see the block comment in moe_gpu.cu. In
+ * short, every matrix is cut into warp tiles of MOE_GPU_MR * 16 rows; a tile
+ * is a contiguous run of K/64 "units", each unit MOE_GPU_MR sub-tiles of 576
+ * bytes (512 bytes of E2M1 codes in mma fragment order, then 64 bytes of E4M3
+ * block scales), so a warp streams one tile with 16-byte loads from start to
+ * end. gate and up rows are interleaved 8 + 8 per 16-row sub-tile so the
+ * SiLU(gate)*up product is formed in registers.
+ *
+ * Queue: a ring of MOE_GPU_RING batch descriptors in pinned, device-mapped
+ * host memory (struct moe_gpu_ctrl). Host writes descriptors and `head`;
+ * the kernel writes `done_seq`, `heartbeat` and `exited`. One writer per word.
+ */
+#ifndef MOE_GPU_H
+#define MOE_GPU_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "moe_ref.h"
+
+#define MOE_GPU_MR 2            /* 16-row sub-tiles per warp tile */
+#define MOE_GPU_TILE_ROWS (16 * MOE_GPU_MR)
+#define MOE_GPU_UNIT_K 64       /* K per pipeline unit */
+#define MOE_GPU_SUB_BYTES 576   /* one 16-row x 64-K sub-tile: 512 codes + 64 scales */
+#define MOE_GPU_UNIT_BYTES (MOE_GPU_MR * MOE_GPU_SUB_BYTES)
+#define MOE_GPU_CHUNK_TOKENS 16 /* tokens (pairs) per task, at most (NT <= 2 n-tiles) */
+#define MOE_GPU_RING 8          /* batch descriptors in flight per GPU */
+#define MOE_GPU_WARPS 8         /* warps per CTA (tuned on H200: 2 CTAs/SM) */
+#define MOE_GPU_STAGES 4        /* cp.async stages per warp */
+
+/* One batch, written by the host into ring[seq % MOE_GPU_RING] before head
+ * is released. Pointers are device-visible (device memory or mapped host). */
+struct moe_gpu_desc {
+    uint64_t seq;
+    uint32_t layer;     /* index into the kernel's layer table */
+    uint32_t n_tokens;  /* T */
+    uint64_t x;         /* bf16 [T, H] */
+    uint64_t ids;       /* int32 [T, k] */
+    uint64_t w;         /* fp32 [T, k] */
+    uint64_t y;         /* bf16 [T, H] output */
+    uint64_t pad[2];
+};
+
+/* Control block in mapped host memory; each word on its own 64-byte line. */
+struct moe_gpu_ctrl {
+    uint64_t head;      /* host: highest published seq (release) */
+    uint64_t pad0[7];
+    uint64_t stop;      /* host: non-zero asks the kernel to exit when idle */
+    uint64_t pad1[7];
+    uint64_t heartbeat; /* device: advances while the kernel runs */
+    uint64_t pad2[7];
+    uint64_t done_seq;  /* device: highest completed seq (release) */
+    uint64_t pad3[7];
+    uint64_t exited;    /* device: 1 once every CTA has left */
+    uint64_t pad4[7];
+    struct moe_gpu_desc ring[MOE_GPU_RING];
+};
+
+/* Device pointers of one layer's repacked weights. */
+struct moe_gpu_layer {
+    const uint8_t *gu;  /* expert e's gate_up stream at gu + e * (gu+dn bytes) */
+    const uint8_t *dn;  /* expert e's down stream at dn + e * (gu+dn bytes) */
+    const float *s2;    /* [3][E+S]: gate, up, down weight_scale_2 */
+};
+
+struct moe_gpu_dims {
+    uint32_t hidden, inter, n_experts, n_shared, top_k, max_tokens;
+};
+
+/* Everything the kernel needs, passed by value at launch. */
+struct moe_gpu_params {
+    struct moe_gpu_dims d;
+    const struct moe_gpu_layer *layers; /* device array */
+    struct moe_gpu_ctrl *ctrl;          /* device pointer of the mapped block */
+    void *state;        /* device: counters (moe_gpu_state_bytes) */
+    uint16_t *xs;       /* device: staged x [max_tokens, H] */
+    int32_t *ids_s;     /* device: staged ids [max_tokens, k] */
+    float *w_s;         /* device: staged w [max_tokens, k] */
+    uint16_t *h;        /* device: [max_tokens*(k+S), I] bf16 */
+    float *dout;        /* device: [max_tokens*(k+S), H] fp32 */
+    uint64_t start_seq; /* first seq this launch processes */
+    uint32_t smem_route;/* bytes of the routing part of dynamic smem */
+};
+
+struct moe_gpu_launch {
+    int grid, block, smem_bytes, ctas_per_sm, sms;
+};
+
+/* ---- host repack (kernels/moe_gpu_pack.c) ---- */
+
+/* 0, or MOED_E_MODEL with a message if H/I do not fit the tiling. */
+int moe_gpu_check_dims(const struct moe_gpu_dims *d, char *err, size_t errlen);
+/* Bytes of one expert's gate_up / down stream. */
+uint64_t moe_gpu_gu_bytes(uint32_t hidden, uint32_t inter);
+uint64_t moe_gpu_dn_bytes(uint32_t hidden, uint32_t inter);
+/* Repack one expert into gu[moe_gpu_gu_bytes] and dn[moe_gpu_dn_bytes]
+ * (caller owns both). Nibble values and scale bytes are copied unchanged; only
+ * their order changes. */
+void moe_gpu_repack_expert(const struct moe_expert *ex, uint32_t hidden, uint32_t inter,
+                           uint8_t *gu, uint8_t *dn);
+
+/* ---- device side (kernels/moe_gpu.cu); return cudaError_t values as int ---- */
+
+/* Bytes of the device counter block for these dims. */
+size_t moe_gpu_state_bytes(const struct moe_gpu_dims *d);
+/* Dynamic shared memory: routing tables + per-warp stages. */
+uint32_t moe_gpu_smem_route_bytes(const struct moe_gpu_dims *d);
+/* Grid from the occupancy API on `device`, leaving sms_free SMs idle. */
+int moe_gpu_plan(int device, const struct moe_gpu_dims *d, int sms_free,
+                 struct moe_gpu_launch *out);
+/* Launch the persistent kernel on `stream` (a cudaStream_t). */
+int moe_gpu_start(const struct moe_gpu_params *p, const struct moe_gpu_launch *l, void *stream);
+/* Fill a weight stream (bytes % 576 == 0) with random valid NVFP4 (benchmark). */
+int moe_gpu_fill_random(void *buf, uint64_t bytes, uint64_t seed);
+/* Streaming-read bandwidth probe for the benchmark: reads `bytes` from buf
+ * `reps` times; returns elapsed ms through *ms. */
+int moe_gpu_read_bw(const void *buf, uint64_t bytes, int reps, float *ms);
+
+#endif

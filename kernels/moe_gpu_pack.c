@@ -1,0 +1,121 @@
+/* moe_gpu_pack.c - repack NVFP4 expert weights into the GPU kernel's stream
+ * order (host side, plain C; see the layout comment in moe_gpu.cu).
+ *
+ * Nothing is re-quantized: every E2M1 nibble and every E4M3 scale byte of the
+ * checkpoint lands somewhere in the output unchanged; weight_scale_2 stays a
+ * per-matrix float applied by the kernel's epilogue (gate and up each with
+ * their own). Only the order changes, so the GPU sees exactly the values the
+ * CPU reference (moe_ref.c) sees.
+ */
+#include <string.h>
+
+#include "moe_gpu.h"
+#include "moed_err.h"
+
+int moe_gpu_check_dims(const struct moe_gpu_dims *d, char *err, size_t errlen)
+{
+    if (d->hidden == 0 || d->hidden % 64 != 0)
+        return moed_seterr(err, errlen, MOED_E_MODEL,
+                           "cuda backend: hidden_size %u must be a positive multiple of 64",
+                           d->hidden);
+    if (d->inter == 0 || d->inter % 64 != 0)
+        return moed_seterr(err, errlen, MOED_E_MODEL,
+                           "cuda backend: moe_intermediate_size %u must be a positive multiple "
+                           "of 64", d->inter);
+    if (d->n_experts == 0 || d->n_experts + d->n_shared > 1024 || d->top_k == 0 ||
+        d->top_k > d->n_experts)
+        return moed_seterr(err, errlen, MOED_E_MODEL,
+                           "cuda backend: experts %u + shared %u (max 1024 total), top_k %u "
+                           "not supported", d->n_experts, d->n_shared, d->top_k);
+    if (d->max_tokens == 0 || (uint64_t)d->max_tokens * (d->top_k + d->n_shared) > 65535)
+        return moed_seterr(err, errlen, MOED_E_CONFIG,
+                           "cuda backend: max_tokens %u * (top_k %u + shared %u) must be in "
+                           "[1, 65535]", d->max_tokens, d->top_k, d->n_shared);
+    return 0;
+}
+
+uint64_t moe_gpu_gu_bytes(uint32_t hidden, uint32_t inter)
+{
+    /* 2I interleaved rows of K = H */
+    return (uint64_t)(2 * inter / 16) * (hidden / MOE_GPU_UNIT_K) * MOE_GPU_SUB_BYTES;
+}
+
+uint64_t moe_gpu_dn_bytes(uint32_t hidden, uint32_t inter)
+{
+    return (uint64_t)(hidden / 16) * (inter / MOE_GPU_UNIT_K) * MOE_GPU_SUB_BYTES;
+}
+
+static inline uint32_t nib(const struct nvfp4_mat *m, uint32_t row, uint32_t k)
+{
+    uint8_t b = m->w[(uint64_t)row * (m->k / 2) + k / 2];
+    return (k & 1) ? (uint32_t)(b >> 4) : (uint32_t)(b & 15); /* low nibble = even k */
+}
+
+static inline uint8_t sc(const struct nvfp4_mat *m, uint32_t row, uint32_t k)
+{
+    return m->scale[(uint64_t)row * (m->k / NVFP4_GROUP) + k / NVFP4_GROUP];
+}
+
+/* One 16-row x 64-K sub-tile. Rows 0-7 come from (m_lo, r_lo + 0..7), rows
+ * 8-15 from (m_hi, r_hi + 0..7). Lane l = 4g + q holds rows g and g+8 and
+ * physical k in [16q, 16q+16) of the unit: for mma step s its A fragment
+ * slots (2q, 2q+1 | 2q+8, 2q+9) carry k = 16q+4s+(0,1 | 2,3), matching the
+ * B fragment the kernel builds from 32 contiguous bytes of x. Word s of the
+ * lane holds pair p in nibbles p (low element) and p+4 (high element):
+ * p0 = row g k+0/1, p1 = row g+8 k+0/1, p2 = row g k+2/3, p3 = row g+8 k+2/3. */
+static void pack_sub(const struct nvfp4_mat *m_lo, uint32_t r_lo, const struct nvfp4_mat *m_hi,
+                     uint32_t r_hi, uint32_t k0, uint8_t *out)
+{
+    for (uint32_t l = 0; l < 32; l++) {
+        uint32_t g = l / 4, q = l % 4;
+        for (uint32_t s = 0; s < 4; s++) {
+            uint32_t kb = k0 + 16 * q + 4 * s;
+            uint32_t lo[4], hi[4];
+            lo[0] = nib(m_lo, r_lo + g, kb + 0);
+            hi[0] = nib(m_lo, r_lo + g, kb + 1);
+            lo[1] = nib(m_hi, r_hi + g, kb + 0);
+            hi[1] = nib(m_hi, r_hi + g, kb + 1);
+            lo[2] = nib(m_lo, r_lo + g, kb + 2);
+            hi[2] = nib(m_lo, r_lo + g, kb + 3);
+            lo[3] = nib(m_hi, r_hi + g, kb + 2);
+            hi[3] = nib(m_hi, r_hi + g, kb + 3);
+            uint32_t word = 0;
+            for (int p = 0; p < 4; p++)
+                word |= (lo[p] << (4 * p)) | (hi[p] << (4 * (p + 4)));
+            uint8_t *o = out + l * 16 + s * 4; /* little-endian word */
+            o[0] = (uint8_t)word;
+            o[1] = (uint8_t)(word >> 8);
+            o[2] = (uint8_t)(word >> 16);
+            o[3] = (uint8_t)(word >> 24);
+        }
+        out[512 + l * 2 + 0] = sc(m_lo, r_lo + g, k0 + 16 * q);
+        out[512 + l * 2 + 1] = sc(m_hi, r_hi + g, k0 + 16 * q);
+    }
+}
+
+void moe_gpu_repack_expert(const struct moe_expert *ex, uint32_t hidden, uint32_t inter,
+                           uint8_t *gu, uint8_t *dn)
+{
+    const uint32_t MR = MOE_GPU_MR;
+    /* gate_up: K = H; sub-tile st covers intermediate rows i0 = 8 st .. +8,
+     * gate in rows 0-7, up in rows 8-15. */
+    uint32_t units = hidden / MOE_GPU_UNIT_K;
+    uint32_t n_sub = 2 * inter / 16;
+    for (uint32_t st = 0; st < n_sub; st++) {
+        uint32_t tile = st / MR, m = st % MR;
+        for (uint32_t u = 0; u < units; u++) {
+            uint8_t *o = gu + (((uint64_t)tile * units + u) * MR + m) * MOE_GPU_SUB_BYTES;
+            pack_sub(&ex->gate, 8 * st, &ex->up, 8 * st, u * MOE_GPU_UNIT_K, o);
+        }
+    }
+    /* down: K = I; sub-tile st covers output rows 16 st .. +16 */
+    units = inter / MOE_GPU_UNIT_K;
+    n_sub = hidden / 16;
+    for (uint32_t st = 0; st < n_sub; st++) {
+        uint32_t tile = st / MR, m = st % MR;
+        for (uint32_t u = 0; u < units; u++) {
+            uint8_t *o = dn + (((uint64_t)tile * units + u) * MR + m) * MOE_GPU_SUB_BYTES;
+            pack_sub(&ex->down, 16 * st, &ex->down, 16 * st + 8, u * MOE_GPU_UNIT_K, o);
+        }
+    }
+}
