@@ -26,8 +26,9 @@
 #define MOEDC_BIG_ENDIAN 1
 #endif
 
-/* Generic ceiling on any reply before HELLO told us the model's sizes. */
-#define REPLY_CEILING_PRE_HELLO (MOEDC_MAX_STATUS_BYTES)
+/* Sanity caps on a HELLO reply (far above any real model). */
+#define MOEDC_MAX_HIDDEN (1u << 20)
+#define MOEDC_MAX_TOKENS (1u << 24)
 
 struct moedc {
     int fd;
@@ -465,6 +466,16 @@ int moedc_hello(struct moedc *c, struct moed_hello_rep *rep, char *err, size_t e
         return moed_seterr(err, errlen, MOED_E_VERSION,
                            "daemon chose protocol version %u; this client speaks only %d",
                            (unsigned)r.version, MOED_PROTO_VERSION);
+    }
+    /* The reply bounds of FORWARD derive from these; refuse absurd values so
+     * that arithmetic on them stays far from overflow. */
+    if (r.hidden < 1 || r.hidden > MOEDC_MAX_HIDDEN || r.max_tokens < 1 ||
+        r.max_tokens > MOEDC_MAX_TOKENS || r.top_k < 1 || r.top_k > r.n_experts) {
+        c->broken = 1;
+        return moed_seterr(err, errlen, MOED_E_PROTO,
+                           "HELLO reply has implausible dims: hidden %" PRIu32 ", max_tokens %"
+                           PRIu32 ", top_k %" PRIu32 ", n_experts %" PRIu32,
+                           r.hidden, r.max_tokens, r.top_k, r.n_experts);
     }
     c->hello = r;
     c->have_hello = 1;

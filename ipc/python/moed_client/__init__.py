@@ -430,6 +430,11 @@ class Client:
         if f[0] != PROTO_VERSION:
             self._fail(E_VERSION, "daemon chose protocol version %d; this client speaks 1"
                        % f[0])
+        hidden, top_k, n_experts, max_tokens = f[2], f[5], f[4], f[9]
+        if not (1 <= hidden <= 1 << 20 and 1 <= max_tokens <= 1 << 24 and
+                1 <= top_k <= n_experts):
+            self._fail(E_PROTO, "HELLO reply has implausible dims: hidden %d, max_tokens %d, "
+                       "top_k %d, n_experts %d" % (hidden, max_tokens, top_k, n_experts))
         self.info = Hello(version=f[0], hidden=f[2], inter=f[3], n_experts=f[4], top_k=f[5],
                           n_shared=f[6], n_layers=f[7], first_moe_layer=f[8], max_tokens=f[9],
                           max_frame_bytes=f[11],
