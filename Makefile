@@ -165,7 +165,7 @@ FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
 fuzz:
 	@mkdir -p $(BUILD)/fuzz
 	for f in $(FUZZ_SRC); do \
-	  clang -std=c11 -D_GNU_SOURCE -g -O1 -fsanitize=fuzzer,address,undefined $(INCS) $(PKG_CFLAGS) \
+	  clang -std=c11 -D_GNU_SOURCE -DMOED_VERSION='"$(VERSION)"' -g -O1 -fsanitize=fuzzer,address,undefined $(INCS) $(PKG_CFLAGS) \
 	    -o $(BUILD)/fuzz/$$(basename $$f .c) $$f $(filter-out %_cuda.c,$(filter-out $(MAINS),$(ALL_C))) \
 	    $(PKG_LIBS) -lm || exit 1; done
 

@@ -1,6 +1,9 @@
 /* moed_err.c - error strings. */
 #include "moed_err.h"
 
+/* Exported from libmoedclient.so too (built with -fvisibility=hidden). */
+#define MOED_ERR_API __attribute__((visibility("default")))
+
 #include <stdarg.h>
 #include <stdio.h>
 
@@ -37,19 +40,19 @@ static int err_index(int err)
     return (i >= 0 && i < MOED_E__COUNT) ? i : -1;
 }
 
-const char *moed_strerror(int err)
+MOED_ERR_API const char *moed_strerror(int err)
 {
     int i = err_index(err);
     return i < 0 ? "unknown error" : err_table[i].text;
 }
 
-const char *moed_errname(int err)
+MOED_ERR_API const char *moed_errname(int err)
 {
     int i = err_index(err);
     return i < 0 ? "unknown" : err_table[i].name;
 }
 
-int moed_seterr(char *err, size_t errlen, int code, const char *fmt, ...)
+MOED_ERR_API int moed_seterr(char *err, size_t errlen, int code, const char *fmt, ...)
 {
     if (err && errlen) {
         va_list ap;
