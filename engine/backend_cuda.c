@@ -111,6 +111,7 @@ struct cuda_backend {
     struct pend *ph, *pt;
     uint64_t head_start_ns, last_active_ns;
     uint64_t launches;
+    uint64_t stall_ns; /* test hook, consumed by the next publish */
     char fail_msg[256];
 };
 
@@ -285,6 +286,8 @@ static void publish_locked(struct cuda_backend *cb, struct moed_batch *b)
     }
     dsc->y = b->y.kind == MOED_BUF_HOST ? (uint64_t)(uintptr_t)(sd + cb->off_y)
                                         : (uint64_t)(uintptr_t)b->y.ptr;
+    dsc->stall_ns = cb->stall_ns;
+    cb->stall_ns = 0;
     cb->inflight[slot] = b;
     if (cb->next_seq == cb->delivered + 1)
         cb->head_start_ns = now_ns();
@@ -517,8 +520,10 @@ static void *completion_thread(void *arg)
         }
         /* ---- wait: spin briefly after progress, then back off ---- */
         if (inflight) {
-            if (now - last_progress > 200000ull) {
-                backoff_us = backoff_us ? (backoff_us * 2 > 200 ? 200 : backoff_us * 2) : 5;
+            /* a decode layer takes 5 us to 2 ms: spin through that, then back
+             * off (a sleeping thread adds its wake-up time to every batch) */
+            if (now - last_progress > 5000000ull) {
+                backoff_us = backoff_us ? (backoff_us * 2 > 50 ? 50 : backoff_us * 2) : 2;
                 usleep(backoff_us);
             }
         } else {
@@ -599,18 +604,21 @@ static void cuda_close(struct moed_backend *be)
     pthread_mutex_unlock(&cb->mu);
     if (cb->thr_started)
         pthread_join(cb->thr, NULL);
-    int device_ok = !cb->failed;
-    if (device_ok && cb->running) {
+    /* Stop the kernel; after a failure it may still be finishing batches
+     * that were failed already, or be gone with a sticky error. Free device
+     * memory only when the kernel is known to be gone, never under a live
+     * (hung) kernel. */
+    int device_ok = 1;
+    if (cb->running) {
         if (stop_kernel(cb, 5000)) {
-            LOG_E("cuda: GPU %d: kernel did not stop; leaving device memory to process exit",
-                  cb->dev);
-            device_ok = 0;
+            cudaError_t q = cudaStreamQuery(cb->stream);
+            device_ok = q != cudaErrorNotReady;
+            if (!device_ok)
+                LOG_E("cuda: GPU %d: kernel did not stop; device memory is left to process exit",
+                      cb->dev);
         }
         cb->running = 0;
     }
-    if (cb->failed)
-        LOG_W("cuda: GPU %d: closing a failed backend; device memory is left to process exit",
-              cb->dev);
     free_all(cb, device_ok);
 }
 
@@ -813,6 +821,14 @@ uint64_t moed_backend_cuda_launches(struct moed_backend *be)
     uint64_t n = cb->launches;
     pthread_mutex_unlock(&cb->mu);
     return n;
+}
+
+void moed_backend_cuda_debug_stall(struct moed_backend *be, uint32_t us)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)be;
+    pthread_mutex_lock(&cb->mu);
+    cb->stall_ns = (uint64_t)us * 1000u;
+    pthread_mutex_unlock(&cb->mu);
 }
 
 int moed_backend_cuda_grid(struct moed_backend *be)

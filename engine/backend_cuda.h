@@ -34,5 +34,7 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
 uint64_t moed_backend_cuda_heartbeat(struct moed_backend *be);
 uint64_t moed_backend_cuda_launches(struct moed_backend *be);
 int moed_backend_cuda_grid(struct moed_backend *be);
+/* Test hook: the next batch published makes the kernel stall `us` first. */
+void moed_backend_cuda_debug_stall(struct moed_backend *be, uint32_t us);
 
 #endif

@@ -595,6 +595,9 @@ __global__ void __launch_bounds__(THREADS, 2) moe_persistent(const struct moe_gp
                     sd.ids = src->ids;
                     sd.w = src->w;
                     sd.y = src->y;
+                    sd.stall_ns = src->stall_ns;
+                    for (unsigned long long t0 = globaltimer_ns(); globaltimer_ns() - t0 < sd.stall_ns;)
+                        __nanosleep(100000);
                 }
                 s_go = go;
             }

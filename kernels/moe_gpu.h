@@ -45,7 +45,8 @@ struct moe_gpu_desc {
     uint64_t ids;       /* int32 [T, k] */
     uint64_t w;         /* fp32 [T, k] */
     uint64_t y;         /* bf16 [T, H] output */
-    uint64_t pad[2];
+    uint64_t stall_ns;  /* test hook: dispatcher sleeps this long first (0) */
+    uint64_t pad;
 };
 
 /* Control block in mapped host memory; each word on its own 64-byte line. */

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Run the GPU tests and the benchmark on a GPU machine that has the NVIDIA
+# driver and CUDA 13 but not libuv/cJSON/libsystemd (the lent H200 machines).
+#
+#   scripts/device-gpu.sh prepare        here: build with CUDA=1 into
+#                                         $BUILD (build-cuda), copy the shared
+#                                         libraries the binaries need (ldd)
+#                                         into .device/lib (git-ignored)
+#   scripts/device-gpu.sh test|bench|all  there: run scripts/run-gpu-tests.sh
+#                                         and/or scripts/run-bench.sh with
+#                                         LD_LIBRARY_PATH=.device/lib; logs to
+#                                         $OUT (or $BUILD/gpu-logs)
+# Carry $BUILD and .device to the GPU machine with the working tree.
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build-cuda}
+mode=${1:-all}
+
+if [ "$mode" = prepare ]; then
+    set -e
+    make BUILD="$BUILD" CUDA=1 all "$BUILD/tests/gpu_test_moe_gpu" "$BUILD/bench/bench_moe"
+    make BUILD="$BUILD" CUDA=1 $(ls tests/tools/*.c 2>/dev/null | sed -E "s|tests/tools/(.*)\.c|$BUILD/tools/\1|")
+    rm -rf .device/lib
+    mkdir -p .device/lib
+    for b in "$BUILD/moed" "$BUILD/moectl" "$BUILD/tests/gpu_test_moe_gpu" "$BUILD/bench/bench_moe"; do
+        ldd "$b" | awk '/=> \//{print $3}'
+    done | sort -u | while read -r lib; do
+        case "$(basename "$lib")" in
+            libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libstdc++*|libgcc_s*) ;;
+            libcuda.so*|libnccl*) ;; # driver's own; NCCL is found on the machine (below)
+            *) cp -L "$lib" .device/lib/ ;;
+        esac
+    done
+    du -sh "$BUILD" .device
+    exit 0
+fi
+
+# ---- on the GPU machine ----
+export LD_LIBRARY_PATH="$PWD/.device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# libnccl.so.2 (linked, used only for multi-GPU): CUDA's lib64 or the pip wheel
+nccl=$(ls /usr/local/cuda/lib64/libnccl.so.2 2>/dev/null ||
+       python3 -c 'import nvidia.nccl, os; print(os.path.join(nvidia.nccl.__path__[0], "lib", "libnccl.so.2"))' 2>/dev/null ||
+       true)
+[ -n "$nccl" ] && [ -e "$nccl" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$(dirname "$nccl")"
+LOGDIR=${OUT:-$BUILD/gpu-logs}
+export LOGDIR
+rc=0
+if [ "$mode" = test ] || [ "$mode" = all ]; then
+    BUILD="$BUILD" scripts/run-gpu-tests.sh || rc=1
+fi
+if [ "$mode" = bench ] || [ "$mode" = all ]; then
+    BUILD="$BUILD" scripts/run-bench.sh 2>&1 | tee "$LOGDIR/bench.txt" || rc=1
+fi
+exit $rc

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# GPU tests (`make test-gpu`, or scripts/device-gpu.sh on the GPU machine).
+# Each step runs in its own process with a timeout; the last line is
+# "gpu tests: N passed, N failed" (the C test's own checks + one per step).
+#   BUILD=build-cuda  build dir with moed, moectl and tests/gpu_* (CUDA=1)
+#   LOGDIR=dir        where the logs go (default $BUILD/gpu-logs)
+#   GPU_TESTS_QUICK=1 skip the deepseek-v3 shape (needs ~16 GB host memory)
+set -u
+BUILD=${BUILD:-build}
+LOGDIR=${LOGDIR:-$BUILD/gpu-logs}
+mkdir -p "$LOGDIR"
+passed=0
+failed=0
+rows=()
+
+step() { # name status detail
+    rows+=("$(printf '%-34s %-5s %s' "$1" "$2" "$3")")
+    if [ "$2" = PASS ]; then passed=$((passed + 1)); elif [ "$2" = FAIL ]; then failed=$((failed + 1)); fi
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv \
+    > "$LOGDIR/nvidia-smi.txt" 2>&1 || true
+
+# 1. correctness, determinism, stream, idle exit, cycles, deadline
+T=$BUILD/tests/gpu_test_moe_gpu
+args=()
+[ "${GPU_TESTS_QUICK:-0}" = 1 ] && args+=(--no-deepseek)
+timeout 1500 "$T" "${args[@]}" > "$LOGDIR/gpu_test_moe_gpu.log" 2>&1
+rc=$?
+grep -E '^(PASS|FAIL)|^      cuda:' "$LOGDIR/gpu_test_moe_gpu.log"
+line=$(grep -E '^gpu tests: ' "$LOGDIR/gpu_test_moe_gpu.log" | tail -1)
+if [ -n "$line" ]; then
+    p=$(echo "$line" | sed -E 's/gpu tests: ([0-9]+) passed.*/\1/')
+    f=$(echo "$line" | sed -E 's/.* ([0-9]+) failed.*/\1/')
+    step "gpu_test_moe_gpu (checks)" "$([ "$f" = 0 ] && [ $rc = 0 ] && echo PASS || echo FAIL)" \
+        "$p passed, $f failed, exit $rc"
+else
+    tail -20 "$LOGDIR/gpu_test_moe_gpu.log"
+    step "gpu_test_moe_gpu (checks)" FAIL "no summary, exit $rc"
+fi
+
+# 2. compute-sanitizer memcheck and racecheck on the tiny cases
+CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+for tool in memcheck racecheck; do
+    if [ -x "$CS" ]; then
+        timeout 900 "$CS" --tool "$tool" --error-exitcode 9 "$T" --quick \
+            > "$LOGDIR/sanitizer-$tool.log" 2>&1
+        rc=$?
+        summ=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGDIR/sanitizer-$tool.log" | tail -1)
+        ok=$([ $rc = 0 ] && grep -q 'gpu tests: [0-9]* passed, 0 failed' "$LOGDIR/sanitizer-$tool.log" \
+             && echo PASS || echo FAIL)
+        step "compute-sanitizer $tool (tiny)" "$ok" "exit $rc; ${summ:-no summary}"
+    else
+        step "compute-sanitizer $tool (tiny)" SKIP "compute-sanitizer not found"
+    fi
+done
+
+# 3. the daemon with backend cuda: start-up self-check against the CPU reference
+if [ -x "$BUILD/moed" ]; then
+    tmp=$(mktemp -d)
+    cat > "$tmp/moed.json" <<JSON
+{"server": {"socket": "$tmp/moed.sock"}, "status": {"port": 0},
+ "model": {"path": "synthetic:tiny:layers=2:seed=7", "synthetic_dir": "$tmp/models"},
+ "engine": {"backend": "cuda", "max_tokens": 64, "batch_deadline_ms": 2000},
+ "log": {"level": "info"}}
+JSON
+    "$BUILD/moed" --config "$tmp/moed.json" > "$LOGDIR/moed-cuda.log" 2>&1 &
+    pid=$!
+    ok=FAIL
+    for _ in $(seq 1 600); do
+        if grep -q 'ready: socket' "$LOGDIR/moed-cuda.log"; then ok=PASS; break; fi
+        kill -0 $pid 2>/dev/null || break
+        sleep 0.1
+    done
+    detail=$(grep -oE 'self-check passed[^"]*' "$LOGDIR/moed-cuda.log" | head -1)
+    [ -n "$detail" ] || { ok=FAIL; detail="no self-check line (see moed-cuda.log)"; }
+    if [ $ok = PASS ] && [ -x "$BUILD/moectl" ]; then
+        "$BUILD/moectl" --socket "$tmp/moed.sock" status > "$LOGDIR/moectl-status.txt" 2>&1 || true
+    fi
+    kill -TERM $pid 2>/dev/null
+    wait $pid
+    rc=$?
+    [ $rc = 0 ] || { ok=FAIL; detail="$detail; exit $rc after SIGTERM"; }
+    step "moed backend=cuda start + self-check" $ok "$detail"
+    rm -rf "$tmp"
+else
+    step "moed backend=cuda start + self-check" SKIP "$BUILD/moed not built"
+fi
+
+# 4. the daemon socket suite with backend cuda
+if grep -q MOED_TEST_BACKEND tests/py/daemon_util.py 2>/dev/null; then
+    MOED_BUILD="$BUILD" MOED_TEST_BACKEND=cuda timeout 1500 python3 -m pytest -q -p no:cacheprovider \
+        tests/py > "$LOGDIR/pytest-cuda.log" 2>&1
+    rc=$?
+    step "pytest tests/py (MOED_TEST_BACKEND=cuda)" "$([ $rc = 0 ] && echo PASS || echo FAIL)" \
+        "$(tail -1 "$LOGDIR/pytest-cuda.log")"
+else
+    step "pytest tests/py (MOED_TEST_BACKEND=cuda)" SKIP "tests/py/daemon_util.py has no MOED_TEST_BACKEND"
+fi
+
+echo
+echo "step                               result detail"
+for r in "${rows[@]}"; do echo "$r"; done
+echo "gpu tests: $passed passed, $failed failed"
+[ $failed = 0 ]

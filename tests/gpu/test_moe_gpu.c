@@ -1,0 +1,652 @@
+/* test_moe_gpu.c - the CUDA backend against the CPU reference, on a GPU.
+ *
+ *   gpu_test_moe_gpu [--quick] [--no-deepseek]
+ *
+ * Layers are random NVFP4 built in memory (every E2M1 code, E4M3 block scales
+ * including subnormal ones, gate/up/down each with its own weight_scale_2),
+ * for the tiny, qwen3-30b-a3b and deepseek-v3 shapes (deepseek with 2 layers).
+ * Checks, each printed as one PASS/FAIL line, then "gpu tests: N passed, N
+ * failed":
+ *   - output vs moe_ref_forward (relative L2 < 5e-3 on every token, or on a
+ *     sample of tokens for the large shapes: each token's output depends on
+ *     that token alone), T in {1,2,3,7,16,64,256,512}, routings uniform,
+ *     skewed (every token on the same experts) and covering every expert;
+ *     outputs poisoned with NaN before each run, no NaN after;
+ *   - bit-identical output for the same batch twice, and for one token when
+ *     its batch companions change;
+ *   - 10,000 consecutive batches with more in flight than the ring holds: each
+ *     completes exactly once with the right output;
+ *   - the idle exit and relaunch path;
+ *   - 100 open/close cycles with no device-memory growth;
+ *   - a missed batch deadline makes the backend unhealthy and fails the batch.
+ * --quick runs only the tiny cases (for compute-sanitizer).
+ */
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdarg.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "backend.h"
+#include "backend_cuda.h"
+#include "moe_ref.h"
+#include "moed_err.h"
+#include "moed_log.h"
+#include "nvfp4.h"
+
+static int n_pass, n_fail;
+
+static void result(int ok, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void result(int ok, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    printf("%s  ", ok ? "PASS" : "FAIL");
+    vprintf(fmt, ap);
+    printf("\n");
+    fflush(stdout);
+    va_end(ap);
+    if (ok)
+        n_pass++;
+    else
+        n_fail++;
+}
+
+/* ---------------- random data ---------------- */
+
+static uint64_t rng_next(uint64_t *s)
+{
+    uint64_t x = (*s += 0x9E3779B97F4A7C15ull);
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+static double rng_unif(uint64_t *s)
+{
+    return (rng_next(s) >> 11) * (1.0 / 9007199254740992.0);
+}
+static float rng_gauss(uint64_t *s)
+{
+    double u = rng_unif(s) + 1e-12, v = rng_unif(s);
+    return (float)(sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v));
+}
+
+struct preset {
+    const char *name;
+    uint32_t H, I, E, k, S;
+};
+static const struct preset P_TINY = {"tiny", 256, 128, 8, 2, 1};
+static const struct preset P_QWEN = {"qwen3-30b-a3b", 2048, 768, 128, 8, 0};
+static const struct preset P_DSV3 = {"deepseek-v3", 7168, 2048, 256, 8, 1};
+
+struct synth {
+    struct moe_layer layer;
+    struct moe_expert *ex;
+    uint8_t *mem;
+};
+
+/* One matrix of random NVFP4: all codes uniform; scales mostly normal E4M3
+ * near 1 (exponent field 5..8), 1/32 subnormal; scale_2 ~ 1/(3 sqrt(K)). */
+static void rand_mat(struct nvfp4_mat *m, uint32_t n, uint32_t k, uint8_t **cursor, uint64_t *s)
+{
+    uint8_t *w = *cursor, *sc = w + (size_t)n * k / 2;
+    *cursor = sc + (size_t)n * k / 16;
+    for (size_t i = 0; i < (size_t)n * k / 2; i += 8) {
+        uint64_t r = rng_next(s);
+        memcpy(w + i, &r, 8);
+    }
+    for (size_t i = 0; i < (size_t)n * k / 16; i++) {
+        uint64_t r = rng_next(s);
+        uint8_t e = (r & 31) == 0 ? 0 : (uint8_t)(5 + (r >> 8) % 4);
+        sc[i] = (uint8_t)((e << 3) | ((r >> 16) & 7));
+        if (sc[i] == 0)
+            sc[i] = 1; /* keep the block alive (smallest subnormal) */
+    }
+    m->n = n;
+    m->k = k;
+    m->w = w;
+    m->scale = sc;
+    m->scale_2 = (float)((0.5 + rng_unif(s)) / (3.0 * sqrt((double)k)));
+    m->input_scale = 1.0f;
+}
+
+struct gen_job {
+    struct synth *sy;
+    const struct preset *p;
+    uint32_t e0, e1;
+    uint64_t seed;
+};
+
+static void *gen_worker(void *arg)
+{
+    struct gen_job *j = arg;
+    const uint64_t H = j->p->H, I = j->p->I;
+    const uint64_t per = 2 * (I * H / 2 + I * H / 16) + (H * I / 2 + H * I / 16);
+    for (uint32_t e = j->e0; e < j->e1; e++) {
+        uint64_t s = j->seed * 1000003ull + e;
+        uint8_t *cur = j->sy->mem + per * e;
+        rand_mat(&j->sy->ex[e].gate, (uint32_t)I, (uint32_t)H, &cur, &s);
+        rand_mat(&j->sy->ex[e].up, (uint32_t)I, (uint32_t)H, &cur, &s);
+        rand_mat(&j->sy->ex[e].down, (uint32_t)H, (uint32_t)I, &cur, &s);
+    }
+    return NULL;
+}
+
+static int synth_make(struct synth *sy, const struct preset *p, uint64_t seed)
+{
+    const uint32_t NE = p->E + p->S;
+    const uint64_t per = 2 * ((uint64_t)p->I * p->H / 2 + (uint64_t)p->I * p->H / 16) +
+                         ((uint64_t)p->H * p->I / 2 + (uint64_t)p->H * p->I / 16);
+    memset(sy, 0, sizeof *sy);
+    sy->ex = calloc(NE, sizeof *sy->ex);
+    sy->mem = malloc(per * NE);
+    if (!sy->ex || !sy->mem)
+        return -1;
+    pthread_t th[32];
+    struct gen_job jobs[32];
+    int nt = 16;
+    for (int t = 0; t < nt; t++) {
+        jobs[t] = (struct gen_job){sy, p, NE * t / nt, NE * (t + 1) / nt, seed};
+        if (pthread_create(&th[t], NULL, gen_worker, &jobs[t]))
+            return -1;
+    }
+    for (int t = 0; t < nt; t++)
+        pthread_join(th[t], NULL);
+    sy->layer = (struct moe_layer){p->H, p->I, p->E, p->S, p->k, sy->ex};
+    return 0;
+}
+
+static void synth_free(struct synth *sy)
+{
+    free(sy->ex);
+    free(sy->mem);
+}
+
+/* ---------------- batches ---------------- */
+
+struct waiter {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    uint64_t done;
+    uint64_t *count_by_user; /* optional: done count per batch index (user) */
+};
+
+static void on_done(void *ctx, struct moed_batch *b)
+{
+    struct waiter *w = ctx;
+    pthread_mutex_lock(&w->mu);
+    w->done++;
+    if (w->count_by_user)
+        w->count_by_user[(uintptr_t)b->user]++;
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+}
+
+static int wait_done(struct waiter *w, uint64_t target, int timeout_s)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += timeout_s;
+    pthread_mutex_lock(&w->mu);
+    int rc = 0;
+    while (w->done < target && rc == 0)
+        rc = pthread_cond_timedwait(&w->cv, &w->mu, &ts);
+    int ok = w->done >= target;
+    pthread_mutex_unlock(&w->mu);
+    return ok ? 0 : -1;
+}
+
+struct io {
+    uint32_t T, H, k;
+    uint16_t *x, *y;
+    int32_t *ids;
+    float *w;
+};
+
+static int io_alloc(struct io *io, uint32_t T, uint32_t H, uint32_t k)
+{
+    io->T = T;
+    io->H = H;
+    io->k = k;
+    io->x = malloc((size_t)T * H * 2);
+    io->y = malloc((size_t)T * H * 2);
+    io->ids = malloc((size_t)T * k * 4);
+    io->w = malloc((size_t)T * k * 4);
+    return io->x && io->y && io->ids && io->w ? 0 : -1;
+}
+static void io_free(struct io *io)
+{
+    free(io->x);
+    free(io->y);
+    free(io->ids);
+    free(io->w);
+}
+
+enum routing { R_UNIFORM, R_SKEW, R_ALL };
+static const char *rname[] = {"uniform", "skewed", "all-experts"};
+
+static void io_fill(struct io *io, uint32_t E, enum routing r, uint64_t seed)
+{
+    uint64_t s = seed;
+    for (size_t i = 0; i < (size_t)io->T * io->H; i++)
+        io->x[i] = bf16_from_float(rng_gauss(&s));
+    for (uint32_t t = 0; t < io->T; t++) {
+        float sum = 0;
+        for (uint32_t j = 0; j < io->k; j++) {
+            int32_t e;
+            if (r == R_SKEW) {
+                e = (int32_t)j; /* every token on experts 0..k-1 */
+            } else if (r == R_ALL) {
+                e = (int32_t)((t * io->k + j) % E);
+            } else {
+                for (;;) { /* distinct experts per token */
+                    e = (int32_t)(rng_next(&s) % E);
+                    uint32_t q = 0;
+                    while (q < j && io->ids[t * io->k + q] != e)
+                        q++;
+                    if (q == j)
+                        break;
+                }
+            }
+            io->ids[t * io->k + j] = e;
+            io->w[t * io->k + j] = (float)(0.1 + rng_unif(&s));
+            sum += io->w[t * io->k + j];
+        }
+        for (uint32_t j = 0; j < io->k; j++)
+            io->w[t * io->k + j] /= sum;
+    }
+}
+
+static void batch_of(struct moed_batch *b, struct io *io, uint32_t layer)
+{
+    memset(b, 0, sizeof *b);
+    b->layer = layer;
+    b->n_tokens = io->T;
+    b->top_k = io->k;
+    b->x = (struct moed_buf){MOED_BUF_HOST, 0, io->x, (uint64_t)io->T * io->H * 2};
+    b->ids = (struct moed_buf){MOED_BUF_HOST, 0, io->ids, (uint64_t)io->T * io->k * 4};
+    b->w = (struct moed_buf){MOED_BUF_HOST, 0, io->w, (uint64_t)io->T * io->k * 4};
+    b->y = (struct moed_buf){MOED_BUF_HOST, 0, io->y, (uint64_t)io->T * io->H * 2};
+}
+
+/* Submit one batch, wait for it. Returns its status, or a negative code if
+ * submit failed or it timed out. */
+static int run_batch(struct moed_backend *be, struct waiter *wt, struct io *io, uint32_t layer)
+{
+    struct moed_batch b;
+    batch_of(&b, io, layer);
+    for (size_t i = 0; i < (size_t)io->T * io->H; i++)
+        io->y[i] = 0x7fc1; /* poison: NaN */
+    uint64_t target = wt->done + 1;
+    int rc = moed_backend_submit(be, &b);
+    if (rc)
+        return rc;
+    if (wait_done(wt, target, 30)) {
+        /* a hung kernel would make every later check time out as well */
+        printf("FAIL  batch (T=%u) not completed in 30 s; stopping\n", io->T);
+        printf("gpu tests: %d passed, %d failed\n", n_pass, n_fail + 1);
+        fflush(stdout);
+        _exit(1);
+    }
+    return b.status;
+}
+
+/* Reference on a sample of tokens: rel L2 over the sample; *nan counts NaN
+ * outputs over all tokens. */
+static double check_ref(const struct moe_layer *L, struct io *io, uint32_t max_sample, int *nan)
+{
+    const uint32_t H = io->H, k = io->k;
+    uint32_t ns = io->T < max_sample ? io->T : max_sample;
+    uint32_t *pick = malloc(ns * sizeof *pick);
+    uint16_t *xs = malloc((size_t)ns * H * 2), *yr = malloc((size_t)ns * H * 2);
+    int32_t *is = malloc((size_t)ns * k * 4);
+    float *ws = malloc((size_t)ns * k * 4);
+    double num = 0, den = 0;
+    *nan = 0;
+    for (size_t i = 0; i < (size_t)io->T * H; i++)
+        if (isnan(bf16_to_float(io->y[i])))
+            (*nan)++;
+    for (uint32_t i = 0; i < ns; i++) {
+        pick[i] = ns == io->T ? i : (uint32_t)(((uint64_t)i * io->T) / ns + (i * 7) % (io->T / ns));
+        memcpy(xs + (size_t)i * H, io->x + (size_t)pick[i] * H, (size_t)H * 2);
+        memcpy(is + (size_t)i * k, io->ids + (size_t)pick[i] * k, (size_t)k * 4);
+        memcpy(ws + (size_t)i * k, io->w + (size_t)pick[i] * k, (size_t)k * 4);
+    }
+    if (moe_ref_forward(L, ns, xs, is, ws, yr, 0) != 0) {
+        num = 1e9;
+        den = 1;
+    } else {
+        for (uint32_t i = 0; i < ns; i++)
+            for (uint32_t c = 0; c < H; c++) {
+                double r = bf16_to_float(yr[(size_t)i * H + c]);
+                double g = bf16_to_float(io->y[(size_t)pick[i] * H + c]);
+                num += (g - r) * (g - r);
+                den += r * r;
+            }
+    }
+    free(pick);
+    free(xs);
+    free(yr);
+    free(is);
+    free(ws);
+    return den > 0 ? sqrt(num / den) : (num > 0 ? 1e9 : 0);
+}
+
+static struct moed_backend_cfg cfg_of(uint32_t max_tokens)
+{
+    static const int gpu0[1] = {0};
+    struct moed_backend_cfg c = {0};
+    c.gpus = gpu0;
+    c.n_gpus = 1;
+    c.sms_free = 0;
+    c.max_tokens = max_tokens;
+    c.batch_deadline_ms = 20000;
+    c.idle_exit_ms = 0;
+    return c;
+}
+
+static struct moed_backend *open_layers(struct synth *sy, uint32_t n, const struct preset *p,
+                                        struct moed_backend_cfg *c, struct waiter *wt)
+{
+    const struct moe_layer *ls[8];
+    uint32_t ids[8];
+    for (uint32_t i = 0; i < n; i++) {
+        ls[i] = &sy[i].layer;
+        ids[i] = 3 + 2 * i; /* absolute ids need not be dense */
+    }
+    struct moed_cuda_src src = {0};
+    src.n_layers = n;
+    src.layers = ls;
+    src.layer_ids = ids;
+    src.dims = (struct moe_gpu_dims){p->H, p->I, p->E, p->S, p->k, c->max_tokens};
+    struct moed_backend *be = NULL;
+    char err[MOED_ERRLEN] = "";
+    int rc = moed_backend_cuda_open_src(&src, c, on_done, wt, &be, err, sizeof err);
+    if (rc) {
+        result(0, "%s: open: %s", p->name, err);
+        return NULL;
+    }
+    return be;
+}
+
+/* ---------------- the checks ---------------- */
+
+static void test_shape(const struct preset *p, uint32_t n_layers, uint32_t max_sample)
+{
+    static const uint32_t Ts[] = {1, 2, 3, 7, 16, 64, 256, 512};
+    struct synth sy[2];
+    struct waiter wt = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, NULL};
+    for (uint32_t l = 0; l < n_layers; l++)
+        if (synth_make(&sy[l], p, 100 + l)) {
+            result(0, "%s: cannot build the layers in memory", p->name);
+            return;
+        }
+    struct moed_backend_cfg c = cfg_of(512);
+    struct moed_backend *be = open_layers(sy, n_layers, p, &c, &wt);
+    if (!be)
+        goto out;
+    char desc[512];
+    be->ops->describe(be, desc, sizeof desc);
+    printf("      %s\n", desc);
+    for (size_t ti = 0; ti < sizeof Ts / sizeof Ts[0]; ti++) {
+        for (int r = 0; r < 3; r++) {
+            uint32_t T = Ts[ti], l = (uint32_t)(ti + r) % n_layers;
+            struct io io;
+            if (io_alloc(&io, T, p->H, p->k))
+                break;
+            io_fill(&io, p->E, (enum routing)r, 1000 * T + r);
+            int st = run_batch(be, &wt, &io, 3 + 2 * l);
+            int nan = 0;
+            double rel = st ? 1e9 : check_ref(&sy[l].layer, &io, max_sample, &nan);
+            result(st == 0 && rel < 5e-3 && nan == 0,
+                   "%-14s layer %u T=%-3u %-11s rel L2 %.2e  NaN %d  status %d", p->name, l, T,
+                   rname[r], rel, nan, st);
+            io_free(&io);
+        }
+    }
+    /* determinism: same batch twice; one token with other companions */
+    {
+        struct io a, b2;
+        io_alloc(&a, 16, p->H, p->k);
+        io_alloc(&b2, 64, p->H, p->k);
+        io_fill(&a, p->E, R_UNIFORM, 77);
+        io_fill(&b2, p->E, R_UNIFORM, 78);
+        int s1 = run_batch(be, &wt, &a, 3);
+        uint16_t *y1 = malloc((size_t)16 * p->H * 2);
+        memcpy(y1, a.y, (size_t)16 * p->H * 2);
+        int s2 = run_batch(be, &wt, &a, 3);
+        result(s1 == 0 && s2 == 0 && memcmp(y1, a.y, (size_t)16 * p->H * 2) == 0,
+               "%-14s same batch twice: bit-identical", p->name);
+        /* token 3 of a placed at position 41 of b2 */
+        memcpy(b2.x + (size_t)41 * p->H, a.x + (size_t)3 * p->H, (size_t)p->H * 2);
+        memcpy(b2.ids + 41 * p->k, a.ids + 3 * p->k, p->k * 4);
+        memcpy(b2.w + 41 * p->k, a.w + 3 * p->k, p->k * 4);
+        int s3 = run_batch(be, &wt, &b2, 3);
+        result(s3 == 0 && memcmp(y1 + (size_t)3 * p->H, b2.y + (size_t)41 * p->H, (size_t)p->H * 2) == 0,
+               "%-14s token with other batch companions: bit-identical", p->name);
+        free(y1);
+        io_free(&a);
+        io_free(&b2);
+    }
+    moed_backend_close(be);
+out:
+    for (uint32_t l = 0; l < n_layers; l++)
+        synth_free(&sy[l]);
+}
+
+static void test_stream(void)
+{
+    const struct preset *p = &P_TINY;
+    enum { POOL = 8, N = 10000, WINDOW = 40 };
+    struct synth sy;
+    uint64_t *count = calloc(N, sizeof *count);
+    struct waiter wt = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, count};
+    struct io pool[POOL], slots[WINDOW];
+    uint16_t *expect[POOL];
+    struct moed_batch *bs = calloc(N, sizeof *bs);
+    if (synth_make(&sy, p, 5) || !count || !bs) {
+        result(0, "stream: setup");
+        return;
+    }
+    struct moed_backend_cfg c = cfg_of(64);
+    struct moed_backend *be = open_layers(&sy, 1, p, &c, &wt);
+    if (!be)
+        return;
+    int ok = 1;
+    for (int i = 0; i < POOL; i++) {
+        io_alloc(&pool[i], 1 + (uint32_t)i * 9 % 17, p->H, p->k);
+        io_fill(&pool[i], p->E, (enum routing)(i % 3), 500 + i);
+        ok &= run_batch(be, &wt, &pool[i], 3) == 0;
+        expect[i] = malloc((size_t)pool[i].T * p->H * 2);
+        memcpy(expect[i], pool[i].y, (size_t)pool[i].T * p->H * 2);
+    }
+    for (int i = 0; i < WINDOW; i++)
+        io_alloc(&slots[i], 16, p->H, p->k);
+    uint64_t base = wt.done, mismatches = 0, bad_status = 0;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int i = 0; i < N && ok; i++) {
+        if (i >= WINDOW) { /* check the batch that used this slot before */
+            if (wait_done(&wt, base + (uint64_t)(i - WINDOW) + 1, 60)) {
+                ok = 0;
+                break;
+            }
+            int j = i - WINDOW, pi = j % POOL;
+            struct moed_batch *ob = &bs[j];
+            if (ob->status)
+                bad_status++;
+            if (memcmp(slots[j % WINDOW].y, expect[pi], (size_t)pool[pi].T * p->H * 2))
+                mismatches++;
+        }
+        /* completion order is submission order, so waiting for done count
+         * i-WINDOW+1 means batch i-WINDOW is complete */
+        struct io *s = &slots[i % WINDOW], *src = &pool[i % POOL];
+        s->T = src->T;
+        memcpy(s->x, src->x, (size_t)src->T * p->H * 2);
+        memcpy(s->ids, src->ids, (size_t)src->T * p->k * 4);
+        memcpy(s->w, src->w, (size_t)src->T * p->k * 4);
+        batch_of(&bs[i], s, 3);
+        bs[i].user = (void *)(uintptr_t)i;
+        if (moed_backend_submit(be, &bs[i]))
+            ok = 0;
+    }
+    if (wait_done(&wt, base + N, 120))
+        ok = 0;
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    uint64_t once = 0;
+    for (int i = 0; i < N; i++)
+        once += count[i] == 1;
+    for (int j = N - WINDOW; j < N && ok; j++) {
+        int pi = j % POOL;
+        if (bs[j].status)
+            bad_status++;
+        if (memcmp(slots[j % WINDOW].y, expect[pi], (size_t)pool[pi].T * p->H * 2))
+            mismatches++;
+    }
+    double secs = (double)(t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9;
+    result(ok && once == N && mismatches == 0 && bad_status == 0,
+           "stream: %d batches (%d in flight, ring %d): each done once %llu/%d, wrong outputs %llu, "
+           "bad status %llu, %.1f us/batch", N, WINDOW, MOE_GPU_RING, (unsigned long long)once, N,
+           (unsigned long long)mismatches, (unsigned long long)bad_status, secs * 1e6 / N);
+    moed_backend_close(be);
+    for (int i = 0; i < POOL; i++) {
+        io_free(&pool[i]);
+        free(expect[i]);
+    }
+    for (int i = 0; i < WINDOW; i++)
+        io_free(&slots[i]);
+    free(bs);
+    free(count);
+    synth_free(&sy);
+}
+
+static void test_idle_exit(void)
+{
+    const struct preset *p = &P_TINY;
+    struct synth sy;
+    struct waiter wt = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, NULL};
+    if (synth_make(&sy, p, 9))
+        return;
+    struct moed_backend_cfg c = cfg_of(64);
+    c.idle_exit_ms = 50;
+    struct moed_backend *be = open_layers(&sy, 1, p, &c, &wt);
+    if (!be)
+        return;
+    struct io io;
+    io_alloc(&io, 7, p->H, p->k);
+    io_fill(&io, p->E, R_UNIFORM, 3);
+    int s1 = run_batch(be, &wt, &io, 3);
+    uint64_t l1 = moed_backend_cuda_launches(be);
+    usleep(300000);
+    int s2 = run_batch(be, &wt, &io, 3);
+    uint64_t l2 = moed_backend_cuda_launches(be);
+    int nan = 0;
+    double rel = check_ref(&sy.layer, &io, 64, &nan);
+    result(s1 == 0 && s2 == 0 && l1 == 1 && l2 == 2 && rel < 5e-3 && nan == 0 &&
+               be->ops->healthy(be),
+           "idle exit after 50 ms and relaunch on the next batch (launches %llu -> %llu, rel %.2e)",
+           (unsigned long long)l1, (unsigned long long)l2, rel);
+    moed_backend_close(be);
+    io_free(&io);
+    synth_free(&sy);
+}
+
+static void test_cycles(void)
+{
+    const struct preset *p = &P_TINY;
+    struct synth sy;
+    struct waiter wt = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, NULL};
+    if (synth_make(&sy, p, 11))
+        return;
+    struct io io;
+    io_alloc(&io, 3, p->H, p->k);
+    io_fill(&io, p->E, R_UNIFORM, 4);
+    size_t f0 = 0, f1 = 0, tot = 0;
+    int ok = 1;
+    for (int i = 0; i < 100 && ok; i++) {
+        struct moed_backend_cfg c = cfg_of(64);
+        struct moed_backend *be = open_layers(&sy, 1, p, &c, &wt);
+        if (!be) {
+            ok = 0;
+            break;
+        }
+        ok &= run_batch(be, &wt, &io, 3) == 0;
+        moed_backend_close(be);
+        if (i == 0)
+            cudaMemGetInfo(&f0, &tot);
+    }
+    cudaMemGetInfo(&f1, &tot);
+    long long growth = (long long)f0 - (long long)f1;
+    result(ok && growth <= (1 << 20),
+           "100 open/run/close cycles: device memory growth %lld bytes", growth);
+    io_free(&io);
+    synth_free(&sy);
+}
+
+static void test_deadline(void)
+{
+    /* a kernel that stalls (test hook: the dispatcher sleeps 300 ms before
+     * releasing the batch) against a 50 ms deadline */
+    const struct preset *p = &P_TINY;
+    struct synth sy;
+    struct waiter wt = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, NULL};
+    if (synth_make(&sy, p, 13))
+        return;
+    struct moed_backend_cfg c = cfg_of(64);
+    c.batch_deadline_ms = 50;
+    struct moed_backend *be = open_layers(&sy, 1, p, &c, &wt);
+    if (!be)
+        return;
+    struct io io;
+    io_alloc(&io, 4, p->H, p->k);
+    io_fill(&io, p->E, R_UNIFORM, 5);
+    int s0 = run_batch(be, &wt, &io, 3);
+    moed_backend_cuda_debug_stall(be, 300000);
+    int st = run_batch(be, &wt, &io, 3);
+    int healthy_after = be->ops->healthy(be);
+    struct moed_batch b;
+    batch_of(&b, &io, 3);
+    int sub2 = moed_backend_submit(be, &b);
+    result(s0 == 0 && healthy_after == 0 && st == MOED_E_BACKEND && sub2 == MOED_E_BACKEND,
+           "missed batch deadline: unhealthy, batch failed with %d, next submit %d", st, sub2);
+    size_t f0 = 0, f1 = 0, tot = 0;
+    cudaMemGetInfo(&f0, &tot);
+    moed_backend_close(be); /* the stalled kernel finishes, then stops: all freed */
+    cudaMemGetInfo(&f1, &tot);
+    result(f1 > f0, "close after a failure stops the kernel and frees device memory (%lld bytes)",
+           (long long)f1 - (long long)f0);
+    io_free(&io);
+    synth_free(&sy);
+}
+
+int main(int argc, char **argv)
+{
+    int quick = 0, no_ds = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--quick"))
+            quick = 1;
+        else if (!strcmp(argv[i], "--no-deepseek"))
+            no_ds = 1;
+    }
+    moed_log_set_level(MOED_LOG_WARN);
+    if (!moed_backend_cuda_available()) {
+        printf("no CUDA device visible\ngpu tests: 0 passed, 1 failed\n");
+        return 1;
+    }
+    test_shape(&P_TINY, 2, 512);
+    if (!quick) {
+        test_shape(&P_QWEN, 1, 48);
+        if (!no_ds)
+            test_shape(&P_DSV3, 2, 6);
+        test_stream();
+        test_idle_exit();
+        test_cycles();
+        test_deadline();
+    }
+    printf("gpu tests: %d passed, %d failed\n", n_pass, n_fail);
+    return n_fail ? 1 : 0;
+}
