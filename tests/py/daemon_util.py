@@ -139,6 +139,13 @@ class Daemon:
     def alive(self):
         return self.proc.poll() is None
 
+    def sanitized(self):
+        """True if the binary runs under AddressSanitizer (its quarantine keeps
+        freed memory resident, so RSS says nothing there; LeakSanitizer at a
+        clean exit checks leaks instead)."""
+        with open("/proc/%d/maps" % self.proc.pid) as f:
+            return "libasan" in f.read()
+
     def rss_kb(self):
         with open("/proc/%d/status" % self.proc.pid) as f:
             for line in f:

@@ -41,6 +41,7 @@ def daemon(tmp_path_factory, models_dir):
     cfg = du.base_config(str(tmp), models_dir, status__port=free_port())
     with du.Daemon(tmp, cfg) as d:
         yield d
+        assert d.stop() == 0, d.log()[-4000:]  # clean exit (and no leak under ASan)
 
 
 @pytest.fixture(scope="module")
