@@ -500,6 +500,12 @@ int moed_gen_model(const struct moed_gen_opts *opts, const char *out_dir, char *
         rc = write_index(p, opts->layers, total_bytes, out_dir, err, errlen);
         if (rc)
             goto out;
+    } else {
+        /* An index left by an earlier multi-layer run in the same directory
+         * would point loaders at stale shards instead of model.safetensors. */
+        snprintf(path, sizeof path, "%s/model.safetensors.index.json", out_dir);
+        if (unlink(path) == 0)
+            LOG_W("gen-model: removed stale %s", path);
     }
     LOG_I("gen-model: done, %.2f GB of tensors in %s", (double)total_bytes / 1e9, out_dir);
 

@@ -211,3 +211,14 @@ def test_equals_syntax_and_defaults(tmp_path):
     cfg = load_config(tmp_path / "m")
     assert cfg["model_type"] == "moed_tiny" and cfg["num_hidden_layers"] == 1
     assert [os.path.basename(p) for p in checkpoint_files(tmp_path / "m")] == ["model.safetensors"]
+
+
+def test_regenerate_single_layer_over_sharded(tmp_path):
+    """Writing 1 layer where a 2-layer model was drops the stale index, so
+    loaders read the new model.safetensors."""
+    d = tmp_path / "m"
+    gen_model("tiny", 2, 1, d)
+    r = gen_model("tiny", 1, 1, d)
+    assert "removed stale" in r.stderr
+    assert not (d / "model.safetensors.index.json").exists()
+    assert load_config(d)["num_hidden_layers"] == 1
