@@ -580,6 +580,13 @@ static void conn_process(struct moed_conn *c)
     }
     if (c->off == c->len) {
         c->off = c->len = 0;
+        /* Idle after a big frame: give the memory back (Redis shrinks query
+         * buffers the same way), so N idle clients never hold N max frames. */
+        if (c->cap > CONN_BUF_INITIAL && c->skip == 0) {
+            free(c->buf);
+            c->buf = NULL;
+            c->cap = 0;
+        }
     } else if (c->off > 0 && !c->closing) {
         memmove(c->buf, c->buf + c->off, c->len - c->off);
         c->len -= c->off;

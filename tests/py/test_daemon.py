@@ -127,6 +127,24 @@ def test_raw_forward_and_ping(daemon, dims, cases):
     s.close()
 
 
+def test_half_close_still_answered(daemon, dims, cases):
+    """A client that sends its requests and then shuts down its write side
+    still gets every reply before the daemon closes."""
+    s = daemon.connect()
+    for i, (layer, x, ids, w, ref) in enumerate(cases):
+        s.sendall(du.frame(MSG_FORWARD, i + 1, du.forward_payload(layer, x.tobytes(), ids, w)))
+    s.shutdown(socket.SHUT_WR)
+    got = {}
+    for _ in cases:
+        mtype, rid, p = du.read_frame(s)
+        assert mtype == MSG_FORWARD | REPLY
+        got[rid] = du.forward_reply(p)[2]
+    for i, (_, _, _, _, ref) in enumerate(cases):
+        y = np.frombuffer(got[i + 1], np.uint16).reshape(ref.shape)
+        assert du.rel_l2(y, ref) < 1e-2
+    du.expect_closed(s)
+
+
 def test_status_frame_and_http(daemon, dims, cases):
     import moed_client
     with moed_client.Client(daemon.sock_path) as c:
