@@ -597,22 +597,25 @@ int moed_http_start(uv_loop_t *loop, const char *addr, uint16_t port, moed_http_
     h->listener.data = h;
     h->refs = 1;
 
-    const char *call = "uv_tcp_bind";
-    rc = uv_tcp_bind(&h->listener, (const struct sockaddr *)&sa, 0);
-    if (rc == 0) {
-        call = "uv_listen";
-        rc = uv_listen((uv_stream_t *)&h->listener, 128, http_on_connection);
-    }
-    if (rc < 0)
-        goto close_listener;
+    const char *call;
+/* Run a libuv call; on failure remember its text for the message and unwind. */
+#define UV_TRY(expr)                 \
+    do {                             \
+        call = #expr;                \
+        if ((rc = (expr)) < 0)       \
+            goto close_listener;     \
+    } while (0)
+    UV_TRY(uv_tcp_bind(&h->listener, (const struct sockaddr *)&sa, 0));
+    UV_TRY(uv_listen((uv_stream_t *)&h->listener, 128, http_on_connection));
+#undef UV_TRY
     *out = h;
     LOG_I("http: listening on %s:%" PRIu16, addr, moed_http_port(h));
     return 0;
 
 close_listener:
     /* libuv often reports EADDRINUSE at listen, not bind: name both. */
-    moed_seterr(err, errlen, MOED_E_IO, "http: %s on %s:%" PRIu16 " failed: %s", call, addr, port,
-                uv_strerror(rc));
+    moed_seterr(err, errlen, MOED_E_IO, "http: listen on %s:%" PRIu16 " failed: %s (%s)", addr,
+                port, uv_strerror(rc), call);
     uv_close((uv_handle_t *)&h->listener, listener_on_close);
     return MOED_E_IO;
 }

@@ -373,7 +373,7 @@ START_TEST(listener_routes)
                      MOED_E_IO);
     ck_assert_ptr_null(h2);
     char want[64];
-    snprintf(want, sizeof want, "on 127.0.0.1:%u failed: address already in use", t.port);
+    snprintf(want, sizeof want, "listen on 127.0.0.1:%u failed: address already in use", t.port);
     ck_assert_msg(strstr(err, want), "err \"%s\" lacks \"%s\"", err, want);
     ck_assert_int_eq(moed_http_start(&t.loop, "localhost", 1, snapshot, &t, &h2, err, sizeof err),
                      MOED_E_CONFIG);
