@@ -261,138 +261,18 @@ def forward_reply(payload):
 
 
 # ---- reference outputs ----------------------------------------------------------
-# A float64 numpy reference of one MoE layer, read straight from the
-# checkpoint's safetensors (independent of the C code): weights dequantized as
-# e2m1 * e4m3(block scale) * scale_2, h rounded to bf16 as the contract says.
+# The float64 numpy reference and bf16 helpers are conftest's (shared with the
+# codec and reference tests): F64Reference reads the checkpoint's safetensors
+# directly, independent of the C code.
 
-_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
-
-
-def bf16_bits(a):
-    """float32 array -> uint16 bf16 bit patterns (round to nearest even)."""
-    import numpy as np
-    a = np.ascontiguousarray(a, dtype=np.float32)
-    u = a.view(np.uint32).astype(np.uint64)
-    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    return r
-
-
-def bf16_to_f64(bits):
-    import numpy as np
-    bits = np.asarray(bits, dtype=np.uint16)
-    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-
-
-def _e4m3_table():
-    import numpy as np
-    t = np.zeros(256, dtype=np.float64)
-    for b in range(256):
-        s = -1.0 if b & 0x80 else 1.0
-        e = (b >> 3) & 0xF
-        m = b & 7
-        if e == 0xF and m == 7:
-            t[b] = np.nan
-        elif e == 0:
-            t[b] = s * (m / 8.0) * 2.0 ** -6
-        else:
-            t[b] = s * (1 + m / 8.0) * 2.0 ** (e - 7)
-    return t
-
-
-def _read_safetensors(path):
-    import numpy as np
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        head = json.loads(f.read(n))
-        data = f.read()
-    out = {}
-    for name, meta in head.items():
-        if name == "__metadata__":
-            continue
-        b, e = meta["data_offsets"]
-        dt = {"U8": np.uint8, "F8_E4M3": np.uint8, "F32": np.float32, "BF16": np.uint16}[meta["dtype"]]
-        out[name] = np.frombuffer(data[b:e], dtype=dt).reshape(meta["shape"])
-    return out
-
-
-class Reference:
-    """reference.forward(layer, x_bits[T,H] uint16, ids[T,k], w[T,k]) -> float64 [T,H]."""
-
-    def __init__(self, model_dir):
-        import glob
-        self.tensors = {}
-        for p in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
-            self.tensors.update(_read_safetensors(p))
-        with open(os.path.join(model_dir, "config.json")) as f:
-            self.config = json.load(f)
-        self._e4m3 = _e4m3_table()
-        self._cache = {}
-
-    def _mat(self, prefix):
-        import numpy as np
-        if prefix in self._cache:
-            return self._cache[prefix]
-        w = self.tensors[prefix + ".weight"]
-        sc = self._e4m3[self.tensors[prefix + ".weight_scale"]]
-        s2 = float(self.tensors[prefix + ".weight_scale_2"].reshape(()))
-        lut = np.array(_E2M1 + [-v for v in _E2M1], dtype=np.float64)
-        n, kh = w.shape
-        q = np.empty((n, 2 * kh), dtype=np.float64)
-        q[:, 0::2] = lut[w & 0xF]
-        q[:, 1::2] = lut[w >> 4]
-        m = q * np.repeat(sc, 16, axis=1) * s2
-        self._cache[prefix] = m
-        return m
-
-    def _expert(self, layer, e, n_experts):
-        base = "model.layers.%d.mlp." % layer
-        if e < n_experts:
-            pre = base + "experts.%d." % e
-        elif "%sshared_experts.gate_proj.weight" % base in self.tensors:
-            pre = base + "shared_experts."
-        else:
-            pre = base + "shared_experts.%d." % (e - n_experts)
-        return (self._mat(pre + "gate_proj"), self._mat(pre + "up_proj"),
-                self._mat(pre + "down_proj"))
-
-    def forward(self, layer, x_bits, ids, w):
-        import numpy as np
-        n_experts = self.config.get("n_routed_experts") or self.config.get("num_experts")
-        n_shared = self.config.get("n_shared_experts") or 0
-        x = bf16_to_f64(x_bits)
-        y = np.zeros_like(x)
-        ids = np.asarray(ids)
-        w = np.asarray(w, dtype=np.float32).astype(np.float64)
-
-        def run(e, xt):
-            g, u, d = self._expert(layer, int(e), n_experts)
-            a = g @ xt
-            hh = a / (1 + np.exp(-a)) * (u @ xt)
-            hh = bf16_to_f64(bf16_bits(hh.astype(np.float32)))
-            return d @ hh
-
-        for t in range(x.shape[0]):
-            for j in range(ids.shape[1]):
-                y[t] += w[t, j] * run(ids[t, j], x[t])
-            for s in range(n_shared):
-                y[t] += run(n_experts + s, x[t])
-        return y
-
-
-def rel_l2(y, ref):
-    """Relative L2 error of y (float array or uint16 bf16 bits) against ref."""
-    import numpy as np
-    y = np.asarray(y)
-    y = bf16_to_f64(y) if y.dtype == np.uint16 else y.astype(np.float64)
-    den = np.linalg.norm(ref)
-    return float(np.linalg.norm(y - ref) / (den if den > 0 else 1.0))
+from conftest import F64Reference, bf16_bits, bf16_to_f64, rel_l2  # noqa: E402,F401
 
 
 def reference_cases(daemon, dims, n=4, max_t=8, seed=0):
     """n random FORWARD inputs on the daemon's model with their reference
     outputs: [(layer, x_bits, ids, w, ref)]."""
     import numpy as np
-    ref = Reference(synth_dir(daemon.cfg["model"]["synthetic_dir"]))
+    ref = F64Reference(synth_dir(daemon.cfg["model"]["synthetic_dir"]))
     rng = np.random.default_rng(seed)
     layers = [l for l in range(dims["first_moe_layer"], dims["n_layers"])]
     out = []
