@@ -72,7 +72,8 @@ def base_config(tmpdir, synthetic_dir, **over):
 class Daemon:
     """One moed process. Use as a context manager (always cleans up)."""
 
-    def __init__(self, tmpdir, cfg, start_timeout=120.0):
+    def __init__(self, tmpdir, cfg, start_timeout=120.0, env=None):
+        self.env = env
         self.tmpdir = str(tmpdir)
         self.cfg = cfg
         self.sock_path = cfg["server"]["socket"]
@@ -86,8 +87,11 @@ class Daemon:
         with open(self.cfg_path, "w") as f:
             json.dump(self.cfg, f)
         self._log = open(self.log_path, "wb")
+        env = dict(os.environ)
+        env.pop("NOTIFY_SOCKET", None)
+        env.update(self.env or {})
         self.proc = subprocess.Popen([MOED, "--config", self.cfg_path], stdin=subprocess.DEVNULL,
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

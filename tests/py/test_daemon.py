@@ -416,6 +416,74 @@ def test_peer_credentials(models_dir):
         assert r.stdout.strip() == "hello ok", r.stdout + r.stderr
 
 
+def test_socket_group_applied(models_dir):
+    import grp
+    try:
+        g = grp.getgrnam("nogroup")
+    except KeyError:
+        pytest.skip("no group 'nogroup'")
+    if os.geteuid() != 0 and g.gr_gid not in os.getgroups():
+        pytest.skip("cannot chgrp to nogroup")
+    tmp = short_tmp()
+    cfg = du.base_config(tmp, models_dir, server__socket_group="nogroup")
+    with du.Daemon(tmp, cfg) as d:
+        assert os.lstat(d.sock_path).st_gid == g.gr_gid
+        assert d.stop() == 0
+
+
+def test_socket_group_unknown(models_dir):
+    tmp = short_tmp()
+    cfg = du.base_config(tmp, models_dir, server__socket_group="no-such-group-xyz")
+    start_expect_fail(cfg, tmp, 2, "server.socket_group: no group named 'no-such-group-xyz'")
+    assert not os.path.exists(cfg["server"]["socket"])
+
+
+def test_status_port_in_use_exit_1(models_dir):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    try:
+        tmp = short_tmp()
+        cfg = du.base_config(tmp, models_dir, status__port=busy.getsockname()[1])
+        start_expect_fail(cfg, tmp, 1, "127.0.0.1:%d" % busy.getsockname()[1])
+        assert not os.path.exists(cfg["server"]["socket"])
+    finally:
+        busy.close()
+
+
+def test_sd_notify(models_dir):
+    """READY=1 after the model is loaded (with STATUS= lines and an
+    EXTEND_TIMEOUT_USEC while loading), STOPPING=1 at SIGTERM."""
+    tmp = short_tmp()
+    npath = os.path.join(tmp, "notify")
+    ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ns.bind(npath)
+    ns.settimeout(10)
+    cfg = du.base_config(tmp, models_dir)
+    msgs = []
+    try:
+        with du.Daemon(tmp, cfg, env={"NOTIFY_SOCKET": npath}) as d:
+            while not any("READY=1" in m for m in msgs):
+                msgs.append(ns.recv(4096).decode())
+            # ready means serving
+            c = d.connect()
+            du.hello(c)
+            c.close()
+            d.signal(signal.SIGTERM)
+            while not any("STOPPING=1" in m for m in msgs):
+                msgs.append(ns.recv(4096).decode())
+            assert d.wait(30) == 0
+    finally:
+        ns.close()
+    text = "\n".join(msgs)
+    assert "EXTEND_TIMEOUT_USEC=" in text
+    assert "STATUS=loading model" in text
+    assert "STATUS=serving on %s (backend cpu)" % cfg["server"]["socket"] in text
+    ready = [i for i, m in enumerate(msgs) if "READY=1" in m][0]
+    assert all("READY=1" not in m for m in msgs[:ready])
+    assert any("STATUS=self-check" in m for m in msgs[:ready])
+
+
 # ---- shutdown ------------------------------------------------------------------------
 
 def test_sigterm_answers_in_flight(models_dir):
