@@ -33,6 +33,7 @@
 #define SYNTH_DEFAULT_LAYERS 2u
 #define SYNTH_DEFAULT_SEED 1u
 #define EXTEND_TIMEOUT_US 60000000ull        /* per EXTEND_TIMEOUT_USEC during loads */
+#define DRAIN_SLACK_MS 10000u                /* drain deadline beyond batch_deadline_ms */
 
 enum exit_code {
     EXIT_CLEAN = 0,
@@ -216,6 +217,9 @@ static void on_load_progress(void *ctx, uint64_t done, uint64_t total)
 struct daemon {
     uv_loop_t loop;
     uv_signal_t sigterm, sigint;
+    uv_timer_t drain_timer;    /* bounds the drain if the backend hangs */
+    uint32_t drain_ms;
+    int abandoned;             /* drain gave up: skip the orderly teardown */
     struct moed_engine *engine;
     struct moed_server *server;
     struct moed_http *http;
@@ -237,8 +241,20 @@ static void on_server_closed(void *arg)
 static void on_drained(void *arg)
 {
     struct daemon *d = arg;
+    uv_close((uv_handle_t *)&d->drain_timer, NULL);
     LOG_I("every request answered; closing clients");
     moed_server_close(d->server, on_server_closed, d);
+}
+
+/* A backend that never completes its batches (hung device) would block the
+ * drain forever: give up, and leave without joining the backend's threads. */
+static void on_drain_timeout(uv_timer_t *t)
+{
+    struct daemon *d = t->data;
+    LOG_E("requests still in flight %u ms after the stop; giving up on them", d->drain_ms);
+    d->exit_code = EXIT_BACKEND;
+    d->abandoned = 1;
+    uv_stop(t->loop);
 }
 
 static void daemon_stop(struct daemon *d, const char *why)
@@ -253,6 +269,7 @@ static void daemon_stop(struct daemon *d, const char *why)
         d->http = NULL;
     }
     moed_server_stop_listening(d->server);
+    uv_timer_start(&d->drain_timer, on_drain_timeout, d->drain_ms, 0);
     moed_engine_drain(d->engine, on_drained, d);
 }
 
@@ -377,10 +394,15 @@ static int run_daemon(const struct moed_cfg *cfg)
     d.sigterm.data = d.sigint.data = &d;
     uv_signal_start(&d.sigterm, on_signal, SIGTERM);
     uv_signal_start(&d.sigint, on_signal, SIGINT);
+    uv_timer_init(&d.loop, &d.drain_timer);
+    d.drain_timer.data = &d;
+    d.drain_ms = cfg->batch_deadline_ms + DRAIN_SLACK_MS;
 
     LOG_I("ready: socket %s, backend %s", cfg->socket_path, st->backend);
     sd_notifyf(0, "READY=1\nSTATUS=serving on %s (backend %s)", cfg->socket_path, st->backend);
     uv_run(&d.loop, UV_RUN_DEFAULT);
+    if (d.abandoned)
+        return d.exit_code; /* backend threads may be stuck: no teardown */
     goto out_loop;
 
 out_engine:
