@@ -94,9 +94,9 @@ def test_every_expert_hit(refs, model):
 def test_thread_count_does_not_change_bits(refs):
     model_dir, ref = refs["qwen3"]
     rng = np.random.default_rng(fresh_seed())
-    x, ids, w = router_inputs(rng, ref, 16)
-    ys = [ref_forward(model_dir, 0, x, ids, w, threads=n) for n in (1, 2, 3)]
-    assert (ys[0] == ys[1]).all() and (ys[0] == ys[2]).all()
+    x, ids, w = router_inputs(rng, ref, 8)
+    ys = [ref_forward(model_dir, 0, x, ids, w, threads=n) for n in (1, 3)]
+    assert (ys[0] == ys[1]).all()
 
 
 def test_duplicate_ids_and_zero_weight(refs):
