@@ -149,6 +149,9 @@ int main(int argc, char **argv)
         int32_t *ids = malloc((size_t)T * d.top_k * 4);
         float *w = malloc((size_t)T * d.top_k * 4);
         double *lat = malloc(n_it * sizeof *lat);
+        double *phs[6];
+        for (int k = 0; k < 6; k++)
+            phs[k] = malloc(n_it * sizeof *phs[k]);
         double distinct_sum = 0;
         uint8_t *seen = calloc(d.n_experts, 1);
         for (size_t i = 0; i < (size_t)T * d.hidden; i++)
@@ -194,7 +197,12 @@ int main(int argc, char **argv)
                 return 1;
             }
             if (it >= 10) {
+                uint64_t ph[6];
+                moed_backend_cuda_phases(be, ph);
                 lat[it - 10] = t1 - t0;
+                for (int k = 0; k < 5; k++)
+                    phs[k][it - 10] = (double)(ph[k + 1] - ph[k]) * 1e-3;
+                phs[5][it - 10] = (t1 - t0) - (double)(ph[5] - ph[0]) * 1e-3;
                 distinct_sum += distinct;
             }
         }
@@ -203,6 +211,15 @@ int main(int argc, char **argv)
         double p50 = lat[n_it / 2], tbs = bytes / (p50 * 1e-6) / 1e12;
         printf("%-14s %5u %8.1f %10.1f %10.1f %10.1f %10.1f %8.3f %8.3f\n", preset, T, dist,
                bytes / 1e6, p50, lat[n_it / 10], lat[n_it * 9 / 10], tbs, tbs / stream_tbs);
+        /* phase medians: where the time goes inside one batch */
+        double med[6];
+        for (int k = 0; k < 6; k++) {
+            qsort(phs[k], n_it, sizeof(double), cmp_d);
+            med[k] = phs[k][n_it / 2];
+        }
+        printf("%-14s %5s   phases p50 us: release %.1f  x-stage %.1f  gate_up %.1f  down-tail %.1f"
+               "  combine %.1f  host+pcie %.1f\n", "", "", med[0], med[1], med[2], med[3], med[4],
+               med[5]);
         fflush(stdout);
         free(x);
         free(y);
@@ -210,6 +227,8 @@ int main(int argc, char **argv)
         free(w);
         free(lat);
         free(seen);
+        for (int k = 0; k < 6; k++)
+            free(phs[k]);
     }
     moed_backend_close(be);
     return 0;

@@ -403,6 +403,7 @@ static int launch_locked(struct cuda_backend *cb)
     cb->launches++;
     cb->running = 1;
     cb->head_start_ns = now_ns();
+    cb->last_active_ns = cb->head_start_ns; /* idle time counts from the launch */
     return 0;
 }
 
@@ -821,6 +822,13 @@ uint64_t moed_backend_cuda_launches(struct moed_backend *be)
     uint64_t n = cb->launches;
     pthread_mutex_unlock(&cb->mu);
     return n;
+}
+
+void moed_backend_cuda_phases(struct moed_backend *be, uint64_t out[6])
+{
+    struct cuda_backend *cb = (struct cuda_backend *)be;
+    for (int i = 0; i < 6; i++)
+        out[i] = __atomic_load_n(&cb->ctrl->phase_ns[i], __ATOMIC_RELAXED);
 }
 
 void moed_backend_cuda_debug_stall(struct moed_backend *be, uint32_t us)

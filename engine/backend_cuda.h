@@ -34,6 +34,9 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
 uint64_t moed_backend_cuda_heartbeat(struct moed_backend *be);
 uint64_t moed_backend_cuda_launches(struct moed_backend *be);
 int moed_backend_cuda_grid(struct moed_backend *be);
+/* Bench hook: the kernel's phase timestamps of the last batch (ns, see
+ * moe_gpu_ctrl.phase_ns); copies 6 values. */
+void moed_backend_cuda_phases(struct moed_backend *be, uint64_t out[6]);
 /* Test hook: the next batch published makes the kernel stall `us` first. */
 void moed_backend_cuda_debug_stall(struct moed_backend *be, uint32_t us);
 

@@ -54,8 +54,10 @@
  * QUEUE PROTOCOL. Host: writes ring[seq % RING] then st.release of head
  * (64-bit, system scope). CTA 0 thread 0 (the dispatcher) waits until the
  * previous batch is complete (done_dev), then polls head with ld.acquire.sys,
- * copies the descriptor, and CTA 0 stages ids, w and x into device memory;
- * then st.release.gpu of dev_head. Every CTA waits on dev_head (device
+ * copies the descriptor, and CTA 0 stages ids and w into device memory;
+ * then st.release.gpu of dev_head. Every CTA then stages its slice of x
+ * (mapped host memory over PCIe wants many SMs' loads in flight) and counts
+ * itself in x_done; gate_up tasks wait for all slices. Every CTA waits on dev_head (device
  * memory: no PCIe polling by 132+ CTAs). The last CTA to finish a batch
  * (atomic count) resets the counters, releases done_dev, and st.release.sys
  * of ctrl->done_seq, which the host completion thread watches. Batches run
@@ -90,6 +92,19 @@ extern "C" {
 #define MOE_ARCH_SM120 0
 #endif
 
+/* Timing variants (bench/NOTES.md): leave out one stage. Never in a build
+ * that serves: the results are wrong. */
+#ifndef MOE_VARIANT_NO_DEQUANT
+#define MOE_VARIANT_NO_DEQUANT 0
+#endif
+#ifndef MOE_VARIANT_NO_MMA
+#define MOE_VARIANT_NO_MMA 0
+#endif
+
+#ifndef MOE_CP_ASYNC_L2_HINT
+#define MOE_CP_ASYNC_L2_HINT 0
+#endif
+
 #define MR MOE_GPU_MR
 #define NWARPS MOE_GPU_WARPS
 #define STAGES MOE_GPU_STAGES
@@ -104,7 +119,8 @@ struct moe_state {
     unsigned int cta_done;
     unsigned int dn_done;
     unsigned int exit_ctr;
-    unsigned int pad[3];
+    unsigned int x_done; /* CTAs that finished their slice of the x staging */
+    unsigned int gu_all, dn_all; /* tiles done in this batch (phase timestamps) */
     struct moe_gpu_desc desc; /* current batch */
     unsigned int gu_done[1];  /* [E+S], allocated larger */
 };
@@ -187,9 +203,17 @@ __device__ __forceinline__ unsigned long long policy_evict_first(void)
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, unsigned long long pol)
 {
     unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+#if MOE_CP_ASYNC_L2_HINT
     asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(s),
                  "l"(gmem), "l"(pol)
                  : "memory");
+#else
+    /* The cache-hint form raised "illegal instruction" on the H200 (driver
+     * 580, 2026-11-29) with a createpolicy evict_first policy; plain .cg
+     * (L2 only, no L1 allocation) until that is understood. */
+    (void)pol;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+#endif
 }
 __device__ __forceinline__ void cp_async_commit(void)
 {
@@ -384,7 +408,8 @@ __device__ __forceinline__ void tile_mma(const uint8_t *__restrict__ wtile, unsi
     for (int s = 0; s < STAGES - 1; s++)
         issue(s);
     uint4 xb[NT][2];
-    load_x(0, xb);
+    if (units)
+        load_x(0, xb);
     for (unsigned u = 0; u < units; u++) {
         cp_async_wait<STAGES - 2>();
         __syncwarp();
@@ -404,15 +429,29 @@ __device__ __forceinline__ void tile_mma(const uint8_t *__restrict__ wtile, unsi
 #pragma unroll
             for (int s = 0; s < 4; s++) {
                 uint32_t a[4];
+#if MOE_VARIANT_NO_DEQUANT /* timing variant only: wrong results */
+                a[0] = words[s] ^ sg;
+                a[1] = words[s] ^ sg8;
+                a[2] = words[s] >> 4;
+                a[3] = words[s] >> 8;
+#else
                 a[0] = bf16x2_mul(e2m1x2_bits<0>(words[s]), sg);
                 a[1] = bf16x2_mul(e2m1x2_bits<1>(words[s]), sg8);
                 a[2] = bf16x2_mul(e2m1x2_bits<2>(words[s]), sg);
                 a[3] = bf16x2_mul(e2m1x2_bits<3>(words[s]), sg8);
+#endif
 #pragma unroll
                 for (int n = 0; n < NT; n++) {
                     const uint4 &v = xb[n][s >> 1];
                     uint32_t b0 = (s & 1) ? v.z : v.x, b1 = (s & 1) ? v.w : v.y;
+#if MOE_VARIANT_NO_MMA /* timing variant only: wrong results */
+                    acc[m][n][0] += __uint_as_float(a[0] ^ b0);
+                    acc[m][n][1] += __uint_as_float(a[1] ^ b1);
+                    acc[m][n][2] += __uint_as_float(a[2] ^ b0);
+                    acc[m][n][3] += __uint_as_float(a[3] ^ b1);
+#else
                     mma_bf16(acc[m][n], a, b0, b1);
+#endif
                 }
             }
         }
@@ -428,11 +467,60 @@ __device__ __forceinline__ void tile_mma(const uint8_t *__restrict__ wtile, unsi
     __syncwarp();
 }
 
-/* gate_up task: expert e, pairs [p0, p0+cnt), sub-tiles of row tile rt. */
+/* Split-K across the CTA: warp w computes units [U*w/NWARPS, U*(w+1)/NWARPS)
+ * of the tile, parks its accumulators in its own (now idle) stage buffer,
+ * and warp 0 sums the NWARPS partials in warp order (fixed: deterministic)
+ * into acc. Every thread of the CTA calls this. */
+template <int NT>
+__device__ __forceinline__ void tile_splitk(const uint8_t *wtile, unsigned U,
+                                            const uint16_t *const (&brow)[NT], uint8_t *sw,
+                                            uint8_t *sw_cta, unsigned long long pol,
+                                            float (&acc)[MR][NT][4])
+{
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const unsigned u0 = U * warp / NWARPS, u1 = U * (warp + 1) / NWARPS;
+    const uint16_t *bw[NT];
+#pragma unroll
+    for (int n = 0; n < NT; n++)
+        bw[n] = brow[n] ? brow[n] + (size_t)u0 * MOE_GPU_UNIT_K : nullptr;
+    tile_mma<NT>(wtile + (size_t)u0 * MOE_GPU_UNIT_BYTES, u1 - u0, bw, sw, pol, acc);
+    float *mine = reinterpret_cast<float *>(sw) + lane * (MR * NT * 4);
+#pragma unroll
+    for (int m = 0; m < MR; m++)
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                mine[(m * NT + n) * 4 + c] = acc[m][n][c];
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+        for (int m = 0; m < MR; m++)
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int c = 0; c < 4; c++)
+                    acc[m][n][c] = 0.f;
+        for (unsigned w = 0; w < NWARPS; w++) {
+            const float *part = reinterpret_cast<const float *>(
+                                    sw_cta + w * STAGES * MOE_GPU_UNIT_BYTES) + lane * (MR * NT * 4);
+#pragma unroll
+            for (int m = 0; m < MR; m++)
+#pragma unroll
+                for (int n = 0; n < NT; n++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++)
+                        acc[m][n][c] += part[(m * NT + n) * 4 + c];
+        }
+    }
+}
+
+/* gate_up task (whole CTA): expert e, pairs [p0, p0+cnt), row tile rt;
+ * warp 0 writes h = bf16(silu(gate) * up). */
 template <int NT>
 __device__ void gu_task(const struct moe_gpu_params &p, const struct moe_gpu_layer &L,
                         const route &r, unsigned e, unsigned p0, unsigned cnt, unsigned rt,
-                        uint8_t *sw, unsigned long long pol)
+                        uint8_t *sw, uint8_t *sw_cta, unsigned long long pol)
 {
     const unsigned H = p.d.hidden, I = p.d.inter, NE = p.d.n_experts + p.d.n_shared;
     const unsigned lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -446,7 +534,9 @@ __device__ void gu_task(const struct moe_gpu_params &p, const struct moe_gpu_lay
         brow[n] = j < cnt ? p.xs + (size_t)r.tok[p0 + j] * H : nullptr;
     }
     float acc[MR][NT][4];
-    tile_mma<NT>(wt, units, brow, sw, pol, acc);
+    tile_splitk<NT>(wt, units, brow, sw, sw_cta, pol, acc);
+    if (threadIdx.x >= 32)
+        return;
     const float sgate = __ldg(L.s2 + e) * 256.f, sup = __ldg(L.s2 + NE + e) * 256.f;
 #pragma unroll
     for (int m = 0; m < MR; m++) {
@@ -466,10 +556,11 @@ __device__ void gu_task(const struct moe_gpu_params &p, const struct moe_gpu_lay
     }
 }
 
+/* down task (whole CTA): d[pair][row] = W_down h, fp32, by warp 0. */
 template <int NT>
 __device__ void dn_task(const struct moe_gpu_params &p, const struct moe_gpu_layer &L,
                         unsigned e, unsigned p0, unsigned cnt, unsigned rt, uint8_t *sw,
-                        unsigned long long pol)
+                        uint8_t *sw_cta, unsigned long long pol)
 {
     const unsigned H = p.d.hidden, I = p.d.inter, NE = p.d.n_experts + p.d.n_shared;
     const unsigned lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -483,7 +574,9 @@ __device__ void dn_task(const struct moe_gpu_params &p, const struct moe_gpu_lay
         brow[n] = j < cnt ? p.h + (size_t)(p0 + j) * I : nullptr;
     }
     float acc[MR][NT][4];
-    tile_mma<NT>(wt, units, brow, sw, pol, acc);
+    tile_splitk<NT>(wt, units, brow, sw, sw_cta, pol, acc);
+    if (threadIdx.x >= 32)
+        return;
     const float sd = __ldg(L.s2 + 2 * NE + e) * 256.f;
 #pragma unroll
     for (int m = 0; m < MR; m++) {
@@ -544,8 +637,9 @@ __global__ void __launch_bounds__(THREADS, 2) moe_persistent(const struct moe_gp
     extern __shared__ __align__(16) uint8_t smem[];
     __shared__ struct moe_gpu_desc sd;
     __shared__ int s_go, s_last;
+    __shared__ unsigned s_task;
 
-    const unsigned tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const unsigned tid = threadIdx.x, warp = tid >> 5;
     const unsigned NE = p.d.n_experts + p.d.n_shared, KS = p.d.top_k + p.d.n_shared;
     const unsigned RT_GU = p.d.inter / 16 / MR * 2, RT_DN = p.d.hidden / 16 / MR;
     struct moe_state *st = (struct moe_state *)p.state;
@@ -572,6 +666,7 @@ __global__ void __launch_bounds__(THREADS, 2) moe_persistent(const struct moe_gp
                 for (;;) {
                     if (ld_acquire_sys(&ctrl->head) >= n) {
                         go = 1;
+                        st_relaxed_sys(&ctrl->phase_ns[0], globaltimer_ns());
                         break;
                     }
                     if (ld_relaxed_sys(&ctrl->stop)) {
@@ -611,21 +706,19 @@ __global__ void __launch_bounds__(THREADS, 2) moe_persistent(const struct moe_gp
                     p.ids_s[i] = __ldcv(ids + i);
                     p.w_s[i] = __ldcv(w + i);
                 }
-                const uint4 *xs = (const uint4 *)sd.x;
-                uint4 *xd = (uint4 *)p.xs;
-                const unsigned nx = T * p.d.hidden / 8;
-                for (unsigned i = tid; i < nx; i += THREADS)
-                    xd[i] = __ldcv(xs + i);
                 if (tid == 0)
                     st->desc = sd;
                 __threadfence();
                 __syncthreads();
-                if (tid == 0)
+                if (tid == 0) {
                     st_release_gpu64(&st->dev_head, n);
+                    st_relaxed_sys(&ctrl->phase_ns[1], globaltimer_ns());
+                }
             } else {
                 if (tid == 0)
                     st_release_gpu32(&st->stop_dev, 1);
             }
+            __syncthreads(); /* every thread has read s_go before tid 0 rewrites it */
         }
         /* ---- every CTA: wait for batch n (or stop) ---- */
         if (tid == 0) {
@@ -644,6 +737,7 @@ __global__ void __launch_bounds__(THREADS, 2) moe_persistent(const struct moe_gp
                 sd.seq = __ldcg(&st->desc.seq);
                 sd.layer = __ldcg(&st->desc.layer);
                 sd.n_tokens = __ldcg(&st->desc.n_tokens);
+                sd.x = __ldcg(&st->desc.x);
                 sd.y = __ldcg(&st->desc.y);
             }
             s_go = go;
@@ -652,22 +746,41 @@ __global__ void __launch_bounds__(THREADS, 2) moe_persistent(const struct moe_gp
         if (!s_go)
             break;
 
-        /* ---- route ---- */
+        /* ---- stage this CTA's slice of x into device memory: x may be
+         * mapped host memory, and PCIe needs many SMs' loads in flight ---- */
         const unsigned T = sd.n_tokens;
+        {
+            const uint4 *xsrc = (const uint4 *)sd.x;
+            uint4 *xd = (uint4 *)p.xs;
+            const unsigned nx = T * p.d.hidden / 8;
+            for (unsigned i = blockIdx.x * THREADS + tid; i < nx; i += gridDim.x * THREADS)
+                xd[i] = __ldcv(xsrc + i);
+            __threadfence();
+            __syncthreads();
+            if (tid == 0 && atomicAdd(&st->x_done, 1u) == gridDim.x - 1)
+                st_relaxed_sys(&ctrl->phase_ns[2], globaltimer_ns());
+        }
+
+        /* ---- route ---- */
         const struct moe_gpu_layer L = p.layers[sd.layer];
         build_route(p.d, T, p.ids_s, r);
         const unsigned n_ch = r.chs[NE];
         const unsigned n_gu = n_ch * RT_GU, n_dn = n_ch * RT_DN, total = n_gu + n_dn + T;
         uint16_t *y = (uint16_t *)sd.y;
 
-        /* ---- tasks ---- */
+        /* ---- tasks: claimed per CTA; gate_up/down split K over the warps,
+         * combine gives each warp one token ---- */
+        const unsigned n_cb = (T + NWARPS - 1) / NWARPS;
+        const unsigned total2 = n_gu + n_dn + n_cb;
+        (void)total;
         bool wrote_y = false;
+        uint8_t *sw_cta = smem + p.smem_route;
         for (;;) {
-            unsigned t = 0;
-            if (lane == 0)
-                t = atomicAdd(&st->task_ctr, 1u);
-            t = __shfl_sync(0xffffffffu, t, 0);
-            if (t >= total)
+            if (tid == 0)
+                s_task = atomicAdd(&st->task_ctr, 1u);
+            __syncthreads();
+            const unsigned t = s_task;
+            if (t >= total2)
                 break;
             if (t < n_gu + n_dn) {
                 const bool is_gu = t < n_gu;
@@ -678,37 +791,46 @@ __global__ void __launch_bounds__(THREADS, 2) moe_persistent(const struct moe_gp
                 const unsigned p0 = r.off[e] + c * MOE_GPU_CHUNK_TOKENS;
                 const unsigned cnt = min((unsigned)MOE_GPU_CHUNK_TOKENS,
                                          r.cnt[e] - c * MOE_GPU_CHUNK_TOKENS);
-                if (is_gu) {
-                    if (cnt <= 8)
-                        gu_task<1>(p, L, r, e, p0, cnt, rt, sw, pol);
-                    else
-                        gu_task<2>(p, L, r, e, p0, cnt, rt, sw, pol);
-                    __threadfence();
-                    __syncwarp();
-                    if (lane == 0)
-                        atomicAdd(&st->gu_done[e], 1u);
-                } else {
-                    const unsigned need = (r.chs[e + 1] - r.chs[e]) * RT_GU;
-                    if (lane == 0)
+                if (tid == 0) {
+                    if (is_gu) {
+                        while (ld_acquire_gpu32(&st->x_done) < gridDim.x)
+                            __nanosleep(32);
+                    } else {
+                        const unsigned need = (r.chs[e + 1] - r.chs[e]) * RT_GU;
                         while (ld_acquire_gpu32(&st->gu_done[e]) < need)
                             __nanosleep(64);
-                    __syncwarp();
+                    }
+                }
+                __syncthreads(); /* also: every thread has read s_task */
+                if (is_gu) {
                     if (cnt <= 8)
-                        dn_task<1>(p, L, e, p0, cnt, rt, sw, pol);
+                        gu_task<1>(p, L, r, e, p0, cnt, rt, sw, sw_cta, pol);
                     else
-                        dn_task<2>(p, L, e, p0, cnt, rt, sw, pol);
+                        gu_task<2>(p, L, r, e, p0, cnt, rt, sw, sw_cta, pol);
+                } else {
+                    if (cnt <= 8)
+                        dn_task<1>(p, L, e, p0, cnt, rt, sw, sw_cta, pol);
+                    else
+                        dn_task<2>(p, L, e, p0, cnt, rt, sw, sw_cta, pol);
+                }
+                if (tid < 32)
                     __threadfence();
-                    __syncwarp();
-                    if (lane == 0)
-                        atomicAdd(&st->dn_done, 1u);
+                __syncthreads(); /* warp 0's stores fenced; stage buffers free again */
+                if (tid == 0) {
+                    atomicAdd(is_gu ? &st->gu_done[e] : &st->dn_done, 1u);
+                    if (atomicAdd(is_gu ? &st->gu_all : &st->dn_all, 1u) == (is_gu ? n_gu : n_dn) - 1)
+                        st_relaxed_sys(&ctrl->phase_ns[is_gu ? 3 : 4], globaltimer_ns());
                 }
             } else {
-                if (lane == 0)
+                if (tid == 0)
                     while (ld_acquire_gpu32(&st->dn_done) < n_dn)
                         __nanosleep(64);
-                __syncwarp();
-                combine_task(p, r, t - n_gu - n_dn, y);
-                wrote_y = true;
+                __syncthreads();
+                const unsigned tok = (t - n_gu - n_dn) * NWARPS + warp;
+                if (tok < T) {
+                    combine_task(p, r, tok, y);
+                    wrote_y = true;
+                }
             }
         }
         if (wrote_y)
@@ -728,12 +850,16 @@ __global__ void __launch_bounds__(THREADS, 2) moe_persistent(const struct moe_gp
             if (tid == 0) {
                 st->task_ctr = 0;
                 st->dn_done = 0;
+                st->x_done = 0;
+                st->gu_all = 0;
+                st->dn_all = 0;
                 st->cta_done = 0;
             }
             __threadfence();
             __syncthreads();
             if (tid == 0) {
                 __threadfence_system();
+                st_relaxed_sys(&ctrl->phase_ns[5], globaltimer_ns());
                 st_release_gpu64(&st->done_dev, n);
                 st_release_sys(&ctrl->done_seq, n);
             }

@@ -33,7 +33,9 @@
 #define MOE_GPU_CHUNK_TOKENS 16 /* tokens (pairs) per task, at most (NT <= 2 n-tiles) */
 #define MOE_GPU_RING 8          /* batch descriptors in flight per GPU */
 #define MOE_GPU_WARPS 8         /* warps per CTA (tuned on H200: 2 CTAs/SM) */
+#ifndef MOE_GPU_STAGES
 #define MOE_GPU_STAGES 4        /* cp.async stages per warp */
+#endif
 
 /* One batch, written by the host into ring[seq % MOE_GPU_RING] before head
  * is released. Pointers are device-visible (device memory or mapped host). */
@@ -61,6 +63,10 @@ struct moe_gpu_ctrl {
     uint64_t pad3[7];
     uint64_t exited;    /* device: 1 once every CTA has left */
     uint64_t pad4[7];
+    /* device: %globaltimer (ns) of the last batch's phases, for the benchmark:
+     * [0] head seen, [1] batch released to CTAs, [2] x staged, [3] last
+     * gate_up tile done, [4] last down tile done, [5] batch complete */
+    uint64_t phase_ns[8];
     struct moe_gpu_desc ring[MOE_GPU_RING];
 };
 

@@ -8,6 +8,6 @@ B=$BUILD/bench/bench_moe
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null | sed 's/^/# /'
 echo "# $(date -u +%Y-%m-%dT%H:%MZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 rc=0
-timeout 600 "$B" --preset deepseek-v3 --layers 4 --tokens 1,4,16,64,256 || rc=1
-timeout 300 "$B" --preset qwen3-30b-a3b --layers 24 --tokens 1,4,64,256 || rc=1
+timeout "${BENCH_TIMEOUT:-600}" "$B" --preset deepseek-v3 --layers 4 --tokens 1,4,16,64,256 || rc=1
+timeout "${BENCH_TIMEOUT:-300}" "$B" --preset qwen3-30b-a3b --layers 24 --tokens 1,4,64,256 || rc=1
 exit $rc

@@ -25,7 +25,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 T=$BUILD/tests/gpu_test_moe_gpu
 args=()
 [ "${GPU_TESTS_QUICK:-0}" = 1 ] && args+=(--no-deepseek)
-timeout 1500 "$T" "${args[@]}" > "$LOGDIR/gpu_test_moe_gpu.log" 2>&1
+timeout "${GPU_TEST_TIMEOUT:-1500}" "$T" "${args[@]}" > "$LOGDIR/gpu_test_moe_gpu.log" 2>&1
 rc=$?
 grep -E '^(PASS|FAIL)|^      cuda:' "$LOGDIR/gpu_test_moe_gpu.log"
 line=$(grep -E '^gpu tests: ' "$LOGDIR/gpu_test_moe_gpu.log" | tail -1)
@@ -43,7 +43,7 @@ fi
 CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 for tool in memcheck racecheck; do
     if [ -x "$CS" ]; then
-        timeout 900 "$CS" --tool "$tool" --error-exitcode 9 "$T" --quick \
+        timeout "${SAN_TIMEOUT:-900}" "$CS" --tool "$tool" --error-exitcode 9 "$T" --quick \
             > "$LOGDIR/sanitizer-$tool.log" 2>&1
         rc=$?
         summ=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGDIR/sanitizer-$tool.log" | tail -1)
