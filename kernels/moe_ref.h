@@ -36,8 +36,9 @@ struct moe_layer {
 
 /* y[T][H] (bf16) = layer(x[T][H] bf16, ids[T][k], w[T][k]).
  * Validates ids in [0, E) and shapes; returns 0 or MOED_E_INVAL/MOED_E_NOMEM.
- * n_threads <= 0 means "all online cores". Does not allocate per call beyond
- * O(threads * (H + I)) scratch. */
+ * n_threads <= 0 means "all online cores". Allocates per call: x as float
+ * [T, H], h as float [T*(k+S), I], the token-by-expert index, and per thread
+ * max(2H, 8*(I + T*(k+S))) floats; starts its worker threads per call. */
 int moe_ref_forward(const struct moe_layer *layer, uint32_t n_tokens, const uint16_t *x,
                     const int32_t *ids, const float *w, uint16_t *y, int n_threads);
 
