@@ -60,6 +60,7 @@ struct moed_conn {
     unsigned eof : 1;
     unsigned wpaused : 1; /* write queue over the limit */
     unsigned counted : 1; /* counted in srv->n_clients */
+    unsigned processing : 1; /* inside conn_process (guards re-entry) */
     struct moed_conn *prev, *next;   /* srv->conns */
     struct moed_conn *close_next;    /* srv->close_list */
 };
@@ -363,22 +364,14 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *b)
         if (c->closing)
             return;
         if (nread == UV_EOF) {
+            /* The client may only have half-closed: answer what it sent
+             * (conn_process decides when the connection is done). */
             c->eof = 1;
             if (c->reading) {
                 uv_read_stop(s);
                 c->reading = 0;
             }
-            size_t have = c->len - c->off;
-            if (have > 0 || c->skip > 0) {
-                char msg[160];
-                snprintf(msg, sizeof msg, "connection closed mid-frame (%zu bytes of a frame received)",
-                         have);
-                conn_send_error(c, 0, MOED_E_PROTO, msg);
-                conn_close(c, 1);
-            } else if (c->pending == 0) {
-                conn_close(c, 1);
-            }
-            /* else: the client half-closed; answer what it sent, then close. */
+            conn_process(c);
             return;
         }
         if (nread == UV_ENOBUFS) {
@@ -532,6 +525,12 @@ static void framing_message(const struct moed_conn *c, int rc, const struct moed
 static void conn_process(struct moed_conn *c)
 {
     struct moed_server *srv = c->srv;
+    /* An engine reply can come back synchronously from inside handle_frame
+     * (a batch refused at submit); the outer loop picks up where it is, so a
+     * nested call must not move the buffer under it. */
+    if (c->processing)
+        return;
+    c->processing = 1;
     while (!c->closing) {
         size_t have = c->len - c->off;
         if (c->skip > 0) {
@@ -578,6 +577,7 @@ static void conn_process(struct moed_conn *c)
         handle_frame(c, &h, c->buf + c->off + MOED_PROTO_HDR_SIZE);
         c->off += flen;
     }
+    c->processing = 0;
     if (c->off == c->len) {
         c->off = c->len = 0;
         /* Idle after a big frame: give the memory back (Redis shrinks query
@@ -609,9 +609,23 @@ static void conn_process(struct moed_conn *c)
             }
         }
     }
-    if (c->eof && c->pending == 0) {
-        conn_close(c, 1);
-        return;
+    if (c->eof) {
+        /* No more bytes will come. Bytes left that the loop could not parse
+         * (it was not blocked by a limit) are a truncated frame. */
+        size_t rest = c->len - c->off;
+        int blocked = c->pending >= srv->cfg.max_pending_per_client || c->wpaused;
+        if ((rest > 0 || c->skip > 0) && !blocked) {
+            char msg[160];
+            snprintf(msg, sizeof msg, "connection closed mid-frame (%zu bytes of a frame received)",
+                     rest);
+            conn_send_error(c, 0, MOED_E_PROTO, msg);
+            conn_close(c, 1);
+            return;
+        }
+        if (rest == 0 && c->skip == 0 && c->pending == 0) {
+            conn_close(c, 1);
+            return;
+        }
     }
     conn_update(c);
 }
@@ -625,12 +639,9 @@ static void conn_request_done(struct moed_conn *c)
         conn_free_if_done(c);
         return;
     }
-    if (c->eof && c->pending == 0) {
-        conn_close(c, 1);
-        return;
-    }
-    /* Below the pending limit again: frames already buffered come first. */
-    if (c->pending + 1 == c->srv->cfg.max_pending_per_client)
+    /* Below the pending limit again (frames already buffered come first),
+     * or a half-closed client that may now be done. */
+    if (c->eof || c->pending + 1 == c->srv->cfg.max_pending_per_client)
         conn_process(c);
 }
 

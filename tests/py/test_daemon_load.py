@@ -3,6 +3,7 @@ reply checked against its own input's reference, the client cap, the
 per-client pending limit and a client that never reads its replies.
 """
 
+import socket
 import threading
 import time
 
@@ -169,6 +170,26 @@ def test_pending_limit_pauses_not_fails(daemon, dims, expected):
     sender.join(10)
     assert got == set(range(1, 201))
     s.close()
+
+
+def test_half_close_over_pending_limit(daemon, dims, expected):
+    """More requests than max_pending_per_client, then SHUT_WR: the daemon
+    still reads and answers every one of them before it closes."""
+    s = daemon.connect(timeout=60)
+    n = 50
+    buf = b"".join(du.frame(MSG_FORWARD, i + 1, du.forward_payload(
+        expected[i % len(expected)][0], expected[i % len(expected)][1].tobytes(),
+        expected[i % len(expected)][2], expected[i % len(expected)][3])) for i in range(n))
+    s.sendall(buf)
+    s.shutdown(socket.SHUT_WR)
+    got = set()
+    for _ in range(n):
+        mtype, rid, p = du.read_frame(s)
+        assert mtype == MSG_FORWARD | REPLY, du.parse_error(p)
+        assert du.forward_reply(p)[2] == expected[(rid - 1) % len(expected)][4]
+        got.add(rid)
+    assert got == set(range(1, n + 1))
+    du.expect_closed(s)
 
 
 def test_slow_reader_disconnected(daemon, dims):
