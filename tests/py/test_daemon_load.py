@@ -111,13 +111,19 @@ def test_32_clients_1000_requests_pipelined(daemon, dims, expected):
 
 
 def test_client_cap_refuses_exactly_10(daemon, dims):
+    """max_clients + 10 connections (the status client counts as one): exactly
+    10 are refused with a BUSY error frame and closed."""
     import moed_client
-    with moed_client.Client(daemon.sock_path) as c:
-        base = c.status()["clients"]["connected"]
-    assert base == 1  # just the status client itself
+    c = moed_client.Client(daemon.sock_path)
     socks, refused, served = [], 0, 0
     try:
-        for i in range(MAX_CLIENTS + 10):
+        # earlier tests' clients are gone once the daemon has seen their EOF
+        deadline = time.monotonic() + 10
+        while c.status()["clients"]["connected"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.status()["clients"]["connected"] == 1  # just this status client
+        refused_before = c.status()["clients"]["refused"]
+        for i in range(MAX_CLIENTS - 1 + 10):
             s = daemon.connect()
             socks.append(s)
             try:
@@ -133,10 +139,15 @@ def test_client_cap_refuses_exactly_10(daemon, dims):
                 assert msg == "too many clients (limit %d)" % MAX_CLIENTS
                 du.expect_closed(s)
                 refused += 1
-        assert (served, refused) == (MAX_CLIENTS, 10)
+        assert (served, refused) == (MAX_CLIENTS - 1, 10)
+        st = c.status()
+        assert st["clients"]["connected"] == MAX_CLIENTS
+        assert st["clients"]["refused"] - refused_before == 10
         # one leaves: a new client is served again
         socks.pop(0).close()
-        time.sleep(0.1)
+        deadline = time.monotonic() + 10
+        while c.status()["clients"]["connected"] != MAX_CLIENTS - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
         s = daemon.connect()
         socks.append(s)
         s.sendall(du.frame(MSG_PING, 99, b"y"))
@@ -144,11 +155,7 @@ def test_client_cap_refuses_exactly_10(daemon, dims):
     finally:
         for s in socks:
             s.close()
-    time.sleep(0.1)
-    with moed_client.Client(daemon.sock_path) as c:
-        st = c.status()
-    assert st["clients"]["connected"] == 1
-    assert st["clients"]["refused"] >= 10
+        c.close()
 
 
 def test_pending_limit_pauses_not_fails(daemon, dims, expected):
