@@ -218,6 +218,7 @@ struct daemon {
     uv_loop_t loop;
     uv_signal_t sigterm, sigint;
     uv_timer_t drain_timer;    /* bounds the drain if the backend hangs */
+    uv_timer_t watchdog;       /* WATCHDOG=1 pings when systemd asks for them */
     uint32_t drain_ms;
     int abandoned;             /* drain gave up: skip the orderly teardown */
     struct moed_engine *engine;
@@ -233,6 +234,7 @@ static void on_server_closed(void *arg)
     d->server = NULL;
     uv_close((uv_handle_t *)&d->sigterm, NULL);
     uv_close((uv_handle_t *)&d->sigint, NULL);
+    uv_close((uv_handle_t *)&d->watchdog, NULL);
     moed_engine_close(d->engine);
     d->engine = NULL;
     LOG_I("stopped");
@@ -289,6 +291,17 @@ static void on_backend_failure(void *arg)
     d->exit_code = EXIT_BACKEND;
     sd_notify(0, "STATUS=backend failed");
     daemon_stop(d, "backend failure");
+}
+
+/* Ping systemd only while the backend is healthy: a stuck device stops the
+ * pings and systemd restarts the service (WatchdogSec=). */
+static void on_watchdog(uv_timer_t *t)
+{
+    struct daemon *d = t->data;
+    if (d->engine && !moed_engine_failed(d->engine) && moed_engine_stats(d->engine)->healthy)
+        sd_notify(0, "WATCHDOG=1");
+    else
+        LOG_W("backend unhealthy: not pinging the systemd watchdog");
 }
 
 static const struct moed_stats *http_snapshot(void *ctx)
@@ -397,6 +410,16 @@ static int run_daemon(const struct moed_cfg *cfg)
     uv_timer_init(&d.loop, &d.drain_timer);
     d.drain_timer.data = &d;
     d.drain_ms = cfg->batch_deadline_ms + DRAIN_SLACK_MS;
+
+    uv_timer_init(&d.loop, &d.watchdog);
+    d.watchdog.data = &d;
+    uint64_t wd_usec = 0;
+    if (sd_watchdog_enabled(0, &wd_usec) > 0 && wd_usec > 0) {
+        uint64_t every_ms = wd_usec / 2000 ? wd_usec / 2000 : 1; /* half the interval */
+        uv_timer_start(&d.watchdog, on_watchdog, every_ms, every_ms);
+        uv_unref((uv_handle_t *)&d.watchdog);
+        LOG_I("systemd watchdog: pinging every %llu ms", (unsigned long long)every_ms);
+    }
 
     LOG_I("ready: socket %s, backend %s", cfg->socket_path, st->backend);
     sd_notifyf(0, "READY=1\nSTATUS=serving on %s (backend %s)", cfg->socket_path, st->backend);

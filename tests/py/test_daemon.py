@@ -453,7 +453,8 @@ def test_status_port_in_use_exit_1(models_dir):
 
 def test_sd_notify(models_dir):
     """READY=1 after the model is loaded (with STATUS= lines and an
-    EXTEND_TIMEOUT_USEC while loading), STOPPING=1 at SIGTERM."""
+    EXTEND_TIMEOUT_USEC while loading), WATCHDOG=1 pings when systemd sets
+    WATCHDOG_USEC, STOPPING=1 at SIGTERM."""
     tmp = short_tmp()
     npath = os.path.join(tmp, "notify")
     ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -462,8 +463,10 @@ def test_sd_notify(models_dir):
     cfg = du.base_config(tmp, models_dir)
     msgs = []
     try:
-        with du.Daemon(tmp, cfg, env={"NOTIFY_SOCKET": npath}) as d:
+        with du.Daemon(tmp, cfg, env={"NOTIFY_SOCKET": npath, "WATCHDOG_USEC": "200000"}) as d:
             while not any("READY=1" in m for m in msgs):
+                msgs.append(ns.recv(4096).decode())
+            while not any("WATCHDOG=1" in m for m in msgs):  # every 100 ms while healthy
                 msgs.append(ns.recv(4096).decode())
             # ready means serving
             c = d.connect()
@@ -481,6 +484,7 @@ def test_sd_notify(models_dir):
     assert "STATUS=serving on %s (backend cpu)" % cfg["server"]["socket"] in text
     ready = [i for i, m in enumerate(msgs) if "READY=1" in m][0]
     assert all("READY=1" not in m for m in msgs[:ready])
+    assert "systemd watchdog: pinging every 100 ms" in d.log()
     assert any("STATUS=self-check" in m for m in msgs[:ready])
 
 
