@@ -101,6 +101,13 @@ extern "C" {
 #define MOE_VARIANT_NO_MMA 0
 #endif
 
+#ifndef MOE_SPLITK_BLOCKED /* 1: each warp takes a contiguous block of K units */
+#define MOE_SPLITK_BLOCKED 0
+#endif
+#ifndef MOE_GPU_PHASES /* gate_up / down end timestamps (costs an atomic per tile) */
+#define MOE_GPU_PHASES 0
+#endif
+
 #ifndef MOE_CP_ASYNC_L2_HINT
 #define MOE_CP_ASYNC_L2_HINT 0
 #endif
@@ -184,6 +191,12 @@ __device__ __forceinline__ unsigned int ld_acquire_gpu32(const unsigned int *p)
 __device__ __forceinline__ void st_release_gpu32(unsigned int *p, unsigned int v)
 {
     asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+/* Non-blocking release increment: the consumer's ld.acquire sees every store
+ * this thread (and, after __syncwarp, its warp) made before it. */
+__device__ __forceinline__ void red_release_gpu(unsigned int *p, unsigned int v)
+{
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 __device__ __forceinline__ unsigned long long globaltimer_ns(void)
 {
@@ -368,8 +381,9 @@ __device__ __forceinline__ unsigned chunk_expert(const unsigned *chs, unsigned N
 
 template <int NT>
 __device__ __forceinline__ void tile_mma(const uint8_t *__restrict__ wtile, unsigned units,
-                                         const uint16_t *const (&brow)[NT], uint8_t *sw,
-                                         unsigned long long pol, float (&acc)[MR][NT][4])
+                                         unsigned ustride, const uint16_t *const (&brow)[NT],
+                                         uint8_t *sw, unsigned long long pol,
+                                         float (&acc)[MR][NT][4])
 {
     const unsigned lane = threadIdx.x & 31;
     const unsigned q = lane & 3;
@@ -383,7 +397,7 @@ __device__ __forceinline__ void tile_mma(const uint8_t *__restrict__ wtile, unsi
 
     auto issue = [&](unsigned u) {
         if (u < units) {
-            const uint8_t *src = wtile + (size_t)u * MOE_GPU_UNIT_BYTES;
+            const uint8_t *src = wtile + (size_t)u * ustride * MOE_GPU_UNIT_BYTES;
             uint8_t *dst = sw + (u % STAGES) * MOE_GPU_UNIT_BYTES;
             for (unsigned c = lane; c < MOE_GPU_UNIT_BYTES / 16; c += 32)
                 cp_async16(dst + c * 16, src + c * 16, pol);
@@ -394,7 +408,7 @@ __device__ __forceinline__ void tile_mma(const uint8_t *__restrict__ wtile, unsi
 #pragma unroll
         for (int n = 0; n < NT; n++) {
             if (brow[n]) {
-                const uint16_t *p = brow[n] + u * MOE_GPU_UNIT_K + 16 * q;
+                const uint16_t *p = brow[n] + (size_t)u * ustride * MOE_GPU_UNIT_K + 16 * q;
                 xb[n][0] = ldcg16(p);
                 xb[n][1] = ldcg16(p + 8);
             } else {
@@ -478,12 +492,20 @@ __device__ __forceinline__ void tile_splitk(const uint8_t *wtile, unsigned U,
                                             float (&acc)[MR][NT][4])
 {
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const unsigned u0 = U * warp / NWARPS, u1 = U * (warp + 1) / NWARPS;
+#if MOE_SPLITK_BLOCKED
+    /* warp w: one contiguous block of units */
+    const unsigned u0 = U * warp / NWARPS, nu = U * (warp + 1) / NWARPS - u0, us = 1;
+#else
+    /* warp w: units w, w + NWARPS, ...: the CTA's warps move through the
+     * tile together, so the CTA reads one contiguous window at a time
+     * (DRAM page locality) */
+    const unsigned u0 = warp, nu = U > warp ? (U - warp + NWARPS - 1) / NWARPS : 0, us = NWARPS;
+#endif
     const uint16_t *bw[NT];
 #pragma unroll
     for (int n = 0; n < NT; n++)
         bw[n] = brow[n] ? brow[n] + (size_t)u0 * MOE_GPU_UNIT_K : nullptr;
-    tile_mma<NT>(wtile + (size_t)u0 * MOE_GPU_UNIT_BYTES, u1 - u0, bw, sw, pol, acc);
+    tile_mma<NT>(wtile + (size_t)u0 * MOE_GPU_UNIT_BYTES, nu, us, bw, sw, pol, acc);
     float *mine = reinterpret_cast<float *>(sw) + lane * (MR * NT * 4);
 #pragma unroll
     for (int m = 0; m < MR; m++)
@@ -596,43 +618,62 @@ __device__ void dn_task(const struct moe_gpu_params &p, const struct moe_gpu_lay
     }
 }
 
-/* combine task: token t, slots in fixed order (routed j = 0..k-1 weighted,
- * then shared s = 0..S-1 with weight 1), fp32, one bf16 rounding. Writes y
- * (device or mapped host memory) with 16-byte stores. */
-__device__ void combine_task(const struct moe_gpu_params &p, const route &r, unsigned t,
-                             uint16_t *y)
+/* combine unit: token t, columns [256 blk, 256 blk + 256) (8 per lane).
+ * Slots in fixed order (routed j = 0..k-1 weighted, then shared s = 0..S-1
+ * with weight 1), fp32, one bf16 rounding: deterministic. Loads of up to 4
+ * slots are issued before they are summed (L2 latency, not one slot at a
+ * time). Writes y (device or mapped host memory) with 16-byte stores. */
+__device__ void combine_unit(const struct moe_gpu_params &p, const route &r, unsigned t,
+                             unsigned blk, uint16_t *y)
 {
     const unsigned H = p.d.hidden, k = p.d.top_k, KS = k + p.d.n_shared;
     const unsigned lane = threadIdx.x & 31;
-    for (unsigned c = lane * 8; c < H; c += 256) {
-        float a[8];
+    const unsigned c = blk * 256 + lane * 8;
+    constexpr int CB = 2; /* slots loaded per round (4 spilled at 128 registers) */
+    if (c >= H)
+        return;
+    float a[8];
 #pragma unroll
-        for (int v = 0; v < 8; v++)
-            a[v] = 0.f;
-        for (unsigned j = 0; j < KS; j++) {
-            float wj = j < k ? __ldcg(p.w_s + (size_t)t * k + j) : 1.f;
-            const float *src = p.dout + (size_t)r.pos[t * KS + j] * H + c;
-            float4 d0 = __ldcg(reinterpret_cast<const float4 *>(src));
-            float4 d1 = __ldcg(reinterpret_cast<const float4 *>(src + 4));
-            float dv[8] = {d0.x, d0.y, d0.z, d0.w, d1.x, d1.y, d1.z, d1.w};
+    for (int v = 0; v < 8; v++)
+        a[v] = 0.f;
+    for (unsigned j0 = 0; j0 < KS; j0 += CB) {
+        float4 d[CB][2];
+        float wj[CB];
 #pragma unroll
-            for (int v = 0; v < 8; v++)
-                a[v] = j < k ? fmaf(wj, dv[v], a[v]) : a[v] + dv[v];
+        for (int u = 0; u < CB; u++) {
+            unsigned j = j0 + u;
+            if (j < KS) {
+                const float *src = p.dout + (size_t)r.pos[t * KS + j] * H + c;
+                d[u][0] = __ldcg(reinterpret_cast<const float4 *>(src));
+                d[u][1] = __ldcg(reinterpret_cast<const float4 *>(src + 4));
+                wj[u] = j < k ? __ldcg(p.w_s + (size_t)t * k + j) : 1.f;
+            }
         }
-        uint4 o;
-        __nv_bfloat162 b0 = __floats2bfloat162_rn(a[0], a[1]), b1 = __floats2bfloat162_rn(a[2], a[3]);
-        __nv_bfloat162 b2 = __floats2bfloat162_rn(a[4], a[5]), b3 = __floats2bfloat162_rn(a[6], a[7]);
-        o.x = *reinterpret_cast<uint32_t *>(&b0);
-        o.y = *reinterpret_cast<uint32_t *>(&b1);
-        o.z = *reinterpret_cast<uint32_t *>(&b2);
-        o.w = *reinterpret_cast<uint32_t *>(&b3);
-        *reinterpret_cast<uint4 *>(y + (size_t)t * H + c) = o;
+#pragma unroll
+        for (int u = 0; u < CB; u++) {
+            unsigned j = j0 + u;
+            if (j < KS) {
+                float dv[8] = {d[u][0].x, d[u][0].y, d[u][0].z, d[u][0].w,
+                               d[u][1].x, d[u][1].y, d[u][1].z, d[u][1].w};
+#pragma unroll
+                for (int v = 0; v < 8; v++)
+                    a[v] = j < k ? fmaf(wj[u], dv[v], a[v]) : a[v] + dv[v];
+            }
+        }
     }
+    uint4 o;
+    __nv_bfloat162 b0 = __floats2bfloat162_rn(a[0], a[1]), b1 = __floats2bfloat162_rn(a[2], a[3]);
+    __nv_bfloat162 b2 = __floats2bfloat162_rn(a[4], a[5]), b3 = __floats2bfloat162_rn(a[6], a[7]);
+    o.x = *reinterpret_cast<uint32_t *>(&b0);
+    o.y = *reinterpret_cast<uint32_t *>(&b1);
+    o.z = *reinterpret_cast<uint32_t *>(&b2);
+    o.w = *reinterpret_cast<uint32_t *>(&b3);
+    *reinterpret_cast<uint4 *>(y + (size_t)t * H + c) = o;
 }
 
 /* ---------------- the persistent kernel ---------------- */
 
-__global__ void __launch_bounds__(THREADS, 2) moe_persistent(const struct moe_gpu_params p)
+__global__ void __launch_bounds__(THREADS, 16 / NWARPS) moe_persistent(const struct moe_gpu_params p)
 {
     extern __shared__ __align__(16) uint8_t smem[];
     __shared__ struct moe_gpu_desc sd;
@@ -681,22 +722,16 @@ __global__ void __launch_bounds__(THREADS, 2) moe_persistent(const struct moe_gp
                     __nanosleep(ns);
                     ns = min(ns * 2, now - busy_at > 1000000ull ? 20000u : 256u);
                 }
-                if (go) {
-                    const volatile struct moe_gpu_desc *src = &ctrl->ring[n % MOE_GPU_RING];
-                    sd.seq = src->seq;
-                    sd.layer = src->layer;
-                    sd.n_tokens = src->n_tokens;
-                    sd.x = src->x;
-                    sd.ids = src->ids;
-                    sd.w = src->w;
-                    sd.y = src->y;
-                    sd.stall_ns = src->stall_ns;
-                    for (unsigned long long t0 = globaltimer_ns(); globaltimer_ns() - t0 < sd.stall_ns;)
-                        __nanosleep(100000);
-                }
                 s_go = go;
             }
             __syncthreads();
+            if (s_go && tid < sizeof(struct moe_gpu_desc) / 16) /* one PCIe round trip */
+                reinterpret_cast<uint4 *>(&sd)[tid] =
+                    __ldcv(reinterpret_cast<const uint4 *>(&ctrl->ring[n % MOE_GPU_RING]) + tid);
+            __syncthreads();
+            if (s_go && tid == 0)
+                for (unsigned long long t0 = globaltimer_ns(); globaltimer_ns() - t0 < sd.stall_ns;)
+                    __nanosleep(100000);
             if (s_go) {
                 /* stage ids, w and x into device memory (read once over PCIe) */
                 const unsigned T = sd.n_tokens, k = p.d.top_k;
@@ -768,20 +803,25 @@ __global__ void __launch_bounds__(THREADS, 2) moe_persistent(const struct moe_gp
         const unsigned n_gu = n_ch * RT_GU, n_dn = n_ch * RT_DN, total = n_gu + n_dn + T;
         uint16_t *y = (uint16_t *)sd.y;
 
-        /* ---- tasks: claimed per CTA; gate_up/down split K over the warps,
-         * combine gives each warp one token ---- */
-        const unsigned n_cb = (T + NWARPS - 1) / NWARPS;
+        /* ---- tasks: claimed per CTA (the next claim is issued while the
+         * current task runs); gate_up/down split K over the warps; combine
+         * gives each warp one (token, 256-column) unit ---- */
+        const unsigned n_cblk = (p.d.hidden + 255) / 256;
+        const unsigned n_cu = T * n_cblk, n_cb = (n_cu + NWARPS - 1) / NWARPS;
         const unsigned total2 = n_gu + n_dn + n_cb;
         (void)total;
-        bool wrote_y = false;
+        bool wrote_y = false, x_ready = false, dn_ready = false;
         uint8_t *sw_cta = smem + p.smem_route;
+        if (tid == 0)
+            s_task = atomicAdd(&st->task_ctr, 1u);
         for (;;) {
-            if (tid == 0)
-                s_task = atomicAdd(&st->task_ctr, 1u);
             __syncthreads();
             const unsigned t = s_task;
             if (t >= total2)
                 break;
+            unsigned next = 0;
+            if (tid == 0)
+                next = atomicAdd(&st->task_ctr, 1u); /* result waited for at the end */
             if (t < n_gu + n_dn) {
                 const bool is_gu = t < n_gu;
                 const unsigned tt = is_gu ? t : t - n_gu, RT = is_gu ? RT_GU : RT_DN;
@@ -793,8 +833,10 @@ __global__ void __launch_bounds__(THREADS, 2) moe_persistent(const struct moe_gp
                                          r.cnt[e] - c * MOE_GPU_CHUNK_TOKENS);
                 if (tid == 0) {
                     if (is_gu) {
-                        while (ld_acquire_gpu32(&st->x_done) < gridDim.x)
-                            __nanosleep(32);
+                        if (!x_ready)
+                            while (ld_acquire_gpu32(&st->x_done) < gridDim.x)
+                                __nanosleep(32);
+                        x_ready = true;
                     } else {
                         const unsigned need = (r.chs[e + 1] - r.chs[e]) * RT_GU;
                         while (ld_acquire_gpu32(&st->gu_done[e]) < need)
@@ -813,25 +855,32 @@ __global__ void __launch_bounds__(THREADS, 2) moe_persistent(const struct moe_gp
                     else
                         dn_task<2>(p, L, e, p0, cnt, rt, sw, sw_cta, pol);
                 }
-                if (tid < 32)
-                    __threadfence();
-                __syncthreads(); /* warp 0's stores fenced; stage buffers free again */
-                if (tid == 0) {
-                    atomicAdd(is_gu ? &st->gu_done[e] : &st->dn_done, 1u);
-                    if (atomicAdd(is_gu ? &st->gu_all : &st->dn_all, 1u) == (is_gu ? n_gu : n_dn) - 1)
-                        st_relaxed_sys(&ctrl->phase_ns[is_gu ? 3 : 4], globaltimer_ns());
+                if (warp == 0) { /* only warp 0 wrote h / dout */
+                    __syncwarp();
+                    if (tid == 0) {
+                        red_release_gpu(is_gu ? &st->gu_done[e] : &st->dn_done, 1u);
+#if MOE_GPU_PHASES
+                        if (atomicAdd(is_gu ? &st->gu_all : &st->dn_all, 1u) == (is_gu ? n_gu : n_dn) - 1)
+                            st_relaxed_sys(&ctrl->phase_ns[is_gu ? 3 : 4], globaltimer_ns());
+#endif
+                    }
                 }
+                __syncthreads(); /* stage buffers (partials) free for the next task */
             } else {
-                if (tid == 0)
+                if (tid == 0 && !dn_ready) {
                     while (ld_acquire_gpu32(&st->dn_done) < n_dn)
                         __nanosleep(64);
+                    dn_ready = true;
+                }
                 __syncthreads();
-                const unsigned tok = (t - n_gu - n_dn) * NWARPS + warp;
-                if (tok < T) {
-                    combine_task(p, r, tok, y);
+                const unsigned u = (t - n_gu - n_dn) * NWARPS + warp;
+                if (u < n_cu) {
+                    combine_unit(p, r, u / n_cblk, u % n_cblk, y);
                     wrote_y = true;
                 }
             }
+            if (tid == 0)
+                s_task = next;
         }
         if (wrote_y)
             __threadfence_system(); /* y (possibly host memory) before done_seq */

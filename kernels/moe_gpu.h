@@ -32,7 +32,10 @@
 #define MOE_GPU_UNIT_BYTES (MOE_GPU_MR * MOE_GPU_SUB_BYTES)
 #define MOE_GPU_CHUNK_TOKENS 16 /* tokens (pairs) per task, at most (NT <= 2 n-tiles) */
 #define MOE_GPU_RING 8          /* batch descriptors in flight per GPU */
-#define MOE_GPU_WARPS 8         /* warps per CTA (tuned on H200: 2 CTAs/SM) */
+#ifndef MOE_GPU_WARPS
+#define MOE_GPU_WARPS 4         /* warps per CTA; H200 2026-11-29: 4 CTAs/SM of 4 warps beat
+                                   2 of 8 by 13-35% (bench/NOTES.md) */
+#endif
 #ifndef MOE_GPU_STAGES
 #define MOE_GPU_STAGES 4        /* cp.async stages per warp */
 #endif
