@@ -95,8 +95,8 @@ static const struct cfg_key keys[] = {
      .doc = "Group name given to the socket file; empty leaves the daemon's group."},
     {.path = "server.allowed_uids", .type = T_UINT_ARRAY, .min = 0, .max = 4294967294LL,
      .def = "[]", FIELD(allowed_uids), COUNT(n_allowed_uids),
-     .doc = "Peer uids allowed to connect (checked with SO_PEERCRED); empty with empty "
-            "allowed_gids: the daemon's own uid and root."},
+     .doc = "Peer uids allowed to connect (checked with SO_PEERCRED), in addition to the "
+            "daemon's own uid and root, which are always allowed."},
     {.path = "server.allowed_gids", .type = T_UINT_ARRAY, .min = 0, .max = 4294967294LL,
      .def = "[]", FIELD(allowed_gids), COUNT(n_allowed_gids),
      .doc = "Peer primary gids allowed to connect, in addition to allowed_uids."},
@@ -105,7 +105,8 @@ static const struct cfg_key keys[] = {
      .doc = "Connections served at once; further connections get a busy error and are closed."},
     {.path = "server.max_pending_per_client", .type = T_UINT, .min = 1, .max = 4096,
      .def = "64", FIELD(max_pending_per_client),
-     .doc = "Requests one client may have in flight; over it the client gets a busy error."},
+     .doc = "Requests one client may have in flight; over it the daemon stops reading that "
+            "client until replies drain (back-pressure)."},
     {.path = "server.max_frame_bytes", .type = T_UINT, .min = 65536, .max = 4294967296LL,
      .def = "67108864", FIELD(max_frame_bytes), .bytes = true,
      .doc = "Largest request payload accepted; a larger frame is answered with a too-big "
@@ -117,8 +118,8 @@ static const struct cfg_key keys[] = {
             "(back-pressure for a slow reader)."},
     {.path = "server.frame_timeout_ms", .type = T_UINT, .min = 1, .max = 600000,
      .def = "5000", FIELD(frame_timeout_ms),
-     .doc = "Once a frame header has arrived, its body must complete within this many "
-            "milliseconds or the connection is closed."},
+     .doc = "Once a frame's first byte has arrived, the whole frame must arrive within this "
+            "many milliseconds or the client gets a timeout error and is closed."},
     /* status */
     {.path = "status.address", .type = T_STRING, .min = 1, .max = 15, .def = "127.0.0.1",
      FIELD(status_addr), .check = check_ipv4, .allowed = "an IPv4 literal",
