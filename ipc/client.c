@@ -8,6 +8,7 @@
  * connection is then marked broken (see moed_client.h).
  */
 #include "moed_client.h"
+#include "moed_le.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -43,39 +44,6 @@ struct moedc {
     uint16_t *ybuf;          /* decoded y of the last pipelined reply (BE hosts) */
     size_t ycap;
 };
-
-static uint32_t rd32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
-static uint16_t rd16(const uint8_t *p)
-{
-    return (uint16_t)(p[0] | (uint16_t)p[1] << 8);
-}
-
-static uint64_t rd64(const uint8_t *p)
-{
-    return (uint64_t)rd32(p) | (uint64_t)rd32(p + 4) << 32;
-}
-
-static void wr16(uint8_t *p, uint16_t v)
-{
-    p[0] = (uint8_t)v;
-    p[1] = (uint8_t)(v >> 8);
-}
-
-static void wr32(uint8_t *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static void wr64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
 
 static int64_t now_ms(void)
 {
@@ -273,8 +241,8 @@ static int read_frame(struct moedc *c, int64_t deadline, struct moed_frame_hdr *
                                "ERROR reply of %" PRIu64 " bytes, shorter than its 8-byte head",
                                h->payload_len);
         }
-        int32_t code = (int32_t)rd32(c->rbuf);
-        uint32_t mlen = rd32(c->rbuf + 4);
+        int32_t code = (int32_t)le_get32(c->rbuf);
+        uint32_t mlen = le_get32(c->rbuf + 4);
         if (mlen != h->payload_len - sizeof(struct moed_error_rep)) {
             c->broken = 1;
             return moed_seterr(err, errlen, MOED_E_PROTO,
@@ -432,8 +400,8 @@ int moedc_hello(struct moedc *c, struct moed_hello_rep *rep, char *err, size_t e
     if (rc)
         return rc;
     uint8_t p[sizeof(struct moed_hello_req)] = {0};
-    wr16(p, MOED_PROTO_VERSION);
-    wr16(p + 2, MOED_PROTO_VERSION);
+    le_put16(p, MOED_PROTO_VERSION);
+    le_put16(p + 2, MOED_PROTO_VERSION);
     struct moed_frame_hdr h;
     rc = call(c, MOED_MSG_HELLO, p, sizeof p, &h, err, errlen);
     if (rc)
@@ -446,18 +414,18 @@ int moedc_hello(struct moedc *c, struct moed_hello_rep *rep, char *err, size_t e
     }
     const uint8_t *b = c->rbuf;
     struct moed_hello_rep r = {
-        .version = rd16(b),
-        .reserved0 = rd16(b + 2),
-        .hidden = rd32(b + 4),
-        .inter = rd32(b + 8),
-        .n_experts = rd32(b + 12),
-        .top_k = rd32(b + 16),
-        .n_shared = rd32(b + 20),
-        .n_layers = rd32(b + 24),
-        .first_moe_layer = rd32(b + 28),
-        .max_tokens = rd32(b + 32),
-        .reserved1 = rd32(b + 36),
-        .max_frame_bytes = rd64(b + 40),
+        .version = le_get16(b),
+        .reserved0 = le_get16(b + 2),
+        .hidden = le_get32(b + 4),
+        .inter = le_get32(b + 8),
+        .n_experts = le_get32(b + 12),
+        .top_k = le_get32(b + 16),
+        .n_shared = le_get32(b + 20),
+        .n_layers = le_get32(b + 24),
+        .first_moe_layer = le_get32(b + 28),
+        .max_tokens = le_get32(b + 32),
+        .reserved1 = le_get32(b + 36),
+        .max_frame_bytes = le_get64(b + 40),
     };
     memcpy(r.backend, b + 48, sizeof r.backend);
     r.backend[sizeof r.backend - 1] = 0;
@@ -537,10 +505,10 @@ static int send_forward(struct moedc *c, uint64_t id, uint32_t layer, uint32_t n
         return rc;
     uint8_t hb[MOED_PROTO_HDR_SIZE + sizeof(struct moed_forward_req)];
     moed_frame_encode(hb, MOED_MSG_FORWARD, id, plen);
-    wr32(hb + 32, layer);
-    wr32(hb + 36, n_tokens);
-    wr32(hb + 40, top_k);
-    wr32(hb + 44, 0);
+    le_put32(hb + 32, layer);
+    le_put32(hb + 36, n_tokens);
+    le_put32(hb + 40, top_k);
+    le_put32(hb + 44, 0);
     size_t nx = (size_t)n_tokens * c->hello.hidden, nk = (size_t)n_tokens * top_k;
     const void *px = x, *pi = ids, *pw = w;
 #ifdef MOEDC_BIG_ENDIAN
@@ -577,7 +545,7 @@ static int forward_reply(struct moedc *c, const struct moed_frame_hdr *h, uint32
         return moed_seterr(err, errlen, MOED_E_PROTO, "FORWARD reply of %" PRIu64
                            " bytes, shorter than its 8-byte head", h->payload_len);
     }
-    uint32_t t = rd32(c->rbuf), hid = rd32(c->rbuf + 4);
+    uint32_t t = le_get32(c->rbuf), hid = le_get32(c->rbuf + 4);
     uint64_t need = sizeof(struct moed_forward_rep) + 2ull * t * hid;
     if (hid != c->hello.hidden || t < 1 || t > c->hello.max_tokens ||
         (expect_t && t != expect_t) || h->payload_len != need) {
@@ -600,7 +568,7 @@ static int forward_reply(struct moedc *c, const struct moed_frame_hdr *h, uint32
         c->ycap = n;
     }
     for (size_t i = 0; i < n; i++)
-        c->ybuf[i] = rd16(c->rbuf + 8 + 2 * i);
+        c->ybuf[i] = le_get16(c->rbuf + 8 + 2 * i);
     *y = c->ybuf;
 #else
     /* rbuf comes from malloc, so +8 is 2-byte aligned. */
@@ -677,7 +645,7 @@ int moedc_ping(struct moedc *c, uint64_t *rtt_ns, char *err, size_t errlen)
         return rc;
     uint64_t t0 = now_ns();
     uint8_t p[8];
-    wr64(p, t0);
+    le_put64(p, t0);
     struct moed_frame_hdr h;
     rc = call(c, MOED_MSG_PING, p, sizeof p, &h, err, errlen);
     if (rc)

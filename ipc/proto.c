@@ -6,6 +6,7 @@
  * are read and written byte by byte in little-endian order: the buffer is never
  * cast to a struct, so alignment, padding and host byte order do not matter.
  */
+#include "moed_le.h"
 #include "moed_proto.h"
 
 #include <inttypes.h>
@@ -18,39 +19,6 @@
 #ifdef MOEDC_BUILD
 #pragma GCC visibility push(default)
 #endif
-
-static uint16_t get_u16(const uint8_t *p)
-{
-    return (uint16_t)(p[0] | (uint16_t)p[1] << 8);
-}
-
-static uint32_t get_u32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
-static uint64_t get_u64(const uint8_t *p)
-{
-    return (uint64_t)get_u32(p) | (uint64_t)get_u32(p + 4) << 32;
-}
-
-static void put_u16(uint8_t *p, uint16_t v)
-{
-    p[0] = (uint8_t)v;
-    p[1] = (uint8_t)(v >> 8);
-}
-
-static void put_u32(uint8_t *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static void put_u64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
 
 /* Types a version-1 peer may send: the requests, and their replies (REPLY
  * bit set) plus ERROR, which exists only as a reply. The server must still
@@ -80,13 +48,13 @@ int moed_frame_parse(const uint8_t *buf, size_t len, uint64_t max_payload,
     if (len < MOED_PROTO_HDR_SIZE)
         return MOED_PARSE_NEED_MORE;
     struct moed_frame_hdr h = {
-        .magic = get_u32(buf + 0),
-        .version = get_u16(buf + 4),
-        .type = get_u16(buf + 6),
-        .flags = get_u32(buf + 8),
-        .reserved = get_u32(buf + 12),
-        .request_id = get_u64(buf + 16),
-        .payload_len = get_u64(buf + 24),
+        .magic = le_get32(buf + 0),
+        .version = le_get16(buf + 4),
+        .type = le_get16(buf + 6),
+        .flags = le_get32(buf + 8),
+        .reserved = le_get32(buf + 12),
+        .request_id = le_get64(buf + 16),
+        .payload_len = le_get64(buf + 24),
     };
     if (hdr)
         *hdr = h;
@@ -112,13 +80,13 @@ int moed_frame_parse(const uint8_t *buf, size_t len, uint64_t max_payload,
 void moed_frame_encode(uint8_t out[MOED_PROTO_HDR_SIZE], uint16_t type, uint64_t request_id,
                        uint64_t payload_len)
 {
-    put_u32(out + 0, MOED_PROTO_MAGIC);
-    put_u16(out + 4, MOED_PROTO_VERSION);
-    put_u16(out + 6, type);
-    put_u32(out + 8, 0);
-    put_u32(out + 12, 0);
-    put_u64(out + 16, request_id);
-    put_u64(out + 24, payload_len);
+    le_put32(out + 0, MOED_PROTO_MAGIC);
+    le_put16(out + 4, MOED_PROTO_VERSION);
+    le_put16(out + 6, type);
+    le_put32(out + 8, 0);
+    le_put32(out + 12, 0);
+    le_put64(out + 16, request_id);
+    le_put64(out + 24, payload_len);
 }
 
 /* a*b, or 0 with *ovf set when it does not fit in 64 bits. */
@@ -161,10 +129,10 @@ int moed_forward_validate(const uint8_t *payload, uint64_t len, uint32_t hidden,
                            "payload is %" PRIu64 " bytes, shorter than the %zu-byte FORWARD head",
                            len, sizeof(struct moed_forward_req));
     struct moed_forward_req r = {
-        .layer = get_u32(payload + 0),
-        .n_tokens = get_u32(payload + 4),
-        .top_k = get_u32(payload + 8),
-        .flags = get_u32(payload + 12),
+        .layer = le_get32(payload + 0),
+        .n_tokens = le_get32(payload + 4),
+        .top_k = le_get32(payload + 8),
+        .flags = le_get32(payload + 12),
     };
     if (req)
         *req = r;
@@ -192,7 +160,7 @@ int moed_forward_validate(const uint8_t *payload, uint64_t len, uint32_t hidden,
     const uint8_t *ids = payload + sizeof(struct moed_forward_req) + 2 * (uint64_t)r.n_tokens * hidden;
     for (uint32_t t = 0; t < r.n_tokens; t++) {
         for (uint32_t j = 0; j < r.top_k; j++) {
-            int32_t id = (int32_t)get_u32(ids + 4 * ((uint64_t)t * r.top_k + j));
+            int32_t id = (int32_t)le_get32(ids + 4 * ((uint64_t)t * r.top_k + j));
             if (id < 0 || (uint32_t)id >= n_experts)
                 return moed_seterr(err, errlen, MOED_E_INVAL,
                                    "expert id %" PRId32 " at token %" PRIu32 " slot %" PRIu32
