@@ -32,7 +32,14 @@
 #include <unistd.h>
 
 #include "moed_err.h"
+#include "moed_le.h"
 #include "moed_log.h"
+
+/* Reply heads (HELLO, ERROR, FORWARD) and the bf16/int32/fp32 tensors pass
+ * between the wire and memory in host order, so the daemon runs on
+ * little-endian hosts only (x86-64, AArch64); the header fields it reads are
+ * decoded explicitly. The client library has no such limit. */
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "moed's daemon needs a little-endian host");
 
 #define CONN_BUF_INITIAL (64u * 1024u) /* first read buffer; grows to 32 + max_frame_bytes */
 #define CLOSE_GRACE_MS 2000u           /* max wait for queued replies when closing */
@@ -316,9 +323,7 @@ static void on_conn_timer(uv_timer_t *t)
     if (m == TIMER_FRAME) {
         uint64_t rid = 0;
         if (c->len - c->off >= MOED_PROTO_HDR_SIZE) {
-            struct moed_frame_hdr h;
-            memcpy(&h, c->buf + c->off, sizeof h);
-            rid = h.request_id;
+            rid = le_get64(c->buf + c->off + 16);
         }
         snprintf(msg, sizeof msg,
                  "frame not complete within %u ms (server.frame_timeout_ms); %zu bytes received",
@@ -427,8 +432,7 @@ static void handle_hello(struct moed_conn *c, const struct moed_frame_hdr *h, co
         return;
     }
     if (h->payload_len == sizeof(struct moed_hello_req)) {
-        struct moed_hello_req rq;
-        memcpy(&rq, p, sizeof rq);
+        struct moed_hello_req rq = {.min_version = le_get16(p), .max_version = le_get16(p + 2)};
         if (rq.min_version > MOED_PROTO_VERSION || rq.max_version < MOED_PROTO_VERSION) {
             char msg[128];
             snprintf(msg, sizeof msg, "client speaks versions %u..%u; this daemon speaks %u",
@@ -500,8 +504,7 @@ static void framing_message(const struct moed_conn *c, int rc, const struct moed
                             size_t have, char *msg, size_t len)
 {
     const uint8_t *p = c->buf + c->off;
-    uint32_t magic = 0;
-    memcpy(&magic, p, have < 4 ? have : 4);
+    uint32_t magic = have >= 4 ? le_get32(p) : 0;
     if (rc == MOED_E_TOOBIG) {
         snprintf(msg, len, "payload_len %llu is over the limit %llu (server.max_frame_bytes)",
                  (unsigned long long)h->payload_len, (unsigned long long)c->srv->cfg.max_frame_bytes);
@@ -598,10 +601,9 @@ static void conn_process(struct moed_conn *c)
      * fill it without repeated doubling. */
     size_t have = c->len;
     if (have >= MOED_PROTO_HDR_SIZE && c->skip == 0) {
-        struct moed_frame_hdr h;
-        memcpy(&h, c->buf, sizeof h);
-        size_t need = MOED_PROTO_HDR_SIZE + (size_t)h.payload_len;
-        if (h.payload_len <= srv->cfg.max_frame_bytes && need > c->cap) {
+        uint64_t plen = le_get64(c->buf + 24);
+        size_t need = MOED_PROTO_HDR_SIZE + (size_t)plen;
+        if (plen <= srv->cfg.max_frame_bytes && need > c->cap) {
             uint8_t *nb = realloc(c->buf, need);
             if (nb) {
                 c->buf = nb;
