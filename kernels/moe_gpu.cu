@@ -97,6 +97,9 @@ extern "C" {
 #ifndef MOE_VARIANT_NO_DEQUANT
 #define MOE_VARIANT_NO_DEQUANT 0
 #endif
+#ifndef MOE_VARIANT_NO_XLOAD
+#define MOE_VARIANT_NO_XLOAD 0
+#endif
 #ifndef MOE_VARIANT_NO_MMA
 #define MOE_VARIANT_NO_MMA 0
 #endif
@@ -110,6 +113,20 @@ extern "C" {
 
 #ifndef MOE_CP_ASYNC_L2_HINT
 #define MOE_CP_ASYNC_L2_HINT 0
+#endif
+
+#ifndef MOE_X_SMEM /* 1: activation rows also stream through the cp.async stages
+                      * (H200 2026-11-29: +12-16% over L2 loads into registers) */
+#define MOE_X_SMEM 1
+#endif
+#ifndef MOE_X_EARLY /* 1: (registers path) next x load issued before the weight wait */
+#define MOE_X_EARLY 0
+#endif
+#define X_ROW_BYTES 144 /* 128 + 16: conflict-free 16-byte fragment reads */
+#if MOE_X_SMEM
+#define STAGE_BYTES (MOE_GPU_UNIT_BYTES + MOE_GPU_CHUNK_TOKENS * X_ROW_BYTES)
+#else
+#define STAGE_BYTES MOE_GPU_UNIT_BYTES
 #endif
 
 #define MR MOE_GPU_MR
@@ -379,14 +396,25 @@ __device__ __forceinline__ unsigned chunk_expert(const unsigned *chs, unsigned N
 
 /* ---------------- one warp tile: MR*16 rows x K, NT*8 tokens ---------------- */
 
+/* One warp's share of a tile: `units` K units (unit i at absolute unit
+ * u0 + i * ustride, wtile/x already offset to u0). Weights (and, with
+ * MOE_X_SMEM, the cnt used activation rows) stream through the warp's
+ * STAGES-deep cp.async ring; B fragments come from there (or, without
+ * MOE_X_SMEM, from L2 one unit ahead in registers). */
+struct xsrc {
+    const uint16_t *base; /* row r at base + (tok ? tok[p0 + r] : p0 + r) * ld, offset to u0 */
+    const uint16_t *tok;
+    unsigned p0, ld, cnt;
+};
+
 template <int NT>
 __device__ __forceinline__ void tile_mma(const uint8_t *__restrict__ wtile, unsigned units,
                                          unsigned ustride, const uint16_t *const (&brow)[NT],
-                                         uint8_t *sw, unsigned long long pol,
+                                         const xsrc &xs, uint8_t *sw, unsigned long long pol,
                                          float (&acc)[MR][NT][4])
 {
     const unsigned lane = threadIdx.x & 31;
-    const unsigned q = lane & 3;
+    const unsigned q = lane & 3, g = lane >> 2;
 #pragma unroll
     for (int m = 0; m < MR; m++)
 #pragma unroll
@@ -394,20 +422,42 @@ __device__ __forceinline__ void tile_mma(const uint8_t *__restrict__ wtile, unsi
 #pragma unroll
             for (int c = 0; c < 4; c++)
                 acc[m][n][c] = 0.f;
+#if MOE_X_SMEM
+    /* this lane copies chunk c = lane + 32 i: row c / 8, 16-byte part c % 8 */
+    const uint16_t *xrow[NT * 8 * 8 / 32];
+#pragma unroll
+    for (int i = 0; i < NT * 8 * 8 / 32; i++) {
+        unsigned row = (lane + 32 * i) >> 3;
+        xrow[i] = row < xs.cnt ? xs.base + (size_t)(xs.tok ? xs.tok[xs.p0 + row] : xs.p0 + row) * xs.ld +
+                                     (lane & 7) * 8
+                               : nullptr;
+    }
+#else
+    (void)xs;
+    (void)g;
+#endif
 
     auto issue = [&](unsigned u) {
         if (u < units) {
             const uint8_t *src = wtile + (size_t)u * ustride * MOE_GPU_UNIT_BYTES;
-            uint8_t *dst = sw + (u % STAGES) * MOE_GPU_UNIT_BYTES;
+            uint8_t *dst = sw + (u % STAGES) * STAGE_BYTES;
             for (unsigned c = lane; c < MOE_GPU_UNIT_BYTES / 16; c += 32)
                 cp_async16(dst + c * 16, src + c * 16, pol);
+#if MOE_X_SMEM
+            uint8_t *xd = dst + MOE_GPU_UNIT_BYTES;
+#pragma unroll
+            for (int i = 0; i < NT * 8 * 8 / 32; i++)
+                if (xrow[i])
+                    cp_async16(xd + ((lane + 32 * i) >> 3) * X_ROW_BYTES + (lane & 7) * 16,
+                               xrow[i] + (size_t)u * ustride * MOE_GPU_UNIT_K, pol);
+#endif
         }
         cp_async_commit();
     };
     auto load_x = [&](unsigned u, uint4 (&xb)[NT][2]) {
 #pragma unroll
         for (int n = 0; n < NT; n++) {
-            if (brow[n]) {
+            if (brow[n] && !MOE_VARIANT_NO_XLOAD) {
                 const uint16_t *p = brow[n] + (size_t)u * ustride * MOE_GPU_UNIT_K + 16 * q;
                 xb[n][0] = ldcg16(p);
                 xb[n][1] = ldcg16(p + 8);
@@ -422,16 +472,39 @@ __device__ __forceinline__ void tile_mma(const uint8_t *__restrict__ wtile, unsi
     for (int s = 0; s < STAGES - 1; s++)
         issue(s);
     uint4 xb[NT][2];
+#if !MOE_X_SMEM
     if (units)
         load_x(0, xb);
+#endif
     for (unsigned u = 0; u < units; u++) {
+#if !MOE_X_SMEM
+        uint4 xn[NT][2];
+#if MOE_X_EARLY
+        if (u + 1 < units)
+            load_x(u + 1, xn);
+#endif
+#endif
         cp_async_wait<STAGES - 2>();
         __syncwarp();
         issue(u + STAGES - 1);
-        uint4 xn[NT][2];
+        const uint8_t *slot = sw + (u % STAGES) * STAGE_BYTES;
+#if MOE_X_SMEM
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            unsigned row = n * 8 + g;
+            if (row < xs.cnt) {
+                const uint8_t *xp = slot + MOE_GPU_UNIT_BYTES + row * X_ROW_BYTES + q * 32;
+                xb[n][0] = *reinterpret_cast<const uint4 *>(xp);
+                xb[n][1] = *reinterpret_cast<const uint4 *>(xp + 16);
+            } else {
+                xb[n][0] = make_uint4(0, 0, 0, 0);
+                xb[n][1] = make_uint4(0, 0, 0, 0);
+            }
+        }
+#elif !MOE_X_EARLY
         if (u + 1 < units)
             load_x(u + 1, xn);
-        const uint8_t *slot = sw + (u % STAGES) * MOE_GPU_UNIT_BYTES;
+#endif
 #pragma unroll
         for (int m = 0; m < MR; m++) {
             const uint8_t *sub = slot + m * MOE_GPU_SUB_BYTES;
@@ -469,6 +542,7 @@ __device__ __forceinline__ void tile_mma(const uint8_t *__restrict__ wtile, unsi
                 }
             }
         }
+#if !MOE_X_SMEM
         if (u + 1 < units) {
 #pragma unroll
             for (int n = 0; n < NT; n++) {
@@ -476,6 +550,7 @@ __device__ __forceinline__ void tile_mma(const uint8_t *__restrict__ wtile, unsi
                 xb[n][1] = xn[n][1];
             }
         }
+#endif
     }
     cp_async_wait<0>();
     __syncwarp();
@@ -487,8 +562,8 @@ __device__ __forceinline__ void tile_mma(const uint8_t *__restrict__ wtile, unsi
  * into acc. Every thread of the CTA calls this. */
 template <int NT>
 __device__ __forceinline__ void tile_splitk(const uint8_t *wtile, unsigned U,
-                                            const uint16_t *const (&brow)[NT], uint8_t *sw,
-                                            uint8_t *sw_cta, unsigned long long pol,
+                                            const uint16_t *const (&brow)[NT], xsrc xs,
+                                            uint8_t *sw, uint8_t *sw_cta, unsigned long long pol,
                                             float (&acc)[MR][NT][4])
 {
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -505,7 +580,8 @@ __device__ __forceinline__ void tile_splitk(const uint8_t *wtile, unsigned U,
 #pragma unroll
     for (int n = 0; n < NT; n++)
         bw[n] = brow[n] ? brow[n] + (size_t)u0 * MOE_GPU_UNIT_K : nullptr;
-    tile_mma<NT>(wtile + (size_t)u0 * MOE_GPU_UNIT_BYTES, nu, us, bw, sw, pol, acc);
+    xs.base += (size_t)u0 * MOE_GPU_UNIT_K;
+    tile_mma<NT>(wtile + (size_t)u0 * MOE_GPU_UNIT_BYTES, nu, us, bw, xs, sw, pol, acc);
     float *mine = reinterpret_cast<float *>(sw) + lane * (MR * NT * 4);
 #pragma unroll
     for (int m = 0; m < MR; m++)
@@ -525,7 +601,7 @@ __device__ __forceinline__ void tile_splitk(const uint8_t *wtile, unsigned U,
                     acc[m][n][c] = 0.f;
         for (unsigned w = 0; w < NWARPS; w++) {
             const float *part = reinterpret_cast<const float *>(
-                                    sw_cta + w * STAGES * MOE_GPU_UNIT_BYTES) + lane * (MR * NT * 4);
+                                    sw_cta + w * STAGES * STAGE_BYTES) + lane * (MR * NT * 4);
 #pragma unroll
             for (int m = 0; m < MR; m++)
 #pragma unroll
@@ -556,7 +632,7 @@ __device__ void gu_task(const struct moe_gpu_params &p, const struct moe_gpu_lay
         brow[n] = j < cnt ? p.xs + (size_t)r.tok[p0 + j] * H : nullptr;
     }
     float acc[MR][NT][4];
-    tile_splitk<NT>(wt, units, brow, sw, sw_cta, pol, acc);
+    tile_splitk<NT>(wt, units, brow, xsrc{p.xs, r.tok, p0, H, cnt}, sw, sw_cta, pol, acc);
     if (threadIdx.x >= 32)
         return;
     const float sgate = __ldg(L.s2 + e) * 256.f, sup = __ldg(L.s2 + NE + e) * 256.f;
@@ -596,7 +672,7 @@ __device__ void dn_task(const struct moe_gpu_params &p, const struct moe_gpu_lay
         brow[n] = j < cnt ? p.h + (size_t)(p0 + j) * I : nullptr;
     }
     float acc[MR][NT][4];
-    tile_splitk<NT>(wt, units, brow, sw, sw_cta, pol, acc);
+    tile_splitk<NT>(wt, units, brow, xsrc{p.h, nullptr, p0, I, cnt}, sw, sw_cta, pol, acc);
     if (threadIdx.x >= 32)
         return;
     const float sd = __ldg(L.s2 + 2 * NE + e) * 256.f;
@@ -692,7 +768,7 @@ __global__ void __launch_bounds__(THREADS, 16 / NWARPS) moe_persistent(const str
     r.chs = r.off + NE + 1;
     r.pos = (uint16_t *)(r.chs + NE + 1);
     r.tok = r.pos + (size_t)p.d.max_tokens * KS;
-    uint8_t *sw = smem + p.smem_route + warp * STAGES * MOE_GPU_UNIT_BYTES;
+    uint8_t *sw = smem + p.smem_route + warp * STAGES * STAGE_BYTES;
     const unsigned long long pol = policy_evict_first();
 
     unsigned long long hb_last = globaltimer_ns(), busy_at = hb_last;
@@ -989,7 +1065,7 @@ extern "C" uint32_t moe_gpu_smem_route_bytes(const struct moe_gpu_dims *d)
 
 static int smem_total(const struct moe_gpu_dims *d)
 {
-    return (int)moe_gpu_smem_route_bytes(d) + NWARPS * STAGES * MOE_GPU_UNIT_BYTES;
+    return (int)moe_gpu_smem_route_bytes(d) + NWARPS * STAGES * STAGE_BYTES;
 }
 
 extern "C" int moe_gpu_plan(int device, const struct moe_gpu_dims *d, int sms_free,

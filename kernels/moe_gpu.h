@@ -25,19 +25,24 @@
 
 #include "moe_ref.h"
 
+#ifndef MOE_GPU_MR
 #define MOE_GPU_MR 2            /* 16-row sub-tiles per warp tile */
+#endif
 #define MOE_GPU_TILE_ROWS (16 * MOE_GPU_MR)
 #define MOE_GPU_UNIT_K 64       /* K per pipeline unit */
 #define MOE_GPU_SUB_BYTES 576   /* one 16-row x 64-K sub-tile: 512 codes + 64 scales */
 #define MOE_GPU_UNIT_BYTES (MOE_GPU_MR * MOE_GPU_SUB_BYTES)
+#ifndef MOE_GPU_CHUNK_TOKENS
 #define MOE_GPU_CHUNK_TOKENS 16 /* tokens (pairs) per task, at most (NT <= 2 n-tiles) */
+#endif
 #define MOE_GPU_RING 8          /* batch descriptors in flight per GPU */
 #ifndef MOE_GPU_WARPS
 #define MOE_GPU_WARPS 4         /* warps per CTA; H200 2026-11-29: 4 CTAs/SM of 4 warps beat
                                    2 of 8 by 13-35% (bench/NOTES.md) */
 #endif
 #ifndef MOE_GPU_STAGES
-#define MOE_GPU_STAGES 4        /* cp.async stages per warp */
+#define MOE_GPU_STAGES 3        /* cp.async stages per warp (weights + x rows; 3 keeps 3
+                                   CTAs/SM on H200 with max_tokens 512 deepseek-v3) */
 #endif
 
 /* One batch, written by the host into ring[seq % MOE_GPU_RING] before head
