@@ -200,8 +200,14 @@ int main(int argc, char **argv)
                 uint64_t ph[6];
                 moed_backend_cuda_phases(be, ph);
                 lat[it - 10] = t1 - t0;
+                /* [3], [4] (per-tile ends) exist only with MOE_GPU_PHASES=1 */
+                int have34 = ph[3] > ph[2] && ph[4] > ph[3] && ph[5] > ph[4];
                 for (int k = 0; k < 5; k++)
                     phs[k][it - 10] = (double)(ph[k + 1] - ph[k]) * 1e-3;
+                if (!have34) {
+                    phs[2][it - 10] = (double)(ph[5] - ph[2]) * 1e-3;
+                    phs[3][it - 10] = phs[4][it - 10] = 0;
+                }
                 phs[5][it - 10] = (t1 - t0) - (double)(ph[5] - ph[0]) * 1e-3;
                 distinct_sum += distinct;
             }
@@ -217,7 +223,7 @@ int main(int argc, char **argv)
             qsort(phs[k], n_it, sizeof(double), cmp_d);
             med[k] = phs[k][n_it / 2];
         }
-        printf("%-14s %5s   phases p50 us: release %.1f  x-stage %.1f  gate_up %.1f  down-tail %.1f"
+        printf("%-14s %5s   phases p50 us: release %.1f  x-stage %.1f  tiles %.1f  down-tail %.1f"
                "  combine %.1f  host+pcie %.1f\n", "", "", med[0], med[1], med[2], med[3], med[4],
                med[5]);
         fflush(stdout);

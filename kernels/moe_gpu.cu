@@ -21,8 +21,8 @@
  * registers and h is written once, in bf16.
  *
  * MATH PER WARP. bf16 mma.sync m16n8k16 with weights as A (16 rows, the large
- * side) and tokens as B (8 per n-tile, the small side: "swap A/B"); NT = 1,
- * 2 or 4 n-tiles by the task's token count; fp32 accumulation. Dequant in
+ * side) and tokens as B (8 per n-tile, the small side: "swap A/B"); NT = 1
+ * (or 2 with MOE_GPU_CHUNK_TOKENS 16) n-tiles; fp32 accumulation. Dequant in
  * registers: an E2M1 code (s e1 e0 m) placed as bf16 bits s|e1e0<<7|m<<6 is
  * exactly value * 2^-126 (E2M1 subnormal 0.5 lands on the bf16 subnormal
  * with the same meaning); one bf16x2 fma with the block scale * 2^118
@@ -30,26 +30,32 @@
  * product a normal bf16 and exact. The epilogue multiplies 2^8 * weight_scale_2
  * of the tile's own matrix (gate and up each their own).
  *
- * PARTITIONING AND TASKS. The warp is the worker. Per batch, tasks are numbered
- *   [gate_up tiles][down tiles][combine]
- * gate_up and down tiles are (expert, chunk of <= 32 of its pairs, row tile),
- * ordered by expert; combine is one token. Each warp claims the next number
- * from one atomic counter. A down tile waits until its expert's gate_up
- * counter reaches the expert's tile count; combine waits for every down tile.
- * Waits only point backwards in the order and every CTA is resident (grid
- * from the occupancy API), so nothing can deadlock.
+ * PARTITIONING AND TASKS. The CTA (MOE_GPU_WARPS = 4 warps) is the worker.
+ * Per batch, tasks are numbered
+ *   [gate_up tiles][down tiles][combine units]
+ * A gate_up or down tile is (expert, chunk of <= MOE_GPU_CHUNK_TOKENS of its
+ * (token, slot) pairs, 32-row tile), ordered by expert. The CTA's warps split
+ * the tile's K units (warp w takes units w, w+4, ...: split-K) and warp 0
+ * sums the partials in warp order (fixed: deterministic) and writes the
+ * epilogue. A combine unit is one token x 256 columns, one per warp. Each
+ * CTA claims the next number from one atomic counter (the claim for the next
+ * task is issued while the current one runs). A down tile waits until its
+ * expert's gate_up counter reaches the expert's tile count; combine waits for
+ * every down tile. Waits only point backwards in the order and every CTA is
+ * resident (grid from the occupancy API), so nothing can deadlock.
  *
  * ROUTING. Every CTA builds the batch's expert histogram, the (token, slot)
  * -> pair position map and the pair -> token list in shared memory by itself
  * (one warp ranks entries 32 at a time with __match_any_sync in a fixed
  * order, so pair numbering is deterministic): no grid barrier.
  *
- * PIPELINE. Each warp streams its tile through its own STAGES-deep ring of
- * shared-memory units filled with 16-byte cp.async carrying an L2
- * evict-first policy (weights are read once per batch; keep L2 for h, d, x).
- * Activation fragments (x or h, reused by MR sub-tiles) come from L2
- * (ld.global.cg: they are produced by other SMs in the same batch, and L1
- * is not coherent) one unit ahead in registers.
+ * PIPELINE. Each warp streams its share of a tile through its own
+ * STAGES-deep ring of shared-memory stages filled with 16-byte cp.async
+ * (.cg: L2 only). A stage holds one K unit of weights (MR sub-tiles) and the
+ * same K unit of the task's activation rows (x for gate_up, h for down; only
+ * the rows in use, 144-byte padded rows for conflict-free fragment reads).
+ * Measured on the H200: loading the activations from L2 into registers one
+ * unit ahead instead capped the stream at ~2 TB/s (bench/NOTES.md).
  *
  * QUEUE PROTOCOL. Host: writes ring[seq % RING] then st.release of head
  * (64-bit, system scope). CTA 0 thread 0 (the dispatcher) waits until the
