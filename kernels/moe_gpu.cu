@@ -122,7 +122,7 @@ extern "C" {
 #endif
 
 #ifndef MOE_X_SMEM /* 1: activation rows also stream through the cp.async stages
-                      * (H200 2026-11-29: +12-16% over L2 loads into registers) */
+                      * (H200 2026-11-29: +10-14% over L2 loads into registers) */
 #define MOE_X_SMEM 1
 #endif
 #ifndef MOE_X_EARLY /* 1: (registers path) next x load issued before the weight wait */

@@ -34,8 +34,8 @@
 #define MOE_GPU_UNIT_BYTES (MOE_GPU_MR * MOE_GPU_SUB_BYTES)
 #ifndef MOE_GPU_CHUNK_TOKENS
 #define MOE_GPU_CHUNK_TOKENS 8  /* tokens (pairs) per task, at most (NT = 1 n-tile; 16 allows
-                                   NT = 2). H200 2026-11-29: 8 fits 4 CTAs/SM and is 4-15%
-                                   faster for T <= 64, 8% slower at T = 256 (bench/NOTES.md) */
+                                   NT = 2). H200 2026-11-29: 8 fits 4 CTAs/SM and is 1-14%
+                                   faster for T <= 64, 6% slower at T = 256 (bench/NOTES.md) */
 #endif
 #define MOE_GPU_RING 8          /* batch descriptors in flight per GPU */
 #ifndef MOE_GPU_WARPS

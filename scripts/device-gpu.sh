@@ -31,6 +31,9 @@ if [ "$mode" = prepare ]; then
             *) cp -L "$lib" .device/lib/ ;;
         esac
     done
+    # the GPU machine gets the tree without .git: record what was built
+    echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- kernels engine bench || echo +dirty)" \
+        > .device/COMMIT
     du -sh "$BUILD" .device
     exit 0
 fi
