@@ -688,6 +688,20 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     snprintf(cb->dev_name, sizeof cb->dev_name, "%s", prop.name);
     cb->n_sms = prop.multiProcessorCount;
 
+    /* routing tables grow with max_tokens and live in shared memory */
+    {
+        int optin = 0;
+        CK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, cb->dev));
+        uint32_t need = moe_gpu_smem_bytes(&cb->d);
+        if ((int)need > optin) {
+            rc = moed_seterr(err, errlen, MOED_E_CONFIG,
+                             "cuda backend: engine.max_tokens %u needs %u bytes of shared memory "
+                             "per CTA (routing tables + pipeline) but GPU %d allows %d; lower "
+                             "engine.max_tokens", cb->d.max_tokens, need, cb->dev, optin);
+            goto cleanup;
+        }
+    }
+
     /* fit: weights + scratch against free device memory */
     const uint32_t H = cb->d.hidden, I = cb->d.inter, NE = cb->d.n_experts + cb->d.n_shared;
     const uint64_t MT = cb->d.max_tokens, KS = cb->d.top_k + cb->d.n_shared, k = cb->d.top_k;

@@ -1074,6 +1074,11 @@ static int smem_total(const struct moe_gpu_dims *d)
     return (int)moe_gpu_smem_route_bytes(d) + NWARPS * STAGES * STAGE_BYTES;
 }
 
+extern "C" uint32_t moe_gpu_smem_bytes(const struct moe_gpu_dims *d)
+{
+    return (uint32_t)smem_total(d);
+}
+
 extern "C" int moe_gpu_plan(int device, const struct moe_gpu_dims *d, int sms_free,
                             struct moe_gpu_launch *out)
 {

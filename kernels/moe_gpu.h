@@ -129,6 +129,8 @@ void moe_gpu_repack_expert(const struct moe_expert *ex, uint32_t hidden, uint32_
 size_t moe_gpu_state_bytes(const struct moe_gpu_dims *d);
 /* Dynamic shared memory: routing tables + per-warp stages. */
 uint32_t moe_gpu_smem_route_bytes(const struct moe_gpu_dims *d);
+/* Total dynamic shared memory per CTA (routing + stages). */
+uint32_t moe_gpu_smem_bytes(const struct moe_gpu_dims *d);
 /* Grid from the occupancy API on `device`, leaving sms_free SMs idle. */
 int moe_gpu_plan(int device, const struct moe_gpu_dims *d, int sms_free,
                  struct moe_gpu_launch *out);
