@@ -147,7 +147,7 @@ run: all
 	$(BUILD)/moed --config config/example.json
 
 test: all $(UNIT_BIN) $(TOOL_BIN) venv
-	BUILD=$(BUILD) VENV=$(VENV) scripts/run-tests.sh
+	BUILD=$(BUILD) VENV=$(VENV) MOED_SANITIZE=$(SANITIZE) scripts/run-tests.sh
 
 asan:
 	$(MAKE) BUILD=build-asan SANITIZE=1 CUDA=0 DEBUG=1 test
