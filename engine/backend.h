@@ -47,6 +47,9 @@ struct moed_backend_ops {
     int (*submit)(struct moed_backend *be, struct moed_batch *b);
     /* 1 if healthy (kernel heartbeat advancing, no sticky error). */
     int (*healthy)(struct moed_backend *be);
+    /* Persistent-kernel heartbeat counter (advances while the kernel is
+     * resident); NULL for backends without one (CPU). */
+    uint64_t (*heartbeat)(struct moed_backend *be);
     /* Fill a JSON-free description into buf (devices, memory); may be NULL. */
     void (*describe)(struct moed_backend *be, char *buf, unsigned len);
     /* Stop accepting, finish or fail everything queued (done called for each),

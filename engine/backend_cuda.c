@@ -627,6 +627,7 @@ static const struct moed_backend_ops cuda_ops = {
     .name = "cuda",
     .submit = cuda_submit,
     .healthy = cuda_healthy,
+    .heartbeat = moed_backend_cuda_heartbeat,
     .describe = cuda_describe,
     .close = cuda_close,
 };

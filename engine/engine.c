@@ -75,7 +75,15 @@ struct moed_engine {
     void *drain_arg;
     void (*fail_cb)(void *);
     void *fail_arg;
+    /* health watch: a backend can fail while idle (stalled kernel, sticky
+     * device error) with no batch to report it */
+    uv_timer_t health_timer;
+    int health_timer_on;
+    int closes_pending;       /* handles still to close before freeing */
+    uint64_t hb_last, hb_changed_ns;
 };
+
+#define HEALTH_POLL_MS 250
 
 static uint64_t now_ns(void) { return uv_hrtime(); }
 
@@ -215,6 +223,15 @@ static void batch_complete(struct moed_engine *e, struct eng_batch *eb)
     free(eb);
     if (status == MOED_E_BACKEND ||
         (e->be && e->be->ops->healthy && !e->be->ops->healthy(e->be)))
+        engine_fail(e, MOED_E_BACKEND, "backend unhealthy (device error or stalled kernel)");
+}
+
+/* Poll the backend's health while idle: a stalled kernel or a sticky device
+ * error fails everything waiting and triggers the daemon's exit (code 4). */
+static void on_health_timer(uv_timer_t *t)
+{
+    struct moed_engine *e = t->data;
+    if (!e->failed && e->be && !e->be->ops->healthy(e->be))
         engine_fail(e, MOED_E_BACKEND, "backend unhealthy (device error or stalled kernel)");
 }
 
@@ -500,6 +517,12 @@ int moed_engine_open(uv_loop_t *loop, struct moed_model *model, const struct moe
     e->stats.backend = e->be->ops->name;
     e->backend_name = e->be->ops->name;
     e->stats.healthy = 1;
+    if (e->be->ops->healthy && uv_timer_init(loop, &e->health_timer) == 0) {
+        e->health_timer.data = e;
+        e->health_timer_on = 1;
+        uv_timer_start(&e->health_timer, on_health_timer, HEALTH_POLL_MS, HEALTH_POLL_MS);
+        uv_unref((uv_handle_t *)&e->health_timer); /* never keeps the loop alive alone */
+    }
     if (e->be->ops->describe)
         e->be->ops->describe(e->be, e->stats.backend_desc, sizeof e->stats.backend_desc);
     *out = e;
@@ -611,6 +634,15 @@ struct moed_stats *moed_engine_stats(struct moed_engine *e)
     }
     if (e->be && e->be->ops->healthy && !e->failed)
         e->stats.healthy = e->be->ops->healthy(e->be) ? 1 : 0;
+    if (e->be && e->be->ops->heartbeat) {
+        uint64_t hb = e->be->ops->heartbeat(e->be), t = now_ns();
+        if (hb != e->hb_last || e->hb_changed_ns == 0) {
+            e->hb_last = hb;
+            e->hb_changed_ns = t;
+        }
+        e->stats.heartbeat = hb;
+        e->stats.heartbeat_age_ms = (t - e->hb_changed_ns) / 1000000u;
+    }
     return &e->stats;
 }
 
@@ -635,6 +667,8 @@ int moed_engine_failed(const struct moed_engine *e) { return e->failed; }
 static void on_async_closed(uv_handle_t *h)
 {
     struct moed_engine *e = h->data;
+    if (--e->closes_pending > 0)
+        return;
     free(e->stats.expert_hits);
     pthread_mutex_destroy(&e->done_mu);
     free(e);
@@ -658,5 +692,10 @@ void moed_engine_close(struct moed_engine *e)
     e->wait_tail = NULL;
     moed_model_close(e->model);
     e->model = NULL;
+    e->closes_pending = 1;
+    if (e->health_timer_on) {
+        e->closes_pending++;
+        uv_close((uv_handle_t *)&e->health_timer, on_async_closed);
+    }
     uv_close((uv_handle_t *)&e->async, on_async_closed);
 }

@@ -75,7 +75,7 @@ JSON
     detail=$(grep -oE 'self-check passed[^"]*' "$LOGDIR/moed-cuda.log" | head -1)
     [ -n "$detail" ] || { ok=FAIL; detail="no self-check line (see moed-cuda.log)"; }
     if [ $ok = PASS ] && [ -x "$BUILD/moectl" ]; then
-        "$BUILD/moectl" --socket "$tmp/moed.sock" status > "$LOGDIR/moectl-status.txt" 2>&1 || true
+        "$BUILD/moectl" status --socket "$tmp/moed.sock" > "$LOGDIR/moectl-status.txt" 2>&1 || true
     fi
     kill -TERM $pid 2>/dev/null
     wait $pid
@@ -89,8 +89,9 @@ fi
 
 # 4. the daemon socket suite with backend cuda
 if grep -q MOED_TEST_BACKEND tests/py/daemon_util.py 2>/dev/null; then
-    MOED_BUILD="$BUILD" MOED_TEST_BACKEND=cuda timeout 1500 python3 -m pytest -q -p no:cacheprovider \
-        tests/py > "$LOGDIR/pytest-cuda.log" 2>&1
+    # the client package from the tree (the GPU machine cannot pip-install)
+    PYTHONPATH="$PWD/ipc/python${PYTHONPATH:+:$PYTHONPATH}" MOED_BUILD="$BUILD" MOED_TEST_BACKEND=cuda \
+        timeout 1500 python3 -m pytest -q -p no:cacheprovider tests/py > "$LOGDIR/pytest-cuda.log" 2>&1
     rc=$?
     step "pytest tests/py (MOED_TEST_BACKEND=cuda)" "$([ $rc = 0 ] && echo PASS || echo FAIL)" \
         "$(tail -1 "$LOGDIR/pytest-cuda.log")"

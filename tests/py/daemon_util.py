@@ -46,8 +46,14 @@ def synth_dir(synthetic_dir):
     return os.path.join(synthetic_dir, "%s-l%d-s%d" % (SYNTH_PRESET, SYNTH_LAYERS, SYNTH_SEED))
 
 
+# The backend the daemon tests run on: "cpu" in CI; `make test-gpu` runs the
+# same suite with MOED_TEST_BACKEND=cuda on a GPU machine.
+TEST_BACKEND = os.environ.get("MOED_TEST_BACKEND", "cpu")
+
+
 def base_config(tmpdir, synthetic_dir, **over):
-    """A small, strict config: CPU backend, tight limits, short frame deadline."""
+    """A small, strict config: MOED_TEST_BACKEND (default CPU), tight limits,
+    short frame deadline."""
     cfg = {
         "server": {
             "socket": os.path.join(tmpdir, "moed.sock"),
@@ -60,7 +66,7 @@ def base_config(tmpdir, synthetic_dir, **over):
         },
         "status": {"address": "127.0.0.1", "port": 0},
         "model": {"path": SYNTH_SPEC, "synthetic_dir": synthetic_dir},
-        "engine": {"backend": "cpu", "max_tokens": 64, "cpu_threads": 0},
+        "engine": {"backend": TEST_BACKEND, "max_tokens": 64, "cpu_threads": 0},
         "log": {"level": "info"},
     }
     for key, val in over.items():

@@ -68,7 +68,7 @@ def test_hello_matches_checkpoint(daemon, dims):
     assert dims["n_layers"] == du.SYNTH_LAYERS
     assert dims["max_tokens"] == 64
     assert dims["max_frame_bytes"] == daemon.cfg["server"]["max_frame_bytes"]
-    assert dims["backend"] == "cpu"
+    assert dims["backend"] == du.TEST_BACKEND
 
 
 def test_forward_python_client(daemon, cases):
@@ -154,7 +154,7 @@ def test_status_frame_and_http(daemon, dims, cases):
         after = c.status()
     assert json.dumps(before) != json.dumps(after)
     text = json.dumps(after)
-    assert '"cpu"' in text
+    assert '"%s"' % du.TEST_BACKEND in text
     port = daemon.http_port()
     assert port == daemon.cfg["status"]["port"]
     base = "http://127.0.0.1:%d" % port
@@ -274,6 +274,7 @@ def test_model_missing_exit_3(models_dir):
     assert not os.path.exists(cfg["server"]["socket"])
 
 
+@pytest.mark.skipif(du.TEST_BACKEND != "cpu", reason="needs a machine without a GPU")
 def test_cuda_without_gpu_exit_4(models_dir):
     tmp = short_tmp()
     cfg = du.base_config(tmp, models_dir, engine__backend="cuda")
@@ -481,7 +482,7 @@ def test_sd_notify(models_dir):
     text = "\n".join(msgs)
     assert "EXTEND_TIMEOUT_USEC=" in text
     assert "STATUS=loading model" in text
-    assert "STATUS=serving on %s (backend cpu)" % cfg["server"]["socket"] in text
+    assert "STATUS=serving on %s (backend %s)" % (cfg["server"]["socket"], du.TEST_BACKEND) in text
     ready = [i for i, m in enumerate(msgs) if "READY=1" in m][0]
     assert all("READY=1" not in m for m in msgs[:ready])
     assert "systemd watchdog: pinging every 100 ms" in d.log()
