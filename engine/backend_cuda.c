@@ -426,6 +426,9 @@ static int stop_kernel(struct cuda_backend *cb, uint32_t timeout_ms)
     return 0;
 }
 
+/* now - then as a signed age (negative when `then` was stamped after `now`). */
+static int64_t age_ns(uint64_t now, uint64_t then) { return (int64_t)(now - then); }
+
 static void *completion_thread(void *arg)
 {
     struct cuda_backend *cb = arg;
@@ -480,8 +483,11 @@ static void *completion_thread(void *arg)
                 else
                     fill_from_pending_locked(cb);
             }
+            /* `now` was read before mu was taken, so a submit or launch may
+             * have stamped a later time since: compare signed ages, never
+             * unsigned differences that wrap to "very old". */
             if (inflight && cb->deadline_ms &&
-                now - cb->head_start_ns > (uint64_t)cb->deadline_ms * 1000000ull)
+                age_ns(now, cb->head_start_ns) > (int64_t)cb->deadline_ms * 1000000)
                 why = "a batch missed engine.batch_deadline_ms";
         }
         if (cb->closing && (failed || (!inflight && !pending))) {
@@ -490,7 +496,7 @@ static void *completion_thread(void *arg)
         }
         int want_idle_stop = !failed && !why && cb->running && !inflight && !pending &&
                              !cb->closing && cb->idle_exit_ms &&
-                             now - cb->last_active_ns > (uint64_t)cb->idle_exit_ms * 1000000ull;
+                             age_ns(now, cb->last_active_ns) > (int64_t)cb->idle_exit_ms * 1000000;
         if (want_idle_stop)
             cb->running = 0; /* submits now queue; we stop the kernel below */
         pthread_mutex_unlock(&cb->mu);
