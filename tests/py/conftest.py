@@ -264,3 +264,14 @@ def qwen3_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("models") / "qwen3-l1-s12"
     gen_model("qwen3-30b-a3b", 1, 12, d)
     return str(d)
+
+
+@pytest.fixture(scope="module")
+def dims(daemon):
+    """HELLO reply (as a dict) of the module's `daemon` fixture (daemon tests
+    define `daemon` per module; this fixture resolves it there)."""
+    import daemon_util as du
+    s = daemon.connect()
+    info = du.hello(s)
+    s.close()
+    return info

@@ -45,14 +45,6 @@ def daemon(tmp_path_factory, models_dir):
 
 
 @pytest.fixture(scope="module")
-def dims(daemon):
-    s = daemon.connect()
-    info = du.hello(s)
-    s.close()
-    return info
-
-
-@pytest.fixture(scope="module")
 def cases(daemon, dims):
     return du.reference_cases(daemon, dims, n=6, max_t=dims["max_tokens"], seed=3)
 

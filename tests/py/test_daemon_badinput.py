@@ -40,14 +40,6 @@ def daemon(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def dims(daemon):
-    s = daemon.connect()
-    info = du.hello(s)
-    s.close()
-    return info
-
-
-@pytest.fixture(scope="module")
 def good_client(daemon, dims):
     """A well-behaved client forwarding known inputs for the whole module; each
     reply must match the reference output of its own input."""

@@ -34,14 +34,6 @@ def daemon(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def dims(daemon):
-    s = daemon.connect()
-    info = du.hello(s)
-    s.close()
-    return info
-
-
-@pytest.fixture(scope="module")
 def expected(daemon, dims):
     """A few dozen small inputs and the exact reply bytes for each: the first
     reply is checked against the float64 reference, and the daemon computes
