@@ -1,13 +1,16 @@
 /* moed_main.c - the moed daemon: config, model, engine, server, signals.
  *
- * Start-up order: config -> model (generated first for "synthetic:...") ->
- * engine + backend -> self-check -> socket -> status HTTP -> READY=1.
+ * Start-up order: config -> status HTTP (served by a loop thread while the
+ * model loads, so /status shows load progress and /healthz says 503) ->
+ * model (generated first for "synthetic:...") -> loop thread stopped ->
+ * engine + backend -> self-check -> socket -> READY=1.
  * Shutdown (SIGTERM/SIGINT, or a backend failure): STOPPING=1, stop
  * accepting and remove the socket, answer everything in flight, close the
  * clients, close the backend, exit.
  */
 #include <errno.h>
 #include <ftw.h>
+#include <pthread.h>
 #include <inttypes.h>
 #include <signal.h>
 #include <stdio.h>
@@ -197,25 +200,19 @@ static uint64_t mem_available(void)
     return kb * 1024;
 }
 
-struct load_progress {
-    uint64_t last_ns;
-};
-
-static void on_load_progress(void *ctx, uint64_t done, uint64_t total)
-{
-    struct load_progress *lp = ctx;
-    uint64_t t = uv_hrtime();
-    if (t - lp->last_ns < 1000000000ull && done < total)
-        return; /* rate limit: one notification a second */
-    lp->last_ns = t;
-    sd_notifyf(0, "EXTEND_TIMEOUT_USEC=%llu\nSTATUS=loading model: %" PRIu64 "/%" PRIu64 " MiB",
-               EXTEND_TIMEOUT_US, done >> 20, total >> 20);
-}
-
 /* ---- daemon state and shutdown -------------------------------------------- */
 
 struct daemon {
     uv_loop_t loop;
+    /* start-up: until the engine exists, /status serves `boot` (load
+     * progress), written by the loading thread under boot_mu and copied into
+     * boot_snap by the loop thread */
+    pthread_mutex_t boot_mu;
+    struct moed_stats boot, boot_snap;
+    uint64_t notify_last_ns;
+    uv_async_t boot_stop;      /* stops the start-up loop thread */
+    pthread_t loop_thread;
+    int loop_thread_on;
     uv_signal_t sigterm, sigint;
     uv_timer_t drain_timer;    /* bounds the drain if the backend hangs */
     uv_timer_t watchdog;       /* WATCHDOG=1 pings when systemd asks for them */
@@ -307,7 +304,66 @@ static void on_watchdog(uv_timer_t *t)
 static const struct moed_stats *http_snapshot(void *ctx)
 {
     struct daemon *d = ctx;
-    return d->engine ? moed_engine_stats(d->engine) : NULL;
+    if (d->engine)
+        return moed_engine_stats(d->engine);
+    pthread_mutex_lock(&d->boot_mu);
+    d->boot_snap = d->boot;
+    pthread_mutex_unlock(&d->boot_mu);
+    return &d->boot_snap;
+}
+
+static void on_load_progress(void *ctx, uint64_t done, uint64_t total)
+{
+    struct daemon *d = ctx;
+    pthread_mutex_lock(&d->boot_mu);
+    d->boot.load_done = done;
+    d->boot.load_total = total;
+    pthread_mutex_unlock(&d->boot_mu);
+    uint64_t t = uv_hrtime();
+    if (t - d->notify_last_ns < 1000000000ull && done < total)
+        return; /* rate limit: one notification a second */
+    d->notify_last_ns = t;
+    sd_notifyf(0, "EXTEND_TIMEOUT_USEC=%llu\nSTATUS=loading model: %" PRIu64 "/%" PRIu64 " MiB",
+               EXTEND_TIMEOUT_US, done >> 20, total >> 20);
+}
+
+/* The loop runs on a thread of its own while main() loads the model, so the
+ * status listener answers during long loads. Nothing else touches the loop
+ * then; main() stops and joins the thread before it adds the engine. */
+static void on_boot_stop(uv_async_t *h) { uv_stop(h->loop); }
+
+static void *loop_thread_main(void *arg)
+{
+    struct daemon *d = arg;
+    uv_run(&d->loop, UV_RUN_DEFAULT);
+    return NULL;
+}
+
+static void boot_loop_join(struct daemon *d)
+{
+    if (!d->loop_thread_on)
+        return;
+    uv_async_send(&d->boot_stop);
+    pthread_join(d->loop_thread, NULL);
+    d->loop_thread_on = 0;
+    uv_close((uv_handle_t *)&d->boot_stop, NULL);
+}
+
+static int start_status(struct daemon *d, const struct moed_cfg *cfg, char *err, size_t errlen)
+{
+    int rc = moed_http_start(&d->loop, cfg->status_addr, (uint16_t)cfg->status_port, http_snapshot,
+                             d, &d->http, err, errlen);
+    if (rc < 0)
+        return rc;
+    LOG_I("status on http://%s:%u/status", cfg->status_addr, moed_http_port(d->http));
+    if (uv_async_init(&d->loop, &d->boot_stop, on_boot_stop) != 0)
+        return 0; /* no loop thread: /status answers once loaded */
+    if (pthread_create(&d->loop_thread, NULL, loop_thread_main, d) != 0) {
+        uv_close((uv_handle_t *)&d->boot_stop, NULL);
+        return 0;
+    }
+    d->loop_thread_on = 1;
+    return 0;
 }
 
 static void close_walk(uv_handle_t *h, void *arg)
@@ -328,6 +384,21 @@ static int run_daemon(const struct moed_cfg *cfg)
     signal(SIGPIPE, SIG_IGN);
     uv_loop_init(&d.loop);
     d.exit_code = EXIT_CLEAN;
+    pthread_mutex_init(&d.boot_mu, NULL);
+    d.boot.version = MOED_VERSION;
+    d.boot.start_ns = uv_hrtime();
+    d.boot.model_path = cfg->model;
+    d.boot.backend = "";
+
+    /* status first: it reports the load */
+    if (cfg->status_port != 0) {
+        rc = start_status(&d, cfg, err, sizeof err);
+        if (rc < 0) {
+            LOG_E("status: %s", err);
+            d.exit_code = rc == MOED_E_CONFIG ? EXIT_USAGE : EXIT_RUNTIME;
+            goto out_loop;
+        }
+    }
 
     /* model */
     char dir[MOED_CFG_PATH_MAX];
@@ -336,6 +407,7 @@ static int run_daemon(const struct moed_cfg *cfg)
         if (rc < 0) {
             LOG_E("%s", err);
             d.exit_code = rc == MOED_E_CONFIG ? EXIT_USAGE : EXIT_MODEL;
+            boot_loop_join(&d);
             goto out_loop;
         }
     } else {
@@ -349,9 +421,9 @@ static int run_daemon(const struct moed_cfg *cfg)
     sd_notifyf(0, "STATUS=loading model %s", dir);
     LOG_I("loading model %s (memory budget %" PRIu64 " MiB%s)", dir, budget >> 20,
           budget ? "" : ", unlimited");
-    struct load_progress lp = {0};
     struct moed_model *model = NULL;
-    rc = moed_model_open(dir, budget, on_load_progress, &lp, &model, err, sizeof err);
+    rc = moed_model_open(dir, budget, on_load_progress, &d, &model, err, sizeof err);
+    boot_loop_join(&d); /* the loop is this thread's again */
     if (rc < 0) {
         LOG_E("model: %s", err);
         d.exit_code = EXIT_MODEL;
@@ -389,18 +461,6 @@ static int run_daemon(const struct moed_cfg *cfg)
     }
     moed_engine_on_failure(d.engine, on_backend_failure, &d);
 
-    if (cfg->status_port != 0) {
-        rc = moed_http_start(&d.loop, cfg->status_addr, (uint16_t)cfg->status_port, http_snapshot,
-                             &d, &d.http, err, sizeof err);
-        if (rc < 0) {
-            LOG_E("status: %s", err);
-            d.exit_code = rc == MOED_E_CONFIG ? EXIT_USAGE : EXIT_RUNTIME;
-            moed_server_close(d.server, NULL, NULL);
-            d.server = NULL;
-            goto out_engine;
-        }
-        LOG_I("status on http://%s:%u/status", cfg->status_addr, moed_http_port(d.http));
-    }
 
     uv_signal_init(&d.loop, &d.sigterm);
     uv_signal_init(&d.loop, &d.sigint);
@@ -432,6 +492,10 @@ out_engine:
     moed_engine_close(d.engine);
     d.engine = NULL;
 out_loop:
+    if (d.http) { /* a start-up failure after the status listener started */
+        moed_http_stop(d.http);
+        d.http = NULL;
+    }
     /* Let pending close callbacks run, then close whatever is left. */
     uv_run(&d.loop, UV_RUN_DEFAULT);
     uv_walk(&d.loop, close_walk, NULL);

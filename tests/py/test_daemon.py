@@ -545,3 +545,54 @@ def test_synthetic_model_reused(models_dir):
         assert "using synthetic model" in d.log()
         assert d.stop() == 0
     assert os.path.exists(os.path.join(du.synth_dir(models_dir), ".moed-complete"))
+
+
+# ---- status while loading ------------------------------------------------------------
+
+@pytest.mark.skipif(os.environ.get("MOED_SANITIZE") == "1",
+                    reason="generating the qwen3 model under ASan takes minutes")
+def test_status_served_while_loading(tmp_path_factory):
+    """The status listener is up before the model: while a synthetic qwen3
+    checkpoint is generated and loaded, /healthz is 503 and /status says not
+    loaded; once ready, 200 and loaded with the model's dimensions."""
+    import threading
+    tmp = short_tmp()
+    port = free_port()
+    synth = str(tmp_path_factory.mktemp("synth-load"))
+    cfg = du.base_config(tmp, synth, status__port=port,
+                         model__path="synthetic:qwen3-30b-a3b:layers=1:seed=5")
+    d = du.Daemon(tmp, cfg, start_timeout=600)
+    started = []
+    t = threading.Thread(target=lambda: started.append(d.start()), daemon=True)
+    t.start()
+    base = "http://127.0.0.1:%d" % port
+    seen_503 = seen_loading = False
+    try:
+        deadline = time.monotonic() + 600
+        while t.is_alive() and time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(base + "/healthz", timeout=2)
+            except urllib.error.HTTPError as e:
+                if e.code == 503:
+                    seen_503 = True
+                    with urllib.request.urlopen(base + "/status", timeout=2) as r:
+                        st = json.loads(r.read())
+                    assert st["load"]["loaded"] is False
+                    # answered before the self-check ran: served by the
+                    # start-up loop thread while the model was being loaded
+                    if "self-check" not in d.log():
+                        seen_loading = True
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass  # listener not up yet
+            time.sleep(0.05)
+        t.join(600)
+        assert started, d.log()
+        assert seen_503 and seen_loading, "status never answered 503 during the load:\n" + d.log()
+        with urllib.request.urlopen(base + "/healthz", timeout=5) as r:
+            assert r.status == 200
+        with urllib.request.urlopen(base + "/status", timeout=5) as r:
+            st = json.loads(r.read())
+        assert st["load"]["loaded"] is True and st["model"]["hidden"] == 2048
+        assert d.stop() == 0, d.log()[-3000:]
+    finally:
+        d.kill()
