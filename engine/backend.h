@@ -71,6 +71,10 @@ struct moed_backend_cfg {
     uint32_t max_tokens;
     uint32_t batch_deadline_ms; /* CUDA: a batch over this fails the backend */
     uint32_t idle_exit_ms;  /* CUDA: persistent kernel exits after idle (0 = never) */
+    /* Optional: weight placement progress (bytes placed, bytes to place),
+     * called from the opening thread during open. */
+    moed_progress_fn progress;
+    void *progress_ctx;
 };
 
 int moed_backend_cpu_open(struct moed_model *m, const struct moed_backend_cfg *cfg,

@@ -79,6 +79,7 @@ struct moed_engine {
      * device error) with no batch to report it */
     uv_timer_t health_timer;
     int health_timer_on;
+    int attached;             /* moed_engine_attach ran: handles to close */
     int closes_pending;       /* handles still to close before freeing */
     uint64_t hb_last, hb_changed_ns;
 };
@@ -88,6 +89,8 @@ struct moed_engine {
 static uint64_t now_ns(void) { return uv_hrtime(); }
 
 static void dispatch(struct moed_engine *e);
+static void on_health_timer(uv_timer_t *t);
+static void on_async(uv_async_t *h);
 
 /* ---- helpers ----------------------------------------------------------- */
 
@@ -224,6 +227,22 @@ static void batch_complete(struct moed_engine *e, struct eng_batch *eb)
     if (status == MOED_E_BACKEND ||
         (e->be && e->be->ops->healthy && !e->be->ops->healthy(e->be)))
         engine_fail(e, MOED_E_BACKEND, "backend unhealthy (device error or stalled kernel)");
+}
+
+int moed_engine_attach(struct moed_engine *e, char *err, size_t errlen)
+{
+    int rc = uv_async_init(e->loop, &e->async, on_async);
+    if (rc < 0)
+        return moed_seterr(err, errlen, MOED_E_IO, "uv_async_init: %s", uv_strerror(rc));
+    e->async.data = e;
+    e->attached = 1;
+    if (e->be->ops->healthy && uv_timer_init(e->loop, &e->health_timer) == 0) {
+        e->health_timer.data = e;
+        e->health_timer_on = 1;
+        uv_timer_start(&e->health_timer, on_health_timer, HEALTH_POLL_MS, HEALTH_POLL_MS);
+        uv_unref((uv_handle_t *)&e->health_timer); /* never keeps the loop alive alone */
+    }
+    return 0;
 }
 
 /* Poll the backend's health while idle: a stalled kernel or a sticky device
@@ -434,9 +453,12 @@ const struct moed_server_ops *moed_engine_server_ops(void) { return &engine_ops;
 
 /* ---- open / self-check / close ------------------------------------------------- */
 
-static int open_backend(struct moed_engine *e, const struct moed_cfg *cfg, char *err, size_t errlen)
+static int open_backend(struct moed_engine *e, const struct moed_cfg *cfg,
+                        moed_progress_fn progress, void *progress_ctx, char *err, size_t errlen)
 {
     struct moed_backend_cfg bc = {
+        .progress = progress,
+        .progress_ctx = progress_ctx,
         .n_threads = (int)cfg->cpu_threads,
         .gpus = cfg->n_gpus ? cfg->gpus : NULL,
         .n_gpus = (int)cfg->n_gpus,
@@ -464,7 +486,8 @@ static int open_backend(struct moed_engine *e, const struct moed_cfg *cfg, char 
 }
 
 int moed_engine_open(uv_loop_t *loop, struct moed_model *model, const struct moed_cfg *cfg,
-                     struct moed_engine **out, char *err, size_t errlen)
+                     moed_progress_fn progress, void *progress_ctx, struct moed_engine **out,
+                     char *err, size_t errlen)
 {
     int rc;
     *out = NULL;
@@ -505,38 +528,21 @@ int moed_engine_open(uv_loop_t *loop, struct moed_model *model, const struct moe
         goto fail_model;
     }
     pthread_mutex_init(&e->done_mu, NULL);
-    rc = uv_async_init(loop, &e->async, on_async);
-    if (rc < 0) {
-        rc = moed_seterr(err, errlen, MOED_E_IO, "uv_async_init: %s", uv_strerror(rc));
-        goto fail_stats;
-    }
-    e->async.data = e;
-    rc = open_backend(e, cfg, err, errlen);
+    e->async.data = e; /* on_async drains completions also before attach */
+    rc = open_backend(e, cfg, progress, progress_ctx, err, errlen);
     if (rc < 0)
-        goto fail_async;
+        goto fail_mutex;
     e->stats.backend = e->be->ops->name;
     e->backend_name = e->be->ops->name;
     e->stats.healthy = 1;
-    if (e->be->ops->healthy && uv_timer_init(loop, &e->health_timer) == 0) {
-        e->health_timer.data = e;
-        e->health_timer_on = 1;
-        uv_timer_start(&e->health_timer, on_health_timer, HEALTH_POLL_MS, HEALTH_POLL_MS);
-        uv_unref((uv_handle_t *)&e->health_timer); /* never keeps the loop alive alone */
-    }
     if (e->be->ops->describe)
         e->be->ops->describe(e->be, e->stats.backend_desc, sizeof e->stats.backend_desc);
     *out = e;
     return 0;
 
-fail_async:
-    /* The handle must be closed on the loop; the engine is freed in its
-     * close callback by moed_engine_close's path. */
-    e->be = NULL;
-    moed_engine_close(e);
-    return rc;
-fail_stats:
-    free(e->stats.expert_hits);
+fail_mutex:
     pthread_mutex_destroy(&e->done_mu);
+    free(e->stats.expert_hits);
 fail_model:
     moed_model_close(model);
     free(e);
@@ -692,6 +698,12 @@ void moed_engine_close(struct moed_engine *e)
     e->wait_tail = NULL;
     moed_model_close(e->model);
     e->model = NULL;
+    if (!e->attached) { /* no handles on the loop: free now */
+        free(e->stats.expert_hits);
+        pthread_mutex_destroy(&e->done_mu);
+        free(e);
+        return;
+    }
     e->closes_pending = 1;
     if (e->health_timer_on) {
         e->closes_pending++;

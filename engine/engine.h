@@ -33,10 +33,17 @@ struct moed_engine;
 
 /* Open the engine on `model` (ownership moves to the engine, also on
  * failure) with the backend cfg->backend names ("auto": CUDA if available,
- * else CPU; "cuda" without a GPU fails with MOED_E_BACKEND). Needs the loop
- * to run to deliver completions. */
+ * else CPU; "cuda" without a GPU fails with MOED_E_BACKEND). Makes no libuv
+ * call, so it may run while another thread runs `loop` (the start-up status
+ * thread); `progress` (may be NULL) sees weight placement. Then call
+ * moed_engine_attach on the loop's thread before anything else. */
 int moed_engine_open(uv_loop_t *loop, struct moed_model *model, const struct moed_cfg *cfg,
-                     struct moed_engine **out, char *err, size_t errlen);
+                     moed_progress_fn progress, void *progress_ctx, struct moed_engine **out,
+                     char *err, size_t errlen);
+
+/* Register the engine's handles (completion wake-up, health timer) on its
+ * loop; from the loop's thread. The loop must run to deliver completions. */
+int moed_engine_attach(struct moed_engine *e, char *err, size_t errlen);
 
 /* Run one small deterministic batch through the backend (running the loop
  * until it completes) and compare it with moe_ref_forward on the same input;

@@ -312,6 +312,14 @@ static const struct moed_stats *http_snapshot(void *ctx)
     return &d->boot_snap;
 }
 
+static void boot_phase(struct daemon *d, const char *phase)
+{
+    pthread_mutex_lock(&d->boot_mu);
+    d->boot.load_phase = phase;
+    d->boot.load_done = d->boot.load_total = 0;
+    pthread_mutex_unlock(&d->boot_mu);
+}
+
 static void on_load_progress(void *ctx, uint64_t done, uint64_t total)
 {
     struct daemon *d = ctx;
@@ -403,6 +411,7 @@ static int run_daemon(const struct moed_cfg *cfg)
     /* model */
     char dir[MOED_CFG_PATH_MAX];
     if (strncmp(cfg->model, "synthetic:", 10) == 0) {
+        boot_phase(&d, "generating synthetic model");
         rc = resolve_synthetic(cfg, dir, sizeof dir, err, sizeof err);
         if (rc < 0) {
             LOG_E("%s", err);
@@ -422,9 +431,10 @@ static int run_daemon(const struct moed_cfg *cfg)
     LOG_I("loading model %s (memory budget %" PRIu64 " MiB%s)", dir, budget >> 20,
           budget ? "" : ", unlimited");
     struct moed_model *model = NULL;
+    boot_phase(&d, "checkpoint");
     rc = moed_model_open(dir, budget, on_load_progress, &d, &model, err, sizeof err);
-    boot_loop_join(&d); /* the loop is this thread's again */
     if (rc < 0) {
+        boot_loop_join(&d);
         LOG_E("model: %s", err);
         d.exit_code = EXIT_MODEL;
         goto out_loop;
@@ -435,14 +445,25 @@ static int run_daemon(const struct moed_cfg *cfg)
           dims->n_shared, dims->n_moe_layers, dims->n_layers, moed_model_weight_bytes(model) >> 20);
 
     /* engine + backend (the engine owns the model from here) */
-    rc = moed_engine_open(&d.loop, model, cfg, &d.engine, err, sizeof err);
+    struct moed_engine *engine = NULL;
+    boot_phase(&d, "placing weights");
+    rc = moed_engine_open(&d.loop, model, cfg, on_load_progress, &d, &engine, err, sizeof err);
+    boot_loop_join(&d); /* the loop is this thread's again */
     if (rc < 0) {
         LOG_E("engine: %s", err);
         d.exit_code = rc == MOED_E_CONFIG ? EXIT_USAGE : EXIT_BACKEND;
         goto out_loop;
     }
+    d.engine = engine;
+    rc = moed_engine_attach(d.engine, err, sizeof err);
+    if (rc < 0) {
+        LOG_E("engine: %s", err);
+        d.exit_code = EXIT_RUNTIME;
+        goto out_engine;
+    }
     struct moed_stats *st = moed_engine_stats(d.engine);
     st->load_done = st->load_total = moed_model_weight_bytes(model);
+    st->load_phase = "self-check";
     sd_notify(0, "STATUS=self-check");
     rc = moed_engine_self_check(d.engine, err, sizeof err);
     if (rc < 0) {

@@ -34,7 +34,8 @@ struct moed_stats {
     /* load */
     int loaded;                 /* 1 once the model is loaded and self-check passed */
     int healthy;                /* backend healthy (0 -> /healthz 503) */
-    uint64_t load_done, load_total; /* bytes */
+    uint64_t load_done, load_total; /* bytes of the current phase */
+    const char *load_phase;     /* "checkpoint", "placing weights", NULL when loaded */
     /* clients and traffic */
     uint32_t clients;           /* connected now */
     uint64_t clients_total;     /* accepted since start */

@@ -175,7 +175,9 @@ static int json_body(cJSON *root, const struct moed_stats *s, uint64_t now_ns)
         frac = 1.0;
     if (!l || !cJSON_AddBoolToObject(l, "loaded", s->loaded != 0) ||
         jnum(l, "done_bytes", (double)s->load_done) ||
-        jnum(l, "total_bytes", (double)s->load_total) || jnum(l, "fraction", frac))
+        jnum(l, "total_bytes", (double)s->load_total) || jnum(l, "fraction", frac) ||
+        (s->load_phase && !s->loaded ? jstr(l, "phase", s->load_phase) != 0
+                                     : !cJSON_AddNullToObject(l, "phase")))
         return -1;
 
     cJSON *c = cJSON_AddObjectToObject(root, "clients");
