@@ -84,6 +84,9 @@ TOOL_SRC := $(wildcard tests/tools/*.c)
 TOOL_BIN := $(patsubst tests/tools/%.c,$(BUILD)/tools/%,$(TOOL_SRC))
 BENCH_SRC := $(wildcard bench/*.c)
 BENCH_BIN := $(patsubst bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
+# bench-only CUDA sources (baselines) and libraries (cuBLAS): never in libmoed
+BENCH_CU_OBJ := $(patsubst %.cu,$(BUILD)/%.o,$(wildcard bench/*.cu))
+BENCH_LIBS ?= -L$(CUDA_HOME)/lib64 -lcublas
 
 .PHONY: all run test unit-test py-test asan test-gpu bench fuzz install clean venv \
         config-doc check-cuda-compile
@@ -130,9 +133,9 @@ $(BUILD)/tests/gpu_%: tests/gpu/%.c $(BUILD)/libmoed.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(BUILD)/libmoed.a $(LDFLAGS) $(LIBS)
 
-$(BUILD)/bench/%: bench/%.c $(BUILD)/libmoed.a
+$(BUILD)/bench/%: bench/%.c $(BUILD)/libmoed.a $(BENCH_CU_OBJ)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itests -o $@ $< $(BUILD)/libmoed.a $(LDFLAGS) $(LIBS)
+	$(CC) $(CFLAGS) -Itests -o $@ $< $(BENCH_CU_OBJ) $(BUILD)/libmoed.a $(LDFLAGS) $(LIBS) $(BENCH_LIBS)
 
 # Python virtual environment for the test helpers (numpy, ml_dtypes, safetensors).
 venv: $(VENV)/.stamp

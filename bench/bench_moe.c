@@ -13,15 +13,29 @@
  * Bytes = distinct experts touched (routed + shared) x bytes per expert
  * (E2M1 codes + E4M3 scales of gate, up, down); TB/s = bytes / median time.
  * A streaming-read kernel over 4 GB in the same run gives the ceiling.
+ *
+ * Baselines in the same run (bench_baseline.h): (a) the same NVFP4 math as
+ * one kernel launch per stage in a CUDA graph, (b) bf16 weights + cuBLAS
+ * GEMMs per touched expert in a CUDA graph; each checked against moed's
+ * output (relative L2) on the same batch. The persistent kernel exits when
+ * idle (engine.idle_exit_ms) before they run, so they have the GPU to
+ * themselves.
+ * Dispatch latency: host CLOCK_REALTIME stamps of the head store and of the
+ * completion thread's first sight of done_seq, against the kernel's
+ * %globaltimer phases, with the clock offset from a mapped-memory ping-pong.
+ * BENCH_CSV=path appends one row per (model, T).
  */
 #include <cuda_runtime.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "backend.h"
 #include "backend_cuda.h"
+#include "bench_baseline.h"
 #include "moed_err.h"
 #include "moed_log.h"
 #include "nvfp4.h"
@@ -56,10 +70,74 @@ static int cmp_d(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+/* Uniform random top-k with distinct experts per token, weights 1/k;
+ * returns the number of distinct experts (shared included). */
+static uint32_t gen_routing(const struct moe_gpu_dims *d, uint32_t T, uint64_t *s, int32_t *ids,
+                            float *w, uint8_t *seen)
+{
+    memset(seen, 0, d->n_experts);
+    uint32_t distinct = d->n_shared;
+    for (uint32_t t = 0; t < T; t++)
+        for (uint32_t j = 0; j < d->top_k; j++) {
+            int32_t e;
+            uint32_t q;
+            do {
+                e = (int32_t)(rng(s) % d->n_experts);
+                for (q = 0; q < j && ids[t * d->top_k + q] != e; q++)
+                    ;
+            } while (q < j);
+            ids[t * d->top_k + j] = e;
+            w[t * d->top_k + j] = 1.0f / d->top_k;
+            if (!seen[e]) {
+                seen[e] = 1;
+                distinct++;
+            }
+        }
+    return distinct;
+}
+
+static double rel_l2(const uint16_t *a, const uint16_t *ref, size_t n)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        double x = bf16_to_float(a[i]), r = bf16_to_float(ref[i]);
+        num += (x - r) * (x - r);
+        den += r * r;
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+static double median(double *v, uint32_t n)
+{
+    qsort(v, n, sizeof *v, cmp_d);
+    return v[n / 2];
+}
+
+/* One batch through moed, waited for by spinning on the done callback. */
+static int moed_one(struct moed_backend *be, uint32_t layer, uint32_t T, uint32_t k, uint32_t H,
+                    uint16_t *x, int32_t *ids, float *w, uint16_t *y)
+{
+    struct moed_batch b = {0};
+    b.layer = layer;
+    b.n_tokens = T;
+    b.top_k = k;
+    b.x = (struct moed_buf){MOED_BUF_HOST, 0, x, (uint64_t)T * H * 2};
+    b.ids = (struct moed_buf){MOED_BUF_HOST, 0, ids, (uint64_t)T * k * 4};
+    b.w = (struct moed_buf){MOED_BUF_HOST, 0, w, (uint64_t)T * k * 4};
+    b.y = (struct moed_buf){MOED_BUF_HOST, 0, y, (uint64_t)T * H * 2};
+    g_done = 0;
+    if (moed_backend_submit(be, &b))
+        return -1;
+    while (!__atomic_load_n(&g_done, __ATOMIC_ACQUIRE))
+        ;
+    return b.status ? -1 : 0;
+}
+
 int main(int argc, char **argv)
 {
     const char *preset = "deepseek-v3";
-    uint32_t layers = 0, iters = 0;
+    uint32_t layers = 0, iters = 0, bf16_layers = 0;
+    int baselines = 1;
     uint32_t toks[16] = {0};
     int n_toks = 0;
     for (int i = 1; i < argc; i++) {
@@ -67,14 +145,19 @@ int main(int argc, char **argv)
             preset = argv[++i];
         else if (!strcmp(argv[i], "--layers") && i + 1 < argc)
             layers = (uint32_t)atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--bf16-layers") && i + 1 < argc)
+            bf16_layers = (uint32_t)atoi(argv[++i]);
         else if (!strcmp(argv[i], "--iters") && i + 1 < argc)
             iters = (uint32_t)atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--no-baselines"))
+            baselines = 0;
         else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) {
             for (char *t = strtok(argv[++i], ","); t && n_toks < 16; t = strtok(NULL, ","))
                 toks[n_toks++] = (uint32_t)atoi(t);
         } else {
             fprintf(stderr, "usage: %s [--preset deepseek-v3|qwen3-30b-a3b] [--layers N] "
-                            "[--iters N] [--tokens 1,4,16]\n", argv[0]);
+                            "[--bf16-layers N] [--iters N] [--tokens 1,4,16] [--no-baselines]\n",
+                    argv[0]);
             return 2;
         }
     }
@@ -83,20 +166,39 @@ int main(int argc, char **argv)
         d = (struct moe_gpu_dims){7168, 2048, 256, 1, 8, 512};
         if (!layers)
             layers = 4;
+        if (!bf16_layers)
+            bf16_layers = 2; /* 22.6 GB each */
     } else if (!strcmp(preset, "qwen3-30b-a3b")) {
         d = (struct moe_gpu_dims){2048, 768, 128, 0, 8, 512};
         if (!layers)
             layers = 24;
+        if (!bf16_layers)
+            bf16_layers = 8; /* 1.2 GB each */
     } else {
         fprintf(stderr, "unknown preset %s\n", preset);
         return 2;
     }
+    if (bf16_layers > layers)
+        bf16_layers = layers;
     if (!n_toks) {
         uint32_t def[] = {1, 4, 16, 64, 256};
         for (int i = 0; i < 5; i++)
             toks[n_toks++] = def[i];
     }
+    for (int i = 0; i < n_toks; i++)
+        if (toks[i] == 0 || toks[i] > d.max_tokens) {
+            fprintf(stderr, "--tokens: %u not in [1, %u]\n", toks[i], d.max_tokens);
+            return 2;
+        }
     moed_log_set_level(MOED_LOG_WARN);
+    char err[MOED_ERRLEN] = "";
+
+    /* %globaltimer - CLOCK_REALTIME, before anything else holds the GPU */
+    int64_t clk_off = 0, clk_half = 0;
+    if (bl_clock_offset(200, &clk_off, &clk_half, err, sizeof err)) {
+        fprintf(stderr, "%s\n", err);
+        return 1;
+    }
 
     /* streaming-read ceiling */
     void *probe = NULL;
@@ -117,88 +219,101 @@ int main(int argc, char **argv)
     cfg.n_gpus = 1;
     cfg.max_tokens = 512;
     cfg.batch_deadline_ms = 60000;
+    cfg.idle_exit_ms = 20; /* the baselines run on a GPU the persistent kernel has left */
     struct moed_cuda_src src = {0};
     src.n_layers = layers;
     src.dims = d;
     src.random_weights = 1;
     src.seed = 42;
     struct moed_backend *be = NULL;
-    char err[MOED_ERRLEN] = "";
     if (moed_backend_cuda_open_src(&src, &cfg, on_done, NULL, &be, err, sizeof err)) {
         fprintf(stderr, "open: %s\n", err);
         return 1;
+    }
+    struct bl_ctx *bl = NULL;
+    if (baselines) {
+        struct moe_gpu_layer *lp = calloc(layers, sizeof *lp);
+        struct moe_gpu_dims dd;
+        for (uint32_t l = 0; lp && l < layers; l++)
+            if (moed_backend_cuda_layer_ptrs(be, l, &lp[l], &dd)) {
+                fprintf(stderr, "layer %u: no pointers\n", l);
+                return 1;
+            }
+        if (!lp || bl_open(&d, lp, layers, bf16_layers, &bl, err, sizeof err)) {
+            fprintf(stderr, "baselines: %s\n", lp ? err : "out of memory");
+            return 1;
+        }
+        free(lp);
     }
     char desc[512];
     be->ops->describe(be, desc, sizeof desc);
     struct cudaDeviceProp prop;
     cudaGetDeviceProperties(&prop, 0);
-    printf("# %s, %s, %u layers of random NVFP4 in device memory\n# %s\n", prop.name, preset,
-           layers, desc);
+    printf("# %s, %s, %u layers of random NVFP4 in device memory%s\n# %s\n", prop.name, preset,
+           layers, baselines ? "" : " (no baselines)", desc);
     printf("# streaming read (4 GB x %d): %.3f TB/s\n", reps, stream_tbs);
+    printf("# clock: globaltimer - CLOCK_REALTIME = %lld ns, +- %lld ns (half the best of 200 "
+           "mapped-memory round trips)\n", (long long)clk_off, (long long)clk_half);
+    if (baselines)
+        printf("# baselines: (a) staged = NVFP4, one launch per stage (route, gate_up, act, down, "
+               "combine) in a CUDA graph; (b) cublas = bf16 weights (%u layers), cublasGemmEx per "
+               "touched expert in a CUDA graph; inputs already on the device\n", bf16_layers);
 
     const uint64_t per_expert = moe_gpu_gu_bytes(d.hidden, d.inter) + moe_gpu_dn_bytes(d.hidden, d.inter);
     printf("# bytes per expert (codes + scales, gate+up+down): %llu\n",
            (unsigned long long)per_expert);
     printf("%-14s %5s %8s %10s %10s %10s %10s %8s %8s\n", "model", "T", "experts", "MB", "p50_us",
            "p10_us", "p90_us", "TB/s", "frac");
+    FILE *csv = NULL;
+    const char *csv_path = getenv("BENCH_CSV");
+    if (csv_path && *csv_path) {
+        csv = fopen(csv_path, "a");
+        if (!csv) {
+            fprintf(stderr, "BENCH_CSV %s: cannot open\n", csv_path);
+            return 1;
+        }
+        fseek(csv, 0, SEEK_END);
+        if (ftell(csv) == 0)
+            fprintf(csv, "model,T,experts,MB,moed_p50_us,moed_p10_us,moed_p90_us,moed_TBps,frac,"
+                         "staged_p50_us,cublas_p50_us,staged_relL2,cublas_relL2,kernel_us,"
+                         "dispatch_us,complete_us,payload_copy_us\n");
+    }
+    struct row {
+        uint32_t T;
+        double dist, mb, p50, a50, b50, arel, brel, disp, comp, kern, tbs;
+    } rows[16];
     uint64_t s = 7;
     for (int ti = 0; ti < n_toks; ti++) {
         uint32_t T = toks[ti];
         uint32_t n_it = iters ? iters : (T <= 16 ? 400 : T <= 64 ? 200 : 100);
         uint16_t *x = malloc((size_t)T * d.hidden * 2), *y = malloc((size_t)T * d.hidden * 2);
+        uint16_t *ym = malloc((size_t)T * d.hidden * 2), *yb = malloc((size_t)T * d.hidden * 2);
         int32_t *ids = malloc((size_t)T * d.top_k * 4);
         float *w = malloc((size_t)T * d.top_k * 4);
         double *lat = malloc(n_it * sizeof *lat);
-        double *phs[6];
-        for (int k = 0; k < 6; k++)
+        double *phs[9];
+        for (int k = 0; k < 9; k++)
             phs[k] = malloc(n_it * sizeof *phs[k]);
         double distinct_sum = 0;
         uint8_t *seen = calloc(d.n_experts, 1);
+        if (!x || !y || !ym || !yb || !ids || !w || !lat || !seen || !phs[8]) {
+            fprintf(stderr, "out of memory\n");
+            return 1;
+        }
         for (size_t i = 0; i < (size_t)T * d.hidden; i++)
             x[i] = bf16_from_float((float)((int)(rng(&s) % 2001) - 1000) / 1000.0f);
         for (uint32_t it = 0; it < n_it + 10; it++) {
-            memset(seen, 0, d.n_experts);
-            uint32_t distinct = d.n_shared;
-            for (uint32_t t = 0; t < T; t++)
-                for (uint32_t j = 0; j < d.top_k; j++) {
-                    int32_t e;
-                    uint32_t q;
-                    do {
-                        e = (int32_t)(rng(&s) % d.n_experts);
-                        for (q = 0; q < j && ids[t * d.top_k + q] != e; q++)
-                            ;
-                    } while (q < j);
-                    ids[t * d.top_k + j] = e;
-                    w[t * d.top_k + j] = 1.0f / d.top_k;
-                    if (!seen[e]) {
-                        seen[e] = 1;
-                        distinct++;
-                    }
-                }
-            struct moed_batch b = {0};
-            b.layer = it % layers;
-            b.n_tokens = T;
-            b.top_k = d.top_k;
-            b.x = (struct moed_buf){MOED_BUF_HOST, 0, x, (uint64_t)T * d.hidden * 2};
-            b.ids = (struct moed_buf){MOED_BUF_HOST, 0, ids, (uint64_t)T * d.top_k * 4};
-            b.w = (struct moed_buf){MOED_BUF_HOST, 0, w, (uint64_t)T * d.top_k * 4};
-            b.y = (struct moed_buf){MOED_BUF_HOST, 0, y, (uint64_t)T * d.hidden * 2};
-            g_done = 0;
+            uint32_t distinct = gen_routing(&d, T, &s, ids, w, seen);
             double t0 = now_us();
-            if (moed_backend_submit(be, &b)) {
-                fprintf(stderr, "submit failed\n");
+            if (moed_one(be, it % layers, T, d.top_k, d.hidden, x, ids, w, y)) {
+                fprintf(stderr, "batch failed\n");
                 return 1;
             }
-            while (!__atomic_load_n(&g_done, __ATOMIC_ACQUIRE))
-                ;
             double t1 = now_us();
-            if (b.status) {
-                fprintf(stderr, "batch failed: %d\n", b.status);
-                return 1;
-            }
             if (it >= 10) {
-                uint64_t ph[6];
+                uint64_t ph[6], hs[2];
                 moed_backend_cuda_phases(be, ph);
+                moed_backend_cuda_host_stamps(be, hs);
                 lat[it - 10] = t1 - t0;
                 /* [3], [4] (per-tile ends) exist only with MOE_GPU_PHASES=1 */
                 int have34 = ph[3] > ph[2] && ph[4] > ph[3] && ph[5] > ph[4];
@@ -209,33 +324,149 @@ int main(int argc, char **argv)
                     phs[3][it - 10] = phs[4][it - 10] = 0;
                 }
                 phs[5][it - 10] = (t1 - t0) - (double)(ph[5] - ph[0]) * 1e-3;
+                /* host head store -> kernel sees head; kernel done -> host sees it */
+                phs[6][it - 10] = ((double)(int64_t)(ph[0] - hs[0]) - (double)clk_off) * 1e-3;
+                phs[7][it - 10] = ((double)(int64_t)(hs[1] - ph[5]) + (double)clk_off) * 1e-3;
+                phs[8][it - 10] = (double)(ph[5] - ph[0]) * 1e-3;
                 distinct_sum += distinct;
             }
         }
         qsort(lat, n_it, sizeof *lat, cmp_d);
         double dist = distinct_sum / n_it, bytes = dist * (double)per_expert;
         double p50 = lat[n_it / 2], tbs = bytes / (p50 * 1e-6) / 1e12;
+        double p10 = lat[n_it / 10], p90 = lat[n_it * 9 / 10];
         printf("%-14s %5u %8.1f %10.1f %10.1f %10.1f %10.1f %8.3f %8.3f\n", preset, T, dist,
-               bytes / 1e6, p50, lat[n_it / 10], lat[n_it * 9 / 10], tbs, tbs / stream_tbs);
+               bytes / 1e6, p50, p10, p90, tbs, tbs / stream_tbs);
         /* phase medians: where the time goes inside one batch */
-        double med[6];
-        for (int k = 0; k < 6; k++) {
-            qsort(phs[k], n_it, sizeof(double), cmp_d);
-            med[k] = phs[k][n_it / 2];
-        }
+        double med[9];
+        for (int k = 0; k < 9; k++)
+            med[k] = median(phs[k], n_it);
         printf("%-14s %5s   phases p50 us: release %.1f  x-stage %.1f  tiles %.1f  down-tail %.1f"
                "  combine %.1f  host+pcie %.1f\n", "", "", med[0], med[1], med[2], med[3], med[4],
                med[5]);
+        /* payload copy: x in and y out through the pinned staging (host memcpy) */
+        double cp[21];
+        for (int r = 0; r < 21; r++) {
+            double c0 = now_us();
+            memcpy(ym, x, (size_t)T * d.hidden * 2);
+            memcpy(yb, ym, (size_t)T * d.hidden * 2);
+            cp[r] = now_us() - c0;
+        }
+        double cpy = median(cp, 21);
+        printf("%-14s %5s   dispatch p50 us: head store -> kernel sees it %.2f, kernel done -> "
+               "host sees it %.2f (clock +- %.2f); kernel %.1f; payload memcpy in+out %.1f\n", "",
+               "", med[6], med[7], (double)clk_half * 1e-3, med[8], cpy);
+
+        struct row *rw = &rows[ti];
+        memset(rw, 0, sizeof *rw);
+        rw->T = T;
+        rw->dist = dist;
+        rw->mb = bytes / 1e6;
+        rw->p50 = p50;
+        rw->tbs = tbs;
+        rw->disp = med[6];
+        rw->comp = med[7];
+        rw->kern = med[8];
+        rw->a50 = rw->b50 = rw->arel = rw->brel = -1;
+        if (bl) {
+            /* BL_SLOTS batches; slot 0 also through moed (layer 0) for the check */
+            uint16_t *xs[BL_SLOTS];
+            int32_t *is[BL_SLOTS];
+            float *ws[BL_SLOTS];
+            for (int q = 0; q < BL_SLOTS; q++) {
+                xs[q] = malloc((size_t)T * d.hidden * 2);
+                is[q] = malloc((size_t)T * d.top_k * 4);
+                ws[q] = malloc((size_t)T * d.top_k * 4);
+                if (!xs[q] || !is[q] || !ws[q]) {
+                    fprintf(stderr, "out of memory\n");
+                    return 1;
+                }
+                for (size_t i = 0; i < (size_t)T * d.hidden; i++)
+                    xs[q][i] = bf16_from_float((float)((int)(rng(&s) % 2001) - 1000) / 1000.0f);
+                gen_routing(&d, T, &s, is[q], ws[q], seen);
+            }
+            if (moed_one(be, 0, T, d.top_k, d.hidden, xs[0], is[0], ws[0], ym)) {
+                fprintf(stderr, "check batch failed\n");
+                return 1;
+            }
+            /* wait for the idle exit: the baselines get the whole GPU */
+            for (int q = 0; q < 3000 && moed_backend_cuda_running(be); q++)
+                usleep(1000);
+            if (moed_backend_cuda_running(be))
+                printf("# warning: persistent kernel still resident during the baselines\n");
+            for (int q = 0; q < BL_SLOTS; q++)
+                if (bl_set_batch(bl, (uint32_t)q, T, xs[q], is[q], ws[q], err, sizeof err)) {
+                    fprintf(stderr, "%s\n", err);
+                    return 1;
+                }
+            double res[2] = {0, 0}, rel[2] = {0, 0};
+            for (int which = 0; which < 2; which++) {
+                double us;
+                if (bl_run(bl, which, 0, yb, &us, err, sizeof err)) {
+                    fprintf(stderr, "%s\n", err);
+                    return 1;
+                }
+                rel[which] = rel_l2(yb, ym, (size_t)T * d.hidden);
+                uint32_t nb = n_it < 100 ? n_it : 100;
+                for (uint32_t it = 0; it < nb + 2 * BL_SLOTS; it++) {
+                    if (bl_run(bl, which, it % BL_SLOTS, NULL, &us, err, sizeof err)) {
+                        fprintf(stderr, "%s\n", err);
+                        return 1;
+                    }
+                    if (it >= 2 * BL_SLOTS)
+                        lat[it - 2 * BL_SLOTS] = us;
+                }
+                res[which] = median(lat, nb);
+            }
+            rw->a50 = res[0];
+            rw->b50 = res[1];
+            rw->arel = rel[0];
+            rw->brel = rel[1];
+            printf("%-14s %5s   baselines p50 us: staged %.1f (%.2fx moed, rel L2 %.1e), cublas "
+                   "%.1f (%.2fx moed, rel L2 %.1e)%s\n", "", "", res[0], res[0] / p50, rel[0],
+                   res[1], res[1] / p50, rel[1],
+                   (rel[0] < 1e-2 && rel[1] < 1e-2) ? "" : "  CHECK FAILED (rel L2 >= 1e-2)");
+            for (int q = 0; q < BL_SLOTS; q++) {
+                free(xs[q]);
+                free(is[q]);
+                free(ws[q]);
+            }
+        }
+        if (csv)
+            fprintf(csv, "%s,%u,%.1f,%.1f,%.1f,%.1f,%.1f,%.3f,%.3f,%.1f,%.1f,%.2e,%.2e,%.1f,%.2f,%.2f,%.1f\n",
+                    preset, T, dist, bytes / 1e6, p50, p10, p90, tbs,
+                    tbs / stream_tbs, rw->a50, rw->b50, rw->arel, rw->brel, med[8], med[6], med[7],
+                    cpy);
         fflush(stdout);
         free(x);
         free(y);
+        free(ym);
+        free(yb);
         free(ids);
         free(w);
         free(lat);
         free(seen);
-        for (int k = 0; k < 6; k++)
+        for (int k = 0; k < 9; k++)
             free(phs[k]);
     }
+    if (bl) {
+        printf("\n# side by side (p50 us; speedup = baseline / moed)\n");
+        printf("%-14s %5s %10s %10s %10s %8s %8s %10s %10s\n", "model", "T", "moed", "staged",
+               "cublas", "x(a)", "x(b)", "disp_us", "compl_us");
+        for (int ti = 0; ti < n_toks; ti++) {
+            struct row *rw = &rows[ti];
+            printf("%-14s %5u %10.1f %10.1f %10.1f %8.2f %8.2f %10.2f %10.2f\n", preset, rw->T,
+                   rw->p50, rw->a50, rw->b50, rw->a50 / rw->p50, rw->b50 / rw->p50, rw->disp,
+                   rw->comp);
+        }
+    }
+    int64_t off2 = 0, half2 = 0;
     moed_backend_close(be);
+    bl_close(bl);
+    if (bl_clock_offset(200, &off2, &half2, err, sizeof err) == 0)
+        printf("# clock offset at the end: %lld ns (drift %lld ns)\n", (long long)off2,
+               (long long)(off2 - clk_off));
+    if (csv)
+        fclose(csv);
     return 0;
 }

@@ -110,10 +110,20 @@ struct cuda_backend {
     struct moed_batch *inflight[MOE_GPU_RING];
     struct pend *ph, *pt;
     uint64_t head_start_ns, last_active_ns;
+    /* bench: CLOCK_REALTIME (ns) of the last head store and of the completion
+     * thread's first sight of the last completed seq (single writers) */
+    uint64_t pub_rt_ns, seen_rt_ns;
     uint64_t launches;
     uint64_t stall_ns; /* test hook, consumed by the next publish */
     char fail_msg[256];
 };
+
+static uint64_t rt_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
 
 static uint64_t now_ns(void)
 {
@@ -291,6 +301,9 @@ static void publish_locked(struct cuda_backend *cb, struct moed_batch *b)
     cb->inflight[slot] = b;
     if (cb->next_seq == cb->delivered + 1)
         cb->head_start_ns = now_ns();
+    /* stamped just before the release store: the dispatch-latency figure of
+     * the benchmark then includes the store's own cost (tens of ns) */
+    __atomic_store_n(&cb->pub_rt_ns, rt_ns(), __ATOMIC_RELAXED);
     __atomic_store_n(&cb->ctrl->head, seq, __ATOMIC_RELEASE);
 }
 
@@ -443,6 +456,8 @@ static void *completion_thread(void *arg)
         /* ---- deliver completions ---- */
         uint64_t done = __atomic_load_n(&cb->ctrl->done_seq, __ATOMIC_ACQUIRE);
         int progressed = 0;
+        if (done > cb->delivered) /* delivered: written by this thread only */
+            __atomic_store_n(&cb->seen_rt_ns, rt_ns(), __ATOMIC_RELAXED);
         for (;;) {
             struct moed_batch *b = NULL;
             pthread_mutex_lock(&cb->mu);
@@ -850,6 +865,37 @@ void moed_backend_cuda_phases(struct moed_backend *be, uint64_t out[6])
     struct cuda_backend *cb = (struct cuda_backend *)be;
     for (int i = 0; i < 6; i++)
         out[i] = __atomic_load_n(&cb->ctrl->phase_ns[i], __ATOMIC_RELAXED);
+}
+
+void moed_backend_cuda_host_stamps(struct moed_backend *be, uint64_t out[2])
+{
+    struct cuda_backend *cb = (struct cuda_backend *)be;
+    out[0] = __atomic_load_n(&cb->pub_rt_ns, __ATOMIC_RELAXED);
+    out[1] = __atomic_load_n(&cb->seen_rt_ns, __ATOMIC_RELAXED);
+}
+
+int moed_backend_cuda_running(struct moed_backend *be)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)be;
+    pthread_mutex_lock(&cb->mu);
+    int r = cb->running;
+    pthread_mutex_unlock(&cb->mu);
+    return r;
+}
+
+int moed_backend_cuda_layer_ptrs(struct moed_backend *be, uint32_t slot, struct moe_gpu_layer *out,
+                                 struct moe_gpu_dims *dims)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)be;
+    if (slot >= cb->n_layers)
+        return MOED_E_INVAL;
+    const uint32_t H = cb->d.hidden, I = cb->d.inter, NE = cb->d.n_experts + cb->d.n_shared;
+    const uint64_t layer_bytes = (moe_gpu_gu_bytes(H, I) + moe_gpu_dn_bytes(H, I)) * NE;
+    out->gu = cb->wbuf + layer_bytes * slot;
+    out->dn = cb->wbuf + layer_bytes * slot + moe_gpu_gu_bytes(H, I);
+    out->s2 = cb->s2 + (size_t)3 * NE * slot;
+    *dims = cb->d;
+    return 0;
 }
 
 void moed_backend_cuda_debug_stall(struct moed_backend *be, uint32_t us)

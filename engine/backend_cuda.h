@@ -37,6 +37,16 @@ int moed_backend_cuda_grid(struct moed_backend *be);
 /* Bench hook: the kernel's phase timestamps of the last batch (ns, see
  * moe_gpu_ctrl.phase_ns); copies 6 values. */
 void moed_backend_cuda_phases(struct moed_backend *be, uint64_t out[6]);
+/* Bench hook: CLOCK_REALTIME ns of the last batch's head store [0] and of
+ * the completion thread first seeing done_seq advance [1]. */
+void moed_backend_cuda_host_stamps(struct moed_backend *be, uint64_t out[2]);
+/* Bench hook: 1 while the persistent kernel is resident (0 after an idle
+ * exit, engine.idle_exit_ms), so other kernels can be timed on a free GPU. */
+int moed_backend_cuda_running(struct moed_backend *be);
+/* Bench hook: device pointers of layer slot `slot` (0..n_layers-1) and the
+ * dims the kernel serves; MOED_E_INVAL for a slot out of range. */
+int moed_backend_cuda_layer_ptrs(struct moed_backend *be, uint32_t slot, struct moe_gpu_layer *out,
+                                 struct moe_gpu_dims *dims);
 /* Test hook: the next batch published makes the kernel stall `us` first. */
 void moed_backend_cuda_debug_stall(struct moed_backend *be, uint32_t us);
 

@@ -1,14 +1,64 @@
 #!/usr/bin/env bash
 # `make bench`: the GPU benchmark table (bench/NOTES.md says what it measures).
 #   BUILD=build-cuda   build dir with bench/bench_moe (CUDA=1)
+#   LOGDIR=dir         bench.csv, e2e log and bench.png go there (default $BUILD/bench-logs)
+#   BENCH_E2E=0        skip the daemon end-to-end step
 set -u
 BUILD=${BUILD:-build}
+LOGDIR=${LOGDIR:-$BUILD/bench-logs}
+mkdir -p "$LOGDIR"
 B=$BUILD/bench/bench_moe
 [ -x "$B" ] || { echo "$B not built (make BUILD=$BUILD CUDA=1 bench)"; exit 1; }
+# cuBLAS (baseline b): CUDA's lib64 (rpath), else the pip wheel's copy
+if ! ldd "$B" | grep -q 'libcublas.so.*=> /'; then
+    nv=$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null || true)
+    cub=$( [ -n "$nv" ] && find "$nv" -name 'libcublas.so.*' 2>/dev/null | head -1)
+    [ -n "$cub" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$(dirname "$cub")"
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null | sed 's/^/# /'
 commit=$(git rev-parse --short HEAD 2>/dev/null || cat .device/COMMIT 2>/dev/null || echo unknown)
 echo "# $(date -u +%Y-%m-%dT%H:%MZ) commit $commit"
+export BENCH_CSV="$LOGDIR/bench.csv"
+rm -f "$BENCH_CSV"
 rc=0
 timeout "${BENCH_TIMEOUT:-600}" "$B" --preset deepseek-v3 --layers 4 --tokens 1,4,16,64,256 || rc=1
 timeout "${BENCH_TIMEOUT:-300}" "$B" --preset qwen3-30b-a3b --layers 24 --tokens 1,4,64,256 || rc=1
+
+# End to end through the socket (inline payloads), qwen3-30b-a3b shape, T=64:
+# a synthetic 1-layer checkpoint served by moed with backend cuda; moectl
+# bench with one connection, one request in flight.
+if [ "${BENCH_E2E:-1}" = 1 ] && [ -x "$BUILD/moed" ] && [ -x "$BUILD/moectl" ]; then
+    tmp=$(mktemp -d)
+    cat > "$tmp/moed.json" <<JSON
+{"server": {"socket": "$tmp/moed.sock"}, "status": {"port": 0},
+ "model": {"path": "synthetic:qwen3-30b-a3b:layers=1:seed=3", "synthetic_dir": "$tmp/models"},
+ "engine": {"backend": "cuda", "max_tokens": 64, "batch_deadline_ms": 5000},
+ "log": {"level": "info"}}
+JSON
+    t0=$(date +%s)
+    "$BUILD/moed" --config "$tmp/moed.json" > "$LOGDIR/e2e-moed.log" 2>&1 &
+    pid=$!
+    ok=0
+    for _ in $(seq 1 "${BENCH_E2E_START_S:-120}0"); do
+        if grep -q 'ready: socket' "$LOGDIR/e2e-moed.log"; then ok=1; break; fi
+        kill -0 $pid 2>/dev/null || break
+        sleep 0.1
+    done
+    echo "# e2e: moed ready=$ok after $(( $(date +%s) - t0 )) s (synthetic qwen3-30b-a3b, 1 layer, backend cuda)"
+    if [ $ok = 1 ]; then
+        timeout 60 "$BUILD/moectl" bench --socket "$tmp/moed.sock" --tokens 64 --connections 1 \
+            --inflight 1 --duration 3 2>&1 | tee "$LOGDIR/e2e-moectl.txt" | sed 's/^/# e2e: /'
+        timeout 60 "$BUILD/moectl" bench --socket "$tmp/moed.sock" --tokens 1 --connections 1 \
+            --inflight 1 --duration 2 2>&1 | tee -a "$LOGDIR/e2e-moectl.txt" | sed 's/^/# e2e T=1: /'
+    else
+        tail -5 "$LOGDIR/e2e-moed.log" | sed 's/^/# e2e moed: /'
+    fi
+    kill -TERM $pid 2>/dev/null
+    wait $pid 2>/dev/null
+    rm -rf "$tmp"
+fi
+
+if [ -s "$BENCH_CSV" ] && python3 -c 'import matplotlib' 2>/dev/null; then
+    python3 scripts/plot_bench.py "$BENCH_CSV" "$LOGDIR/bench.png" || true
+fi
 exit $rc

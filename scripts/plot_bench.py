@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""Plot bench.csv (written by bench/bench_moe with BENCH_CSV set): p50 latency
+and effective bandwidth vs tokens per batch, moed against the two baselines,
+one column per model.
+
+    python3 scripts/plot_bench.py bench.csv bench.png
+"""
+import csv
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main(argv):
+    if len(argv) != 3:
+        sys.stderr.write("usage: plot_bench.py BENCH_CSV OUT_PNG\n")
+        return 2
+    rows = list(csv.DictReader(open(argv[1], newline="")))
+    if not rows:
+        sys.stderr.write("%s: no rows\n" % argv[1])
+        return 1
+    models = []
+    for r in rows:
+        if r["model"] not in models:
+            models.append(r["model"])
+    fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 8), squeeze=False)
+    series = [("moed_p50_us", "moed (persistent)", "o-"),
+              ("staged_p50_us", "(a) NVFP4, launch per stage, graph", "s--"),
+              ("cublas_p50_us", "(b) bf16 + cuBLAS per expert, graph", "^:")]
+    for c, m in enumerate(models):
+        rs = [r for r in rows if r["model"] == m]
+        T = [int(r["T"]) for r in rs]
+        mb = [float(r["MB"]) for r in rs]
+        lat_ax, bw_ax = axes[0][c], axes[1][c]
+        for key, label, style in series:
+            v = [float(r[key]) for r in rs]
+            if all(x <= 0 for x in v):
+                continue
+            lat_ax.plot(T, v, style, label=label)
+            # bandwidth on moed's NVFP4 byte count (the same work for all three)
+            bw_ax.plot(T, [b / u / 1e6 if u > 0 else float("nan") for b, u in zip(mb, v)],
+                       style, label=label)
+        lat_ax.set_xscale("log", base=2)
+        lat_ax.set_yscale("log")
+        lat_ax.set_title("%s: p50 latency per MoE layer" % m)
+        lat_ax.set_xlabel("tokens per batch (T)")
+        lat_ax.set_ylabel("us")
+        lat_ax.grid(True, which="both", alpha=0.3)
+        lat_ax.legend(fontsize=8)
+        bw_ax.set_xscale("log", base=2)
+        bw_ax.set_title("%s: NVFP4 expert bytes / p50" % m)
+        bw_ax.set_xlabel("tokens per batch (T)")
+        bw_ax.set_ylabel("TB/s")
+        bw_ax.grid(True, which="both", alpha=0.3)
+        bw_ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(argv[2], dpi=110)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
