@@ -121,6 +121,12 @@ extern "C" {
 #define MOE_CP_ASYNC_L2_HINT 0
 #endif
 
+#ifndef MOE_XTASK_PREFETCH /* 1: when a warp has issued its last weight stage, warp 0
+                              * prefetches the next claimed task's first weight units into
+                              * L2, so the next pipeline fill overlaps this task's split-K
+                              * reduction and epilogue (bench/NOTES.md, v8) */
+#define MOE_XTASK_PREFETCH 1
+#endif
 #ifndef MOE_X_SMEM /* 1: activation rows also stream through the cp.async stages
                       * (H200 2026-11-29: +10-14% over L2 loads into registers) */
 #define MOE_X_SMEM 1
@@ -400,6 +406,42 @@ __device__ __forceinline__ unsigned chunk_expert(const unsigned *chs, unsigned N
     return lo;
 }
 
+/* The next task this CTA claimed, for the cross-task L2 prefetch: decoded the
+ * way the task loop decodes it. `next` is the claim's atomic result, valid in
+ * thread 0 only and read (waited for) only when the prefetch is issued. */
+struct task_pf {
+    const uint8_t *gu, *dn;
+    const unsigned *chs;
+    unsigned NE, n_gu, n_dn, RT_GU, RT_DN, H, I;
+    unsigned next;
+};
+
+/* Warp 0: prefetch.global.L2 of the first NWARPS*STAGES weight units (what
+ * the warps' prologues and first steady-state issues read) of the next
+ * gate_up/down task. A hint only: results do not depend on it. */
+__device__ __forceinline__ void prefetch_next_task(const task_pf &pf)
+{
+#if MOE_XTASK_PREFETCH
+    const unsigned lane = threadIdx.x & 31;
+    const unsigned t = __shfl_sync(0xffffffffu, pf.next, 0);
+    if (t >= pf.n_gu + pf.n_dn)
+        return;
+    const bool is_gu = t < pf.n_gu;
+    const unsigned tt = is_gu ? t : t - pf.n_gu, RT = is_gu ? pf.RT_GU : pf.RT_DN;
+    const unsigned cg = tt / RT, rt = tt - cg * RT;
+    const unsigned e = chunk_expert(pf.chs, pf.NE, cg);
+    const unsigned units = (is_gu ? pf.H : pf.I) / MOE_GPU_UNIT_K;
+    const uint8_t *wt = (is_gu ? pf.gu : pf.dn) + (size_t)e * moe_gpu_expert_bytes_d(pf.H, pf.I) +
+                        (size_t)rt * units * MOE_GPU_UNIT_BYTES;
+    const unsigned nu = min(units, (unsigned)(NWARPS * STAGES));
+    const unsigned lines = nu * MOE_GPU_UNIT_BYTES / 128;
+    for (unsigned c = lane; c < lines; c += 32)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(wt + (size_t)c * 128));
+#else
+    (void)pf;
+#endif
+}
+
 /* ---------------- one warp tile: MR*16 rows x K, NT*8 tokens ---------------- */
 
 /* One warp's share of a tile: `units` K units (unit i at absolute unit
@@ -570,7 +612,7 @@ template <int NT>
 __device__ __forceinline__ void tile_splitk(const uint8_t *wtile, unsigned U,
                                             const uint16_t *const (&brow)[NT], xsrc xs,
                                             uint8_t *sw, uint8_t *sw_cta, unsigned long long pol,
-                                            float (&acc)[MR][NT][4])
+                                            const task_pf &pf, float (&acc)[MR][NT][4])
 {
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #if MOE_SPLITK_BLOCKED
@@ -588,6 +630,8 @@ __device__ __forceinline__ void tile_splitk(const uint8_t *wtile, unsigned U,
         bw[n] = brow[n] ? brow[n] + (size_t)u0 * MOE_GPU_UNIT_K : nullptr;
     xs.base += (size_t)u0 * MOE_GPU_UNIT_K;
     tile_mma<NT>(wtile + (size_t)u0 * MOE_GPU_UNIT_BYTES, nu, us, bw, xs, sw, pol, acc);
+    if (warp == 0)
+        prefetch_next_task(pf);
     float *mine = reinterpret_cast<float *>(sw) + lane * (MR * NT * 4);
 #pragma unroll
     for (int m = 0; m < MR; m++)
@@ -624,7 +668,7 @@ __device__ __forceinline__ void tile_splitk(const uint8_t *wtile, unsigned U,
 template <int NT>
 __device__ void gu_task(const struct moe_gpu_params &p, const struct moe_gpu_layer &L,
                         const route &r, unsigned e, unsigned p0, unsigned cnt, unsigned rt,
-                        uint8_t *sw, uint8_t *sw_cta, unsigned long long pol)
+                        uint8_t *sw, uint8_t *sw_cta, unsigned long long pol, const task_pf &pf)
 {
     const unsigned H = p.d.hidden, I = p.d.inter, NE = p.d.n_experts + p.d.n_shared;
     const unsigned lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -638,7 +682,7 @@ __device__ void gu_task(const struct moe_gpu_params &p, const struct moe_gpu_lay
         brow[n] = j < cnt ? p.xs + (size_t)r.tok[p0 + j] * H : nullptr;
     }
     float acc[MR][NT][4];
-    tile_splitk<NT>(wt, units, brow, xsrc{p.xs, r.tok, p0, H, cnt}, sw, sw_cta, pol, acc);
+    tile_splitk<NT>(wt, units, brow, xsrc{p.xs, r.tok, p0, H, cnt}, sw, sw_cta, pol, pf, acc);
     if (threadIdx.x >= 32)
         return;
     const float sgate = __ldg(L.s2 + e) * 256.f, sup = __ldg(L.s2 + NE + e) * 256.f;
@@ -664,7 +708,7 @@ __device__ void gu_task(const struct moe_gpu_params &p, const struct moe_gpu_lay
 template <int NT>
 __device__ void dn_task(const struct moe_gpu_params &p, const struct moe_gpu_layer &L,
                         unsigned e, unsigned p0, unsigned cnt, unsigned rt, uint8_t *sw,
-                        uint8_t *sw_cta, unsigned long long pol)
+                        uint8_t *sw_cta, unsigned long long pol, const task_pf &pf)
 {
     const unsigned H = p.d.hidden, I = p.d.inter, NE = p.d.n_experts + p.d.n_shared;
     const unsigned lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -678,7 +722,7 @@ __device__ void dn_task(const struct moe_gpu_params &p, const struct moe_gpu_lay
         brow[n] = j < cnt ? p.h + (size_t)(p0 + j) * I : nullptr;
     }
     float acc[MR][NT][4];
-    tile_splitk<NT>(wt, units, brow, xsrc{p.h, nullptr, p0, I, cnt}, sw, sw_cta, pol, acc);
+    tile_splitk<NT>(wt, units, brow, xsrc{p.h, nullptr, p0, I, cnt}, sw, sw_cta, pol, pf, acc);
     if (threadIdx.x >= 32)
         return;
     const float sd = __ldg(L.s2 + 2 * NE + e) * 256.f;
@@ -926,16 +970,18 @@ __global__ void __launch_bounds__(THREADS, 16 / NWARPS) moe_persistent(const str
                     }
                 }
                 __syncthreads(); /* also: every thread has read s_task */
+                const task_pf pf{L.gu, L.dn, r.chs, NE, n_gu, n_dn, RT_GU, RT_DN,
+                                 p.d.hidden, p.d.inter, next};
                 if (is_gu) {
                     if (cnt <= 8)
-                        gu_task<1>(p, L, r, e, p0, cnt, rt, sw, sw_cta, pol);
+                        gu_task<1>(p, L, r, e, p0, cnt, rt, sw, sw_cta, pol, pf);
                     else
-                        gu_task<2>(p, L, r, e, p0, cnt, rt, sw, sw_cta, pol);
+                        gu_task<2>(p, L, r, e, p0, cnt, rt, sw, sw_cta, pol, pf);
                 } else {
                     if (cnt <= 8)
-                        dn_task<1>(p, L, e, p0, cnt, rt, sw, sw_cta, pol);
+                        dn_task<1>(p, L, e, p0, cnt, rt, sw, sw_cta, pol, pf);
                     else
-                        dn_task<2>(p, L, e, p0, cnt, rt, sw, sw_cta, pol);
+                        dn_task<2>(p, L, e, p0, cnt, rt, sw, sw_cta, pol, pf);
                 }
                 if (warp == 0) { /* only warp 0 wrote h / dout */
                     __syncwarp();
