@@ -115,16 +115,16 @@ static double median(double *v, uint32_t n)
 
 /* One batch through moed, waited for by spinning on the done callback. */
 static int moed_one(struct moed_backend *be, uint32_t layer, uint32_t T, uint32_t k, uint32_t H,
-                    uint16_t *x, int32_t *ids, float *w, uint16_t *y)
+                    uint16_t *x, int32_t *ids, float *w, uint16_t *y, int xy_kind)
 {
     struct moed_batch b = {0};
     b.layer = layer;
     b.n_tokens = T;
     b.top_k = k;
-    b.x = (struct moed_buf){MOED_BUF_HOST, 0, x, (uint64_t)T * H * 2};
+    b.x = (struct moed_buf){xy_kind, 0, x, (uint64_t)T * H * 2};
     b.ids = (struct moed_buf){MOED_BUF_HOST, 0, ids, (uint64_t)T * k * 4};
     b.w = (struct moed_buf){MOED_BUF_HOST, 0, w, (uint64_t)T * k * 4};
-    b.y = (struct moed_buf){MOED_BUF_HOST, 0, y, (uint64_t)T * H * 2};
+    b.y = (struct moed_buf){xy_kind, 0, y, (uint64_t)T * H * 2};
     g_done = 0;
     if (moed_backend_submit(be, &b))
         return -1;
@@ -293,11 +293,11 @@ int main(int argc, char **argv)
         if (ftell(csv) == 0)
             fprintf(csv, "model,T,experts,MB,moed_p50_us,moed_p10_us,moed_p90_us,moed_TBps,frac,"
                          "staged_p50_us,cublas_p50_us,staged_relL2,cublas_relL2,kernel_us,"
-                         "dispatch_us,complete_us,payload_copy_us\n");
+                         "dispatch_us,complete_us,payload_copy_us,moed_dev_p50_us\n");
     }
     struct row {
         uint32_t T;
-        double dist, mb, p50, a50, b50, arel, brel, disp, comp, kern, tbs;
+        double dist, mb, p50, p50d, a50, b50, arel, brel, disp, comp, kern, tbs;
     } rows[16];
     uint64_t s = 7;
     for (int ti = 0; ti < n_toks; ti++) {
@@ -335,7 +335,7 @@ int main(int argc, char **argv)
         for (uint32_t it = 0; it < n_it + 10; it++) {
             uint32_t distinct = gen_routing(&d, T, &s, ids, w, seen);
             double t0 = now_us();
-            if (moed_one(be, it % layers, T, d.top_k, d.hidden, x, ids, w, y)) {
+            if (moed_one(be, it % layers, T, d.top_k, d.hidden, x, ids, w, y, MOED_BUF_HOST)) {
                 fprintf(stderr, "batch failed\n");
                 return 1;
             }
@@ -378,6 +378,34 @@ int main(int argc, char **argv)
             phs[7][i] = ((double)(int64_t)(raw[i * 4 + 3] - raw[i * 4 + 1]) + off) * 1e-3;
         }
         free(raw);
+        /* the same batches with x and y in device memory (the CUDA IPC
+         * deployment: no host staging, no PCIe for x; the baselines' inputs
+         * are on the device too) */
+        double p50_dev = -1;
+        {
+            void *xd = NULL, *yd = NULL;
+            double *ld = malloc(n_it * sizeof *ld);
+            if (!ld || cudaMalloc(&xd, (size_t)T * d.hidden * 2) != cudaSuccess ||
+                cudaMalloc(&yd, (size_t)T * d.hidden * 2) != cudaSuccess ||
+                cudaMemcpy(xd, x, (size_t)T * d.hidden * 2, cudaMemcpyHostToDevice) != cudaSuccess) {
+                fprintf(stderr, "device buffers: allocation failed\n");
+                return 1;
+            }
+            for (uint32_t it = 0; it < n_it + 10; it++) {
+                gen_routing(&d, T, &s, ids, w, seen);
+                double t0 = now_us();
+                if (moed_one(be, it % layers, T, d.top_k, d.hidden, xd, ids, w, yd, MOED_BUF_DEVICE)) {
+                    fprintf(stderr, "batch (device buffers) failed\n");
+                    return 1;
+                }
+                if (it >= 10)
+                    ld[it - 10] = now_us() - t0;
+            }
+            p50_dev = median(ld, n_it);
+            free(ld);
+            cudaFree(xd);
+            cudaFree(yd);
+        }
         double clk_unc = (double)(half_a > half_b ? half_a : half_b) * 1e-3;
         qsort(lat, n_it, sizeof *lat, cmp_d);
         double dist = distinct_sum / n_it, bytes = dist * (double)per_expert;
@@ -392,6 +420,8 @@ int main(int argc, char **argv)
         printf("%-14s %5s   phases p50 us: release %.1f  x-stage %.1f  tiles %.1f  down-tail %.1f"
                "  combine %.1f  host+pcie %.1f\n", "", "", med[0], med[1], med[2], med[3], med[4],
                med[5]);
+        printf("%-14s %5s   x, y in device memory: p50 %.1f us (%.3f TB/s)\n", "", "", p50_dev,
+               bytes / (p50_dev * 1e-6) / 1e12);
         /* payload copy: x in and y out through the pinned staging (host memcpy) */
         double cp[21];
         for (int r = 0; r < 21; r++) {
@@ -412,6 +442,7 @@ int main(int argc, char **argv)
         rw->dist = dist;
         rw->mb = bytes / 1e6;
         rw->p50 = p50;
+        rw->p50d = p50_dev;
         rw->tbs = tbs;
         rw->disp = med[6];
         rw->comp = med[7];
@@ -434,7 +465,7 @@ int main(int argc, char **argv)
                     xs[q][i] = bf16_from_float((float)((int)(rng(&s) % 2001) - 1000) / 1000.0f);
                 gen_routing(&d, T, &s, is[q], ws[q], seen);
             }
-            if (moed_one(be, 0, T, d.top_k, d.hidden, xs[0], is[0], ws[0], ym)) {
+            if (moed_one(be, 0, T, d.top_k, d.hidden, xs[0], is[0], ws[0], ym, MOED_BUF_HOST)) {
                 fprintf(stderr, "check batch failed\n");
                 return 1;
             }
@@ -480,10 +511,10 @@ int main(int argc, char **argv)
             }
         }
         if (csv)
-            fprintf(csv, "%s,%u,%.1f,%.1f,%.1f,%.1f,%.1f,%.3f,%.3f,%.1f,%.1f,%.2e,%.2e,%.1f,%.2f,%.2f,%.1f\n",
+            fprintf(csv, "%s,%u,%.1f,%.1f,%.1f,%.1f,%.1f,%.3f,%.3f,%.1f,%.1f,%.2e,%.2e,%.1f,%.2f,%.2f,%.1f,%.1f\n",
                     preset, T, dist, bytes / 1e6, p50, p10, p90, tbs,
                     tbs / stream_tbs, rw->a50, rw->b50, rw->arel, rw->brel, med[8], med[6], med[7],
-                    cpy);
+                    cpy, p50_dev);
         fflush(stdout);
         free(x);
         free(y);
@@ -497,14 +528,15 @@ int main(int argc, char **argv)
             free(phs[k]);
     }
     if (bl) {
-        printf("\n# side by side (p50 us; speedup = baseline / moed)\n");
-        printf("%-14s %5s %10s %10s %10s %8s %8s %10s %10s\n", "model", "T", "moed", "staged",
-               "cublas", "x(a)", "x(b)", "disp_us", "compl_us");
+        printf("\n# side by side (p50 us; speedup = baseline / moed; moed = x, y in host memory "
+               "through the staging buffers, moed-dev = x, y in device memory like the baselines')\n");
+        printf("%-14s %5s %10s %10s %10s %10s %8s %8s %10s %10s %10s\n", "model", "T", "moed",
+               "moed-dev", "staged", "cublas", "x(a)", "x(b)", "x(b)dev", "disp_us", "compl_us");
         for (int ti = 0; ti < n_toks; ti++) {
             struct row *rw = &rows[ti];
-            printf("%-14s %5u %10.1f %10.1f %10.1f %8.2f %8.2f %10.2f %10.2f\n", preset, rw->T,
-                   rw->p50, rw->a50, rw->b50, rw->a50 / rw->p50, rw->b50 / rw->p50, rw->disp,
-                   rw->comp);
+            printf("%-14s %5u %10.1f %10.1f %10.1f %10.1f %8.2f %8.2f %10.2f %10.2f %10.2f\n",
+                   preset, rw->T, rw->p50, rw->p50d, rw->a50, rw->b50, rw->a50 / rw->p50,
+                   rw->b50 / rw->p50, rw->b50 / rw->p50d, rw->disp, rw->comp);
         }
     }
     int64_t off2 = 0, half2 = 0;

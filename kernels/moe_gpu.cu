@@ -121,11 +121,12 @@ extern "C" {
 #define MOE_CP_ASYNC_L2_HINT 0
 #endif
 
-#ifndef MOE_XTASK_PREFETCH /* 1: when a warp has issued its last weight stage, warp 0
-                              * prefetches the next claimed task's first weight units into
-                              * L2, so the next pipeline fill overlaps this task's split-K
-                              * reduction and epilogue (bench/NOTES.md, v8) */
-#define MOE_XTASK_PREFETCH 1
+#ifndef MOE_XTASK_PREFETCH /* 1: when its warp has finished a tile, warp 0 prefetches the
+                              * next claimed task's first weight units into L2, so the next
+                              * pipeline fill overlaps this task's split-K reduction and
+                              * epilogue. H200 2026-11-29: GPU tests pass, no gain (-1 to -5%,
+                              * within run-to-run noise; bench/NOTES.md v8): off */
+#define MOE_XTASK_PREFETCH 0
 #endif
 #ifndef MOE_X_SMEM /* 1: activation rows also stream through the cp.async stages
                       * (H200 2026-11-29: +10-14% over L2 loads into registers) */

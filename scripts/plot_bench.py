@@ -27,7 +27,8 @@ def main(argv):
         if r["model"] not in models:
             models.append(r["model"])
     fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 8), squeeze=False)
-    series = [("moed_p50_us", "moed (persistent)", "o-"),
+    series = [("moed_p50_us", "moed (persistent), x/y through host staging", "o-"),
+              ("moed_dev_p50_us", "moed (persistent), x/y in device memory", "D-"),
               ("staged_p50_us", "(a) NVFP4, launch per stage, graph", "s--"),
               ("cublas_p50_us", "(b) bf16 + cuBLAS per expert, graph", "^:")]
     for c, m in enumerate(models):
@@ -36,7 +37,7 @@ def main(argv):
         mb = [float(r["MB"]) for r in rs]
         lat_ax, bw_ax = axes[0][c], axes[1][c]
         for key, label, style in series:
-            v = [float(r[key]) for r in rs]
+            v = [float(r.get(key) or -1) for r in rs]
             if all(x <= 0 for x in v):
                 continue
             lat_ax.plot(T, v, style, label=label)
