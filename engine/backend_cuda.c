@@ -77,6 +77,8 @@ struct cuda_backend {
     char dev_name[256];
     int n_sms;
     uint32_t deadline_ms, idle_exit_ms;
+    moed_progress_fn progress; /* weight placement progress (open only) */
+    void *progress_ctx;
     /* layer id -> slot */
     int32_t *slot_of;
     uint32_t n_slot_of;
@@ -243,6 +245,8 @@ static int place_weights(struct cuda_backend *cb, const struct moed_cuda_src *sr
                 CK(cudaMemcpy(cb->wbuf + layer_bytes * l + per * e0, host, per * (e1 - e0),
                               cudaMemcpyHostToDevice));
                 done += per * (e1 - e0);
+                if (cb->progress)
+                    cb->progress(cb->progress_ctx, done, total);
                 if (done >= next_log || done == total) {
                     LOG_I("cuda: GPU %d: uploaded %.2f of %.2f GiB of expert weights (layer %u/%u)",
                           cb->dev, done / 1073741824.0, total / 1073741824.0, l + 1, cb->n_layers);
@@ -682,6 +686,8 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     cb->d.max_tokens = cfg->max_tokens;
     cb->dev = cfg->n_gpus == 1 && cfg->gpus ? cfg->gpus[0] : 0;
     cb->deadline_ms = cfg->batch_deadline_ms;
+    cb->progress = cfg->progress;
+    cb->progress_ctx = cfg->progress_ctx;
     cb->idle_exit_ms = cfg->idle_exit_ms;
     cb->n_layers = src->n_layers;
     if ((rc = moe_gpu_check_dims(&cb->d, err, errlen)))

@@ -28,6 +28,7 @@ if [ "$mode" = prepare ]; then
         case "$(basename "$lib")" in
             libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libstdc++*|libgcc_s*) ;;
             libcuda.so*|libnccl*) ;; # driver's own; NCCL is found on the machine (below)
+            libcublas*) ;; # bench only; CUDA 13's cuBLAS is on the GPU machine (and ~600 MB)
             *) cp -L "$lib" .device/lib/ ;;
         esac
     done
