@@ -96,17 +96,6 @@ static uint32_t gen_routing(const struct moe_gpu_dims *d, uint32_t T, uint64_t *
     return distinct;
 }
 
-static double rel_l2(const uint16_t *a, const uint16_t *ref, size_t n)
-{
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) {
-        double x = bf16_to_float(a[i]), r = bf16_to_float(ref[i]);
-        num += (x - r) * (x - r);
-        den += r * r;
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
-}
-
 static double median(double *v, uint32_t n)
 {
     qsort(v, n, sizeof *v, cmp_d);
@@ -484,7 +473,7 @@ int main(int argc, char **argv)
                     fprintf(stderr, "%s\n", err);
                     return 1;
                 }
-                rel[which] = rel_l2(yb, ym, (size_t)T * d.hidden);
+                rel[which] = bf16_rel_l2(yb, ym, (size_t)T * d.hidden);
                 uint32_t nb = n_it < 100 ? n_it : 100;
                 for (uint32_t it = 0; it < nb + 2 * BL_SLOTS; it++) {
                     if (bl_run(bl, which, it % BL_SLOTS, NULL, &us, err, sizeof err)) {

@@ -549,17 +549,6 @@ fail_model:
     return rc;
 }
 
-static double rel_l2(const uint16_t *a, const uint16_t *ref, size_t n)
-{
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) {
-        double x = bf16_to_float(a[i]), r = bf16_to_float(ref[i]);
-        num += (x - r) * (x - r);
-        den += r * r;
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
-}
-
 int moed_engine_self_check(struct moed_engine *e, char *err, size_t errlen)
 {
     const struct moed_dims *d = e->dims;
@@ -609,7 +598,7 @@ int moed_engine_self_check(struct moed_engine *e, char *err, size_t errlen)
         rc = moed_seterr(err, errlen, rc, "self-check: moe_ref_forward: %s", moed_strerror(rc));
         goto out;
     }
-    double rel = rel_l2(eb->b.y.ptr, ref, (size_t)T * H);
+    double rel = bf16_rel_l2(eb->b.y.ptr, ref, (size_t)T * H);
     if (!(rel <= 1e-2)) {
         rc = moed_seterr(err, errlen, MOED_E_BACKEND,
                          "self-check: backend %s differs from the CPU reference on layer %u, %u "

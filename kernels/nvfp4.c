@@ -198,3 +198,14 @@ void nvfp4_dequant_row(const struct nvfp4_mat *m, uint32_t r, float *out, int wi
             o[j] = v[j] * s * s2;
     }
 }
+
+double bf16_rel_l2(const uint16_t *y, const uint16_t *ref, size_t n)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        double a = bf16_to_float(y[i]), r = bf16_to_float(ref[i]);
+        num += (a - r) * (a - r);
+        den += r * r;
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}

@@ -56,6 +56,10 @@ uint8_t nvfp4_e4m3_encode(float x);
 uint16_t bf16_from_float(float x);
 float bf16_to_float(uint16_t h);
 
+/* Relative L2 error ||y - ref|| / ||ref|| of two bf16 arrays, in double
+ * (the absolute L2 norm when ref is all zero); NaN if either holds NaN. */
+double bf16_rel_l2(const uint16_t *y, const uint16_t *ref, size_t n);
+
 /* Quantize a float matrix w[n][k] (k % 16 == 0) as ModelOpt does:
  *   scale_2 = amax(w) / (6*448)   (1.0 when amax == 0 is avoided: then 1/(6*448))
  *   block scale = e4m3(amax(block) / (6 * scale_2)), an all-zero block gets 1.0

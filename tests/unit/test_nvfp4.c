@@ -244,6 +244,21 @@ START_TEST(test_quantize_zero_and_nibbles)
 }
 END_TEST
 
+/* ||y - ref|| / ||ref|| on values exact in bf16: ref = (3, 4), y = (3, 4.5)
+ * -> 0.5 / 5; all-zero ref gives the absolute norm; NaN propagates. */
+START_TEST(test_bf16_rel_l2)
+{
+    uint16_t ref[2] = {bf16_from_float(3.0f), bf16_from_float(4.0f)};
+    uint16_t y[2] = {bf16_from_float(3.0f), bf16_from_float(4.5f)};
+    ck_assert_double_eq_tol(bf16_rel_l2(y, ref, 2), 0.1, 1e-12);
+    ck_assert_double_eq(bf16_rel_l2(ref, ref, 2), 0.0);
+    uint16_t zero[2] = {0, 0};
+    ck_assert_double_eq_tol(bf16_rel_l2(y, zero, 2), sqrt(9.0 + 20.25), 1e-12);
+    uint16_t nan[2] = {0x7fc0, bf16_from_float(4.0f)};
+    ck_assert(isnan(bf16_rel_l2(nan, ref, 2)));
+}
+END_TEST
+
 static Suite *nvfp4_suite(void)
 {
     Suite *s = suite_create("nvfp4");
@@ -256,6 +271,7 @@ static Suite *nvfp4_suite(void)
     tcase_add_test(tc, test_bf16);
     tcase_add_test(tc, test_quantize_properties);
     tcase_add_test(tc, test_quantize_zero_and_nibbles);
+    tcase_add_test(tc, test_bf16_rel_l2);
     suite_add_tcase(s, tc);
     return s;
 }
