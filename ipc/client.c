@@ -341,15 +341,31 @@ int moedc_connect(const char *path, int timeout_ms, struct moedc **out, char *er
         rc = moed_seterr(err, errlen, MOED_E_CONN, "socket: %s", strerror(errno));
         goto free_c;
     }
-    if (connect(c->fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
-        if (errno != EINPROGRESS && errno != EAGAIN && errno != EINTR) {
+    /* A non-blocking AF_UNIX connect completes at once, or fails with
+     * EAGAIN when the listener's backlog is full: that is a failure, not
+     * "in progress" (the socket stays unconnected yet polls writable), so
+     * retry until the deadline. EINPROGRESS is waited for with poll. */
+    int64_t deadline = deadline_of(c);
+    int cr;
+    while ((cr = connect(c->fd, (struct sockaddr *)&sa, sizeof sa)) < 0 &&
+           (errno == EINTR || errno == EAGAIN)) {
+        if (errno == EAGAIN) {
+            if (deadline >= 0 && now_ms() >= deadline) {
+                rc = moed_seterr(err, errlen, MOED_E_TIMEOUT,
+                                 "connect to %s: listener busy (backlog full) for %d ms", path,
+                                 timeout_ms);
+                goto close_fd;
+            }
+            usleep(1000);
+        }
+    }
+    if (cr < 0) {
+        if (errno != EINPROGRESS) {
             rc = moed_seterr(err, errlen, MOED_E_CONN, "connect to %s: %s", path,
                              strerror(errno));
             goto close_fd;
         }
-        /* Unix sockets complete at once or report EAGAIN when the backlog is
-         * full; wait for writability, then read the outcome. */
-        rc = wait_fd(c, POLLOUT, deadline_of(c), err, errlen);
+        rc = wait_fd(c, POLLOUT, deadline, err, errlen);
         if (rc) {
             moed_seterr(err, errlen, rc, "connect to %s: timed out after %d ms", path,
                         timeout_ms);

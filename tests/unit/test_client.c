@@ -420,6 +420,43 @@ START_TEST(test_connect_errors)
 }
 END_TEST
 
+/* A listener whose backlog is full and that never accepts: once the backlog
+ * is taken, moedc_connect must fail with a timeout naming the cause, never
+ * return a socket that is not connected. */
+START_TEST(test_connect_backlog_full)
+{
+    char dir[] = "/tmp/moedc-bl-XXXXXX";
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s/s", dir);
+    int l = socket(AF_UNIX, SOCK_STREAM, 0);
+    ck_assert_int_ge(l, 0);
+    ck_assert_int_eq(bind(l, (struct sockaddr *)&sa, sizeof sa), 0);
+    ck_assert_int_eq(listen(l, 0), 0);
+    char err[MOED_ERRLEN];
+    struct moedc *cs[8] = {0};
+    int timeouts = 0, ok = 0;
+    for (int i = 0; i < 8; i++) {
+        int rc = moedc_connect(sa.sun_path, 100, &cs[i], err, sizeof err);
+        if (rc == 0) {
+            ck_assert_msg(timeouts == 0, "connect %d succeeded after a refusal", i);
+            ok++;
+        } else {
+            ck_assert_int_eq(rc, MOED_E_TIMEOUT);
+            ck_assert_msg(strstr(err, "listener busy (backlog full) for 100 ms") != NULL, "%s", err);
+            timeouts++;
+        }
+    }
+    ck_assert_int_ge(timeouts, 1);
+    ck_assert_int_le(ok, 2);
+    for (int i = 0; i < 8; i++)
+        moedc_close(cs[i]);
+    close(l);
+    unlink(sa.sun_path);
+    rmdir(dir);
+}
+END_TEST
+
 static Suite *client_suite(void)
 {
     Suite *s = suite_create("client");
@@ -432,6 +469,7 @@ static Suite *client_suite(void)
     tcase_add_test(tc, test_bad_replies);
     tcase_add_test(tc, test_bad_forward_reply);
     tcase_add_test(tc, test_connect_errors);
+    tcase_add_test(tc, test_connect_backlog_full);
     suite_add_tcase(s, tc);
     return s;
 }
