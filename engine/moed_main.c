@@ -471,6 +471,13 @@ static int run_daemon(const struct moed_cfg *cfg)
         d.exit_code = EXIT_BACKEND;
         goto out_engine;
     }
+    /* the health timer runs from attach on: a failure it saw during the
+     * self-check (before the failure callback exists) stops the start here */
+    if (moed_engine_failed(d.engine)) {
+        LOG_E("backend failed during start-up");
+        d.exit_code = EXIT_BACKEND;
+        goto out_engine;
+    }
 
     /* socket */
     rc = moed_server_open(&d.loop, cfg, moed_engine_server_ops(), d.engine, st, &d.server, err,
@@ -481,7 +488,6 @@ static int run_daemon(const struct moed_cfg *cfg)
         goto out_engine;
     }
     moed_engine_on_failure(d.engine, on_backend_failure, &d);
-
 
     uv_signal_init(&d.loop, &d.sigterm);
     uv_signal_init(&d.loop, &d.sigint);

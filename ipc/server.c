@@ -23,6 +23,7 @@
 
 #include <errno.h>
 #include <grp.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -62,6 +63,7 @@ struct moed_conn {
     unsigned reading : 1;
     unsigned closing : 1; /* marked: no more reads, replies dropped */
     unsigned graceful : 1;/* flush queued writes before closing */
+    unsigned drain_on_close : 1; /* clean end: wait for replies while they drain */
     unsigned queued : 1;  /* on the srv close list */
     unsigned closed : 1;  /* uv_close called */
     unsigned eof : 1;
@@ -101,6 +103,8 @@ struct write_req {
 static void conn_process(struct moed_conn *c);
 static void conn_update(struct moed_conn *c);
 static void conn_close(struct moed_conn *c, int graceful);
+static void on_close_grace(uv_timer_t *t);
+static uint64_t close_grace_ms(const struct moed_conn *c);
 static void server_maybe_done(struct moed_server *srv);
 
 /* ---- frames and writes ------------------------------------------------ */
@@ -135,6 +139,8 @@ static void on_write(uv_write_t *req, int status)
         conn_close(c, 0);
         return;
     }
+    if (status >= 0 && c->drain_on_close && c->tmode == TIMER_CLOSE && !c->closed)
+        uv_timer_start(&c->timer, on_close_grace, close_grace_ms(c), 0); /* progress */
     if (c->wpaused && !c->closing &&
         uv_stream_get_write_queue_size((uv_stream_t *)&c->pipe) <= c->srv->cfg.max_client_buffer_bytes) {
         c->wpaused = 0;
@@ -245,6 +251,16 @@ static void on_shutdown(uv_shutdown_t *req, int status)
     conn_close_now(req->data);
 }
 
+/* How long a closing connection may go without write progress: a client
+ * that half-closed after its last request is owed its replies and gets as
+ * long as an open one (frame_timeout_ms per stall); error and shutdown
+ * closes get CLOSE_GRACE_MS in all. */
+static uint64_t close_grace_ms(const struct moed_conn *c)
+{
+    uint64_t t = c->srv->cfg.frame_timeout_ms;
+    return c->drain_on_close && t > CLOSE_GRACE_MS ? t : CLOSE_GRACE_MS;
+}
+
 static void on_close_grace(uv_timer_t *t)
 {
     conn_close_now(t->data);
@@ -270,7 +286,7 @@ static void on_closer(uv_idle_t *h)
             if (uv_shutdown(&c->shutdown_req, (uv_stream_t *)&c->pipe, on_shutdown) == 0) {
                 uv_timer_stop(&c->timer);
                 c->tmode = TIMER_CLOSE;
-                uv_timer_start(&c->timer, on_close_grace, CLOSE_GRACE_MS, 0);
+                uv_timer_start(&c->timer, on_close_grace, close_grace_ms(c), 0);
                 continue;
             }
         }
@@ -355,8 +371,12 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *out)
             c->cap = ncap;
         }
     }
-    /* A full buffer (only possible on allocation failure) gives UV_ENOBUFS. */
-    *out = uv_buf_init((char *)c->buf + c->len, (unsigned)(c->cap - c->len));
+    /* A full buffer (only possible on allocation failure) gives UV_ENOBUFS.
+     * uv_buf_t lengths are unsigned int: a 4 GiB frame is read in pieces. */
+    size_t room = c->cap - c->len;
+    if (room > UINT_MAX)
+        room = UINT_MAX;
+    *out = uv_buf_init((char *)c->buf + c->len, (unsigned)room);
 }
 
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *b)
@@ -625,7 +645,10 @@ static void conn_process(struct moed_conn *c)
             return;
         }
         if (rest == 0 && c->skip == 0 && c->pending == 0) {
+            /* A clean end after every request was answered: the client
+             * still reads (half-close), so wait for the replies to drain. */
             conn_close(c, 1);
+            c->drain_on_close = 1;
             return;
         }
     }

@@ -598,3 +598,35 @@ def test_status_served_while_loading(tmp_path_factory):
         assert d.stop() == 0, d.log()[-3000:]
     finally:
         d.kill()
+
+
+def test_half_closed_slow_reader_gets_every_reply(models_dir):
+    """A client that sends its requests, half-closes, and only starts reading
+    later (past the 2 s error-close grace, inside frame_timeout_ms) still gets
+    every reply: a clean end waits for the replies while the client drains."""
+    tmp = short_tmp()
+    cfg = du.base_config(tmp, models_dir, server__frame_timeout_ms=6000,
+                         server__max_pending_per_client=64)
+    with du.Daemon(tmp, cfg) as d:
+        s0 = d.connect()
+        dims = du.hello(s0)
+        s0.close()
+        t = dims["max_tokens"]
+        rng = np.random.default_rng(4)
+        x = du.bf16_bits(rng.standard_normal((t, dims["hidden"])).astype(np.float32))
+        ids = rng.integers(0, dims["n_experts"], size=(t, dims["top_k"])).astype(np.int32)
+        w = rng.random((t, dims["top_k"])).astype(np.float32)
+        payload = du.forward_payload(dims["first_moe_layer"], x.tobytes(), ids, w)
+        n = 40  # 40 replies of T*H*2 bytes: well over the socket buffer
+        s = d.connect(timeout=60)
+        s.sendall(b"".join(du.frame(du.MSG_FORWARD, i + 1, payload) for i in range(n)))
+        s.shutdown(socket.SHUT_WR)
+        time.sleep(3.0)
+        got = set()
+        for _ in range(n):
+            mtype, rid, p = du.read_frame(s)
+            assert mtype == du.MSG_FORWARD | du.REPLY, du.parse_error(p)
+            got.add(rid)
+        assert got == set(range(1, n + 1))
+        du.expect_closed(s)
+        assert d.stop() == 0, d.log()[-3000:]
