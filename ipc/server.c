@@ -641,8 +641,11 @@ static void conn_process(struct moed_conn *c)
             snprintf(msg, sizeof msg, "connection closed mid-frame (%zu bytes of a frame received)",
                      rest);
             conn_send_error(c, 0, MOED_E_PROTO, msg);
-            conn_close(c, 1);
-            return;
+            /* drop the partial frame; requests before it still get their
+             * replies (nothing in flight is lost), then the close below */
+            c->len = c->off;
+            c->skip = 0;
+            rest = 0;
         }
         if (rest == 0 && c->skip == 0 && c->pending == 0) {
             /* A clean end after every request was answered: the client

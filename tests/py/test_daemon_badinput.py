@@ -185,6 +185,28 @@ def case_truncated_header_eof(d, dims):
     du.expect_closed(s)
 
 
+def case_truncated_after_valid_requests(d, dims):
+    """Whole FORWARDs, then a partial frame and EOF: the partial frame gets
+    its ERROR and every request before it still gets its reply."""
+    s = d.connect()
+    n = 4
+    for i in range(n):
+        layer, x, ids, w = good_payload(dims, t=8, seed=40 + i)
+        s.sendall(du.frame(MSG_FORWARD, 300 + i, du.forward_payload(layer, x.tobytes(), ids, w)))
+    s.sendall(du.header(MSG_PING, 399, 4)[:20])
+    s.shutdown(socket.SHUT_WR)
+    got, errors = set(), []
+    for _ in range(n + 1):
+        mtype, rid, p = du.read_frame(s)
+        if mtype == MSG_FORWARD | REPLY:
+            got.add(rid)
+        else:
+            errors.append(du.parse_error(p))
+    assert got == set(range(300, 300 + n))
+    assert len(errors) == 1 and "connection closed mid-frame (20 bytes" in errors[0][1], errors
+    du.expect_closed(s)
+
+
 def case_body_never_comes(d, dims):
     s = d.connect()
     t0 = time.monotonic()
