@@ -6,8 +6,8 @@
  * layout (kernels/moe_gpu.cu, LAYOUT): a 16-row x 64-K sub-tile is 576 bytes,
  * lane l = 4g+q owns 16 code bytes (rows g, g+8; k in [16q, 16q+16) of the
  * unit, word s = k 16q+4s..+3) and scale bytes 512+2l (row g), 513+2l (row
- * g+8). Inside word s, row g's k+0..3 sit in nibbles 0,4,2,6 and row g+8's in
- * 1,5,3,7 (kernels/moe_gpu_pack.c, pack_sub).
+ * g+8). Inside word s, pair p = 0 (row g k+0/1), 1 (row g+8 k+0/1), 2 (row g
+ * k+2/3), 3 (row g+8 k+2/3); moe_gpu_code_get (moe_gpu.h) reads a code.
  */
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -48,11 +48,10 @@ __device__ __forceinline__ uint16_t f2bf(float f)
 }
 __device__ __forceinline__ float silu_f(float g) { return g / (1.0f + expf(-g)); }
 
-/* nibble of row r (0: g, 1: g+8) at k offset kk (0..3) of a word */
+/* code of row r (0: g, 1: g+8) at k offset kk (0..3) of a word */
 __device__ __forceinline__ unsigned nib_of(uint32_t word, int r, int kk)
 {
-    int idx = r + 2 * (kk >> 1) + 4 * (kk & 1);
-    return (word >> (4 * idx)) & 15u;
+    return moe_gpu_code_get(word, (unsigned)(r + 2 * (kk >> 1)), (unsigned)(kk & 1));
 }
 
 __device__ __forceinline__ const uint8_t *sub_ptr(const uint8_t *base, unsigned st, unsigned u,

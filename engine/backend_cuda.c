@@ -90,6 +90,7 @@ struct cuda_backend {
     void *state;
     uint16_t *xs, *h;
     int32_t *ids_s;
+    uint16_t *route_g; /* per-CTA routing tables (MOE_GPU_ROUTE_GMEM) */
     float *w_s, *dout;
     uint64_t weight_bytes, scratch_bytes, dev_used, dev_total;
     /* mapped host memory */
@@ -606,6 +607,7 @@ static void free_all(struct cuda_backend *cb, int device_ok)
         cudaFree(cb->xs);
         cudaFree(cb->h);
         cudaFree(cb->ids_s);
+        cudaFree(cb->route_g);
         cudaFree(cb->w_s);
         cudaFree(cb->dout);
         if (cb->ctrl)
@@ -735,7 +737,10 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     const uint64_t MT = cb->d.max_tokens, KS = cb->d.top_k + cb->d.n_shared, k = cb->d.top_k;
     cb->weight_bytes = (moe_gpu_gu_bytes(H, I) + moe_gpu_dn_bytes(H, I)) * NE * cb->n_layers;
     cb->scratch_bytes = MT * H * 2 + MT * k * 8 + MT * KS * I * 2 + MT * KS * H * 4 +
-                        moe_gpu_state_bytes(&cb->d) + (uint64_t)sizeof(float) * 3 * NE * cb->n_layers;
+                        moe_gpu_state_bytes(&cb->d) + (uint64_t)sizeof(float) * 3 * NE * cb->n_layers +
+                        /* routing tables: one region per CTA; 1024 bounds the grid
+                         * (<= 16 warps per SM, >= 4 warps per CTA, <= 256 SMs) */
+                        (uint64_t)moe_gpu_route_gmem_bytes(&cb->d) * 1024;
     CK(cudaMemGetInfo(&free_b, &total_b));
     const uint64_t margin = 256ull << 20;
     if (cb->weight_bytes + cb->scratch_bytes + margin > free_b) {
@@ -776,10 +781,14 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     int e = moe_gpu_plan(cb->dev, &cb->d, cfg->sms_free, &cb->launch);
     if (e)
         CK((cudaError_t)e);
+    if (moe_gpu_route_gmem_bytes(&cb->d))
+        CK(cudaMalloc((void **)&cb->route_g,
+                      (size_t)cb->launch.grid * moe_gpu_route_gmem_bytes(&cb->d)));
     cb->params = (struct moe_gpu_params){
         .d = cb->d, .layers = cb->layers_d, .ctrl = cb->ctrl_d, .state = cb->state,
         .xs = cb->xs, .ids_s = cb->ids_s, .w_s = cb->w_s, .h = cb->h, .dout = cb->dout,
-        .start_seq = 1, .smem_route = moe_gpu_smem_route_bytes(&cb->d)};
+        .start_seq = 1, .smem_route = moe_gpu_smem_route_bytes(&cb->d),
+        .route_g = cb->route_g};
     LOG_I("cuda: GPU %d: persistent kernel grid %d CTAs = %d/SM x %d SMs (%d left free), %d "
           "threads, %d B dynamic smem", cb->dev, cb->launch.grid, cb->launch.ctas_per_sm,
           cb->launch.sms, cfg->sms_free, cb->launch.block, cb->launch.smem_bytes);

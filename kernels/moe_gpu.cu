@@ -32,30 +32,41 @@
  *
  * PARTITIONING AND TASKS. The CTA (MOE_GPU_WARPS = 4 warps) is the worker.
  * Per batch, tasks are numbered
- *   [gate_up tiles][down tiles][combine units]
- * A gate_up or down tile is (expert, chunk of <= MOE_GPU_CHUNK_TOKENS of its
- * (token, slot) pairs, 32-row tile), ordered by expert. The CTA's warps split
- * the tile's K units (warp w takes units w, w+4, ...: split-K) and warp 0
- * sums the partials in warp order (fixed: deterministic) and writes the
- * epilogue. A combine unit is one token x 256 columns, one per warp. Each
- * CTA claims the next number from one atomic counter (the claim for the next
- * task is issued while the current one runs). A down tile waits until its
- * expert's gate_up counter reaches the expert's tile count; combine waits for
- * every down tile. Waits only point backwards in the order and every CTA is
- * resident (grid from the occupancy API), so nothing can deadlock.
+ *   [gate_up tasks][down tasks][combine units]
+ * A gate_up or down task is (expert, chunk of <= MOE_GPU_CHUNK_TOKENS of its
+ * (token, slot) pairs, NTILE consecutive 32-row tiles), ordered by expert;
+ * NTILE is chosen per batch (ntile_for: up to MOE_GPU_NTILE = 4 while every
+ * CTA still gets MOE_GPU_NTILE_WAVES = 2 tasks; 1 for small batches, so every
+ * SM streams at T = 1). The CTA's warps split each tile's K units (warp w
+ * takes units w, w+4, ... of every tile: split-K), stream the task's tiles
+ * one after another without draining, and warp w sums tile w's partials in
+ * warp order (fixed: deterministic, and the same sum whatever NTILE is, so a
+ * token's output does not depend on its batch) and writes its epilogue. A
+ * combine unit is one token x 256 columns, one per warp. Each CTA claims the
+ * next number from one atomic counter (the claim for the next task is issued
+ * while the current one runs). Counters count tiles: a down task waits until
+ * its expert's gate_up counter reaches the expert's tile count; combine
+ * waits for every down tile. Waits only point backwards in the order and
+ * every CTA is resident (grid from the occupancy API), so nothing can
+ * deadlock.
  *
- * ROUTING. Every CTA builds the batch's expert histogram, the (token, slot)
- * -> pair position map and the pair -> token list in shared memory by itself
- * (one warp ranks entries 32 at a time with __match_any_sync in a fixed
- * order, so pair numbering is deterministic): no grid barrier.
+ * ROUTING. Every CTA builds the batch's expert histogram (shared memory),
+ * the (token, slot) -> pair position map and the pair -> token list (its own
+ * region of device memory with MOE_GPU_ROUTE_GMEM, leaving shared memory to
+ * the pipeline) by itself (one warp ranks entries 32 at a time with
+ * __match_any_sync in a fixed order, so pair numbering is deterministic): no
+ * grid barrier.
  *
- * PIPELINE. Each warp streams its share of a tile through its own
+ * PIPELINE. Each warp streams its share of a task through its own
  * STAGES-deep ring of shared-memory stages filled with 16-byte cp.async
  * (.cg: L2 only). A stage holds one K unit of weights (MR sub-tiles) and the
  * same K unit of the task's activation rows (x for gate_up, h for down; only
  * the rows in use, 144-byte padded rows for conflict-free fragment reads).
  * Measured on the H200: loading the activations from L2 into registers one
- * unit ahead instead capped the stream at ~2 TB/s (bench/NOTES.md).
+ * unit ahead instead capped the stream at ~2 TB/s; 4-6 stages, 24-32 warps
+ * per SM and longer tasks did not raise the stream: the SM's issue slots and
+ * integer pipe are what bind (Nsight Compute on bench/probe/tile_probe.cu,
+ * bench/NOTES.md).
  *
  * QUEUE PROTOCOL. Host: writes ring[seq % RING] then st.release of head
  * (64-bit, system scope). CTA 0 thread 0 (the dispatcher) waits until the
@@ -103,15 +114,11 @@ extern "C" {
 #ifndef MOE_VARIANT_NO_DEQUANT
 #define MOE_VARIANT_NO_DEQUANT 0
 #endif
-#ifndef MOE_VARIANT_NO_XLOAD
-#define MOE_VARIANT_NO_XLOAD 0
-#endif
 #ifndef MOE_VARIANT_NO_MMA
 #define MOE_VARIANT_NO_MMA 0
 #endif
-
-#ifndef MOE_SPLITK_BLOCKED /* 1: each warp takes a contiguous block of K units */
-#define MOE_SPLITK_BLOCKED 0
+#ifndef MOE_VARIANT_NO_XLOAD /* no activation rows copied (B fragments are stale) */
+#define MOE_VARIANT_NO_XLOAD 0
 #endif
 #ifndef MOE_GPU_PHASES /* gate_up / down end timestamps (costs an atomic per tile) */
 #define MOE_GPU_PHASES 0
@@ -121,26 +128,15 @@ extern "C" {
 #define MOE_CP_ASYNC_L2_HINT 0
 #endif
 
-#ifndef MOE_XTASK_PREFETCH /* 1: when its warp has finished a tile, warp 0 prefetches the
-                              * next claimed task's first weight units into L2, so the next
-                              * pipeline fill overlaps this task's split-K reduction and
-                              * epilogue. H200 2026-11-29: GPU tests pass, no gain (-1 to -5%,
-                              * within run-to-run noise; bench/NOTES.md v8): off */
-#define MOE_XTASK_PREFETCH 0
+#ifndef MOE_GPU_NTILE /* row tiles per gate_up / down task, at most (1 = one 32-row tile) */
+#define MOE_GPU_NTILE 4
 #endif
-#ifndef MOE_X_SMEM /* 1: activation rows also stream through the cp.async stages
-                      * (H200 2026-11-29: +10-14% over L2 loads into registers) */
-#define MOE_X_SMEM 1
-#endif
-#ifndef MOE_X_EARLY /* 1: (registers path) next x load issued before the weight wait */
-#define MOE_X_EARLY 0
+#ifndef MOE_GPU_NTILE_WAVES /* a batch uses n tiles per task only while it still has at
+                               least this many tasks per CTA */
+#define MOE_GPU_NTILE_WAVES 2
 #endif
 #define X_ROW_BYTES 144 /* 128 + 16: conflict-free 16-byte fragment reads */
-#if MOE_X_SMEM
 #define STAGE_BYTES (MOE_GPU_UNIT_BYTES + MOE_GPU_CHUNK_TOKENS * X_ROW_BYTES)
-#else
-#define STAGE_BYTES MOE_GPU_UNIT_BYTES
-#endif
 
 #define MR MOE_GPU_MR
 #define NWARPS MOE_GPU_WARPS
@@ -275,11 +271,21 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b)
     return d;
 }
 
-/* Nibbles p (low half) and p+4 (high half) of w -> bf16x2 of value * 2^-126. */
+/* Pair P of code word w (layout: moe_gpu.h) -> bf16x2 bits of value * 2^-126:
+ * the sign lands on bit 15/31 and the magnitude (e1 e0 m) on bits 6-8/22-24,
+ * where the bf16 low exponent bits and top mantissa bit give E2M1's meaning
+ * exactly (its subnormal 0.5 lands on the bf16 subnormal with the same
+ * scale). 2 (P = 0, 1), 3 (P = 2) or 4 (P = 3) integer ops. */
 template <int P> __device__ __forceinline__ uint32_t e2m1x2_bits(uint32_t w)
 {
-    uint32_t t = w >> (4 * P);
-    return ((t & 0x00070007u) << 6) | ((t & 0x00080008u) << 12);
+    constexpr uint32_t S = 0x80008000u, G = 0x01c001c0u, M = S | G;
+    if (P == 0)
+        return __funnelshift_l(w, w, 6) & M;
+    if (P == 1)
+        return __funnelshift_l(w, w, 3) & M;
+    if (P == 2)
+        return (__funnelshift_l(w, w, 4) & S) | (w & G);
+    return (__funnelshift_l(w, w, 5) & S) | (__funnelshift_l(w, w, 9) & G);
 }
 
 /* Two E4M3 scales (low byte row g, high byte row g+8) -> bf16x2 broadcasts of
@@ -407,137 +413,126 @@ __device__ __forceinline__ unsigned chunk_expert(const unsigned *chs, unsigned N
     return lo;
 }
 
-/* The next task this CTA claimed, for the cross-task L2 prefetch: decoded the
- * way the task loop decodes it. `next` is the claim's atomic result, valid in
- * thread 0 only and read (waited for) only when the prefetch is issued. */
-struct task_pf {
-    const uint8_t *gu, *dn;
-    const unsigned *chs;
-    unsigned NE, n_gu, n_dn, RT_GU, RT_DN, H, I;
-    unsigned next;
-};
+/* ---------------- one task: NTILE row tiles x K, NT*8 tokens ---------------- */
 
-/* Warp 0: prefetch.global.L2 of the first NWARPS*STAGES weight units (what
- * the warps' prologues and first steady-state issues read) of the next
- * gate_up/down task. A hint only: results do not depend on it. */
-__device__ __forceinline__ void prefetch_next_task(const task_pf &pf)
-{
-#if MOE_XTASK_PREFETCH
-    const unsigned lane = threadIdx.x & 31;
-    const unsigned t = __shfl_sync(0xffffffffu, pf.next, 0);
-    if (t >= pf.n_gu + pf.n_dn)
-        return;
-    const bool is_gu = t < pf.n_gu;
-    const unsigned tt = is_gu ? t : t - pf.n_gu, RT = is_gu ? pf.RT_GU : pf.RT_DN;
-    const unsigned cg = tt / RT, rt = tt - cg * RT;
-    const unsigned e = chunk_expert(pf.chs, pf.NE, cg);
-    const unsigned units = (is_gu ? pf.H : pf.I) / MOE_GPU_UNIT_K;
-    const uint8_t *wt = (is_gu ? pf.gu : pf.dn) + (size_t)e * moe_gpu_expert_bytes_d(pf.H, pf.I) +
-                        (size_t)rt * units * MOE_GPU_UNIT_BYTES;
-    const unsigned nu = min(units, (unsigned)(NWARPS * STAGES));
-    const unsigned lines = nu * MOE_GPU_UNIT_BYTES / 128;
-    for (unsigned c = lane; c < lines; c += 32)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(wt + (size_t)c * 128));
-#else
-    (void)pf;
-#endif
-}
-
-/* ---------------- one warp tile: MR*16 rows x K, NT*8 tokens ---------------- */
-
-/* One warp's share of a tile: `units` K units (unit i at absolute unit
- * u0 + i * ustride, wtile/x already offset to u0). Weights (and, with
- * MOE_X_SMEM, the cnt used activation rows) stream through the warp's
- * STAGES-deep cp.async ring; B fragments come from there (or, without
- * MOE_X_SMEM, from L2 one unit ahead in registers). */
+/* Activation rows of a task: row r at base + (tok ? tok[p0 + r] : p0 + r) * ld. */
 struct xsrc {
-    const uint16_t *base; /* row r at base + (tok ? tok[p0 + r] : p0 + r) * ld, offset to u0 */
+    const uint16_t *base;
     const uint16_t *tok;
     unsigned p0, ld, cnt;
 };
 
-template <int NT>
-__device__ __forceinline__ void tile_mma(const uint8_t *__restrict__ wtile, unsigned units,
-                                         unsigned ustride, const uint16_t *const (&brow)[NT],
-                                         const xsrc &xs, uint8_t *sw, unsigned long long pol,
-                                         float (&acc)[MR][NT][4])
+/* acc[j] = src when j == i (i uniform across the warp; unrolled, so the
+ * arrays stay in registers). */
+template <int NTILE, int NT>
+__device__ __forceinline__ void acc_store(float (&acc)[NTILE][MR][NT][4], unsigned i,
+                                          float (&src)[MR][NT][4])
 {
+#pragma unroll
+    for (int j = 0; j < NTILE; j++)
+        if ((unsigned)j == i)
+#pragma unroll
+            for (int m = 0; m < MR; m++)
+#pragma unroll
+                for (int n = 0; n < NT; n++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++)
+                        acc[j][m][n][c] = src[m][n][c];
+}
+
+/* One warp's share of a task. The task's weights are ntiles consecutive row
+ * tiles of tile_units K units each, stored back to back. In every tile this
+ * warp takes K units w, w + NWARPS, ... (nuw of them): the same units it
+ * would take of a one-tile task, so a tile's sum does not depend on how many
+ * tiles its task has (batch invariance). It streams them tile after tile in
+ * one STAGES-deep cp.async pipeline that does not drain between tiles; each
+ * stage holds one weight unit and the same K unit of the task's activation
+ * rows (only the cnt rows in use, 144-byte padded rows for conflict-free
+ * fragment reads). Partial sums of tile j end in acc[j]. */
+template <int NT, int NTILE>
+__device__ __forceinline__ void task_mma(const uint8_t *__restrict__ wtask, unsigned w,
+                                         unsigned nuw, unsigned ntiles, unsigned tile_units,
+                                         const xsrc &xs, uint8_t *sw, unsigned long long pol,
+                                         float (&acc)[NTILE][MR][NT][4])
+{
+    const unsigned nu = nuw * ntiles;
     const unsigned lane = threadIdx.x & 31;
     const unsigned q = lane & 3, g = lane >> 2;
+    float cur[MR][NT][4];
 #pragma unroll
     for (int m = 0; m < MR; m++)
 #pragma unroll
         for (int n = 0; n < NT; n++)
 #pragma unroll
-            for (int c = 0; c < 4; c++)
-                acc[m][n][c] = 0.f;
-#if MOE_X_SMEM
-    /* this lane copies chunk c = lane + 32 i: row c / 8, 16-byte part c % 8 */
+            for (int c = 0; c < 4; c++) {
+                cur[m][n][c] = 0.f;
+#pragma unroll
+                for (int j = 0; j < NTILE; j++)
+                    acc[j][m][n][c] = 0.f;
+            }
+    /* this lane copies activation chunk c = lane + 32 i: row c / 8, 16-byte part c % 8 */
     const uint16_t *xrow[NT * 8 * 8 / 32];
 #pragma unroll
     for (int i = 0; i < NT * 8 * 8 / 32; i++) {
         unsigned row = (lane + 32 * i) >> 3;
-        xrow[i] = row < xs.cnt ? xs.base + (size_t)(xs.tok ? xs.tok[xs.p0 + row] : xs.p0 + row) * xs.ld +
+        xrow[i] = row < xs.cnt && !MOE_VARIANT_NO_XLOAD ? xs.base + (size_t)(xs.tok ? xs.tok[xs.p0 + row] : xs.p0 + row) * xs.ld +
                                      (lane & 7) * 8
                                : nullptr;
     }
-#else
-    (void)xs;
-    (void)g;
-#endif
 
-    auto issue = [&](unsigned u) {
-        if (u < units) {
-            const uint8_t *src = wtile + (size_t)u * ustride * MOE_GPU_UNIT_BYTES;
-            uint8_t *dst = sw + (u % STAGES) * STAGE_BYTES;
+    /* position of the next unit to issue: tile ij, K unit iu of that tile,
+     * ring slot is (no divisions per unit) */
+    unsigned ij = 0, iu = w, is = 0;
+    auto issue = [&](unsigned i) {
+        if (i < nu) {
+            const unsigned ux = iu;
+            const uint8_t *src = wtask + ((size_t)ij * tile_units + ux) * MOE_GPU_UNIT_BYTES;
+            uint8_t *dst = sw + is * STAGE_BYTES;
+            iu += NWARPS;
+            if (iu >= tile_units) {
+                iu = w;
+                ij++;
+            }
+            is = is + 1 == STAGES ? 0 : is + 1;
             for (unsigned c = lane; c < MOE_GPU_UNIT_BYTES / 16; c += 32)
                 cp_async16(dst + c * 16, src + c * 16, pol);
-#if MOE_X_SMEM
             uint8_t *xd = dst + MOE_GPU_UNIT_BYTES;
 #pragma unroll
-            for (int i = 0; i < NT * 8 * 8 / 32; i++)
-                if (xrow[i])
-                    cp_async16(xd + ((lane + 32 * i) >> 3) * X_ROW_BYTES + (lane & 7) * 16,
-                               xrow[i] + (size_t)u * ustride * MOE_GPU_UNIT_K, pol);
-#endif
+            for (int j = 0; j < NT * 8 * 8 / 32; j++)
+                if (xrow[j])
+                    cp_async16(xd + ((lane + 32 * j) >> 3) * X_ROW_BYTES + (lane & 7) * 16,
+                               xrow[j] + (size_t)ux * MOE_GPU_UNIT_K, pol);
         }
         cp_async_commit();
-    };
-    auto load_x = [&](unsigned u, uint4 (&xb)[NT][2]) {
-#pragma unroll
-        for (int n = 0; n < NT; n++) {
-            if (brow[n] && !MOE_VARIANT_NO_XLOAD) {
-                const uint16_t *p = brow[n] + (size_t)u * ustride * MOE_GPU_UNIT_K + 16 * q;
-                xb[n][0] = ldcg16(p);
-                xb[n][1] = ldcg16(p + 8);
-            } else {
-                xb[n][0] = make_uint4(0, 0, 0, 0);
-                xb[n][1] = make_uint4(0, 0, 0, 0);
-            }
-        }
     };
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++)
         issue(s);
-    uint4 xb[NT][2];
-#if !MOE_X_SMEM
-    if (units)
-        load_x(0, xb);
-#endif
-    for (unsigned u = 0; u < units; u++) {
-#if !MOE_X_SMEM
-        uint4 xn[NT][2];
-#if MOE_X_EARLY
-        if (u + 1 < units)
-            load_x(u + 1, xn);
-#endif
-#endif
+    unsigned ti_cur = 0, left = nuw, cs = 0; /* units left in this tile, ring slot */
+    for (unsigned i = 0; i < nu; i++) {
         cp_async_wait<STAGES - 2>();
         __syncwarp();
-        issue(u + STAGES - 1);
-        const uint8_t *slot = sw + (u % STAGES) * STAGE_BYTES;
-#if MOE_X_SMEM
+        issue(i + STAGES - 1);
+        if (NTILE > 1) {
+            if (left == 0) { /* crossed into the next tile: park this one's sum */
+                const unsigned ti = ti_cur + 1;
+                left = nuw;
+                acc_store<NTILE, NT>(acc, ti_cur, cur);
+#pragma unroll
+                for (int m = 0; m < MR; m++)
+#pragma unroll
+                    for (int n = 0; n < NT; n++)
+#pragma unroll
+                        for (int c = 0; c < 4; c++)
+                            cur[m][n][c] = 0.f;
+                ti_cur = ti;
+            }
+            left--;
+        }
+        const uint8_t *slot = sw + cs * STAGE_BYTES;
+        cs = cs + 1 == STAGES ? 0 : cs + 1;
+        uint4 xb[NT][2];
 #pragma unroll
         for (int n = 0; n < NT; n++) {
             unsigned row = n * 8 + g;
@@ -550,10 +545,6 @@ __device__ __forceinline__ void tile_mma(const uint8_t *__restrict__ wtile, unsi
                 xb[n][1] = make_uint4(0, 0, 0, 0);
             }
         }
-#elif !MOE_X_EARLY
-        if (u + 1 < units)
-            load_x(u + 1, xn);
-#endif
 #pragma unroll
         for (int m = 0; m < MR; m++) {
             const uint8_t *sub = slot + m * MOE_GPU_SUB_BYTES;
@@ -581,111 +572,96 @@ __device__ __forceinline__ void tile_mma(const uint8_t *__restrict__ wtile, unsi
                     const uint4 &v = xb[n][s >> 1];
                     uint32_t b0 = (s & 1) ? v.z : v.x, b1 = (s & 1) ? v.w : v.y;
 #if MOE_VARIANT_NO_MMA /* timing variant only: wrong results */
-                    acc[m][n][0] += __uint_as_float(a[0] ^ b0);
-                    acc[m][n][1] += __uint_as_float(a[1] ^ b1);
-                    acc[m][n][2] += __uint_as_float(a[2] ^ b0);
-                    acc[m][n][3] += __uint_as_float(a[3] ^ b1);
+                    cur[m][n][0] += __uint_as_float(a[0] ^ b0);
+                    cur[m][n][1] += __uint_as_float(a[1] ^ b1);
+                    cur[m][n][2] += __uint_as_float(a[2] ^ b0);
+                    cur[m][n][3] += __uint_as_float(a[3] ^ b1);
 #else
-                    mma_bf16(acc[m][n], a, b0, b1);
+                    mma_bf16(cur[m][n], a, b0, b1);
 #endif
                 }
             }
         }
-#if !MOE_X_SMEM
-        if (u + 1 < units) {
-#pragma unroll
-            for (int n = 0; n < NT; n++) {
-                xb[n][0] = xn[n][0];
-                xb[n][1] = xn[n][1];
-            }
-        }
-#endif
     }
+    if (nu)
+        acc_store<NTILE, NT>(acc, ti_cur, cur);
     cp_async_wait<0>();
     __syncwarp();
 }
 
-/* Split-K across the CTA: warp w computes units [U*w/NWARPS, U*(w+1)/NWARPS)
- * of the tile, parks its accumulators in its own (now idle) stage buffer,
- * and warp 0 sums the NWARPS partials in warp order (fixed: deterministic)
- * into acc. Every thread of the CTA calls this. */
-template <int NT>
-__device__ __forceinline__ void tile_splitk(const uint8_t *wtile, unsigned U,
-                                            const uint16_t *const (&brow)[NT], xsrc xs,
-                                            uint8_t *sw, uint8_t *sw_cta, unsigned long long pol,
-                                            const task_pf &pf, float (&acc)[MR][NT][4])
+/* Split-K of a task across the CTA: each tile's K units are dealt to the
+ * warps round robin (warp w: units w, w + NWARPS, ...: the CTA's warps move
+ * through the weights together, one contiguous window at a time), each warp
+ * parks its per-tile partials in its own (drained) stage buffer, and warp
+ * w < ntiles sums tile w's NWARPS partials in warp order (fixed:
+ * deterministic) into out. Every thread of the CTA calls this. */
+template <int NT, int NTILE>
+__device__ __forceinline__ void task_splitk(const uint8_t *wtask, unsigned tile_units,
+                                            unsigned ntiles, const xsrc &xs, uint8_t *sw,
+                                            uint8_t *sw_cta, unsigned long long pol,
+                                            float (&out)[MR][NT][4])
 {
+    static_assert(NTILE * 32 * MR * NT * 4 * sizeof(float) <= STAGES * STAGE_BYTES,
+                  "partials of a task must fit a warp's stage buffer");
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#if MOE_SPLITK_BLOCKED
-    /* warp w: one contiguous block of units */
-    const unsigned u0 = U * warp / NWARPS, nu = U * (warp + 1) / NWARPS - u0, us = 1;
-#else
-    /* warp w: units w, w + NWARPS, ...: the CTA's warps move through the
-     * tile together, so the CTA reads one contiguous window at a time
-     * (DRAM page locality) */
-    const unsigned u0 = warp, nu = U > warp ? (U - warp + NWARPS - 1) / NWARPS : 0, us = NWARPS;
-#endif
-    const uint16_t *bw[NT];
+    const unsigned nuw = tile_units > warp ? (tile_units - warp + NWARPS - 1) / NWARPS : 0;
+    float acc[NTILE][MR][NT][4];
+    task_mma<NT, NTILE>(wtask, warp, nuw, ntiles, tile_units, xs, sw, pol, acc);
+    constexpr int PER = MR * NT * 4; /* floats per lane per tile */
 #pragma unroll
-    for (int n = 0; n < NT; n++)
-        bw[n] = brow[n] ? brow[n] + (size_t)u0 * MOE_GPU_UNIT_K : nullptr;
-    xs.base += (size_t)u0 * MOE_GPU_UNIT_K;
-    tile_mma<NT>(wtile + (size_t)u0 * MOE_GPU_UNIT_BYTES, nu, us, bw, xs, sw, pol, acc);
-    if (warp == 0)
-        prefetch_next_task(pf);
-    float *mine = reinterpret_cast<float *>(sw) + lane * (MR * NT * 4);
-#pragma unroll
-    for (int m = 0; m < MR; m++)
-#pragma unroll
-        for (int n = 0; n < NT; n++)
-#pragma unroll
-            for (int c = 0; c < 4; c++)
-                mine[(m * NT + n) * 4 + c] = acc[m][n][c];
-    __syncthreads();
-    if (warp == 0) {
-#pragma unroll
-        for (int m = 0; m < MR; m++)
-#pragma unroll
-            for (int n = 0; n < NT; n++)
-#pragma unroll
-                for (int c = 0; c < 4; c++)
-                    acc[m][n][c] = 0.f;
-        for (unsigned w = 0; w < NWARPS; w++) {
-            const float *part = reinterpret_cast<const float *>(
-                                    sw_cta + w * STAGES * STAGE_BYTES) + lane * (MR * NT * 4);
+    for (int j = 0; j < NTILE; j++) {
+        if ((unsigned)j < ntiles) {
+            float *mine = reinterpret_cast<float *>(sw) + (j * 32 + lane) * PER;
 #pragma unroll
             for (int m = 0; m < MR; m++)
 #pragma unroll
                 for (int n = 0; n < NT; n++)
 #pragma unroll
                     for (int c = 0; c < 4; c++)
-                        acc[m][n][c] += part[(m * NT + n) * 4 + c];
+                        mine[(m * NT + n) * 4 + c] = acc[j][m][n][c];
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < MR; m++)
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                out[m][n][c] = 0.f;
+    if (warp < ntiles) {
+        for (unsigned w = 0; w < NWARPS; w++) {
+            const float *part = reinterpret_cast<const float *>(sw_cta + w * STAGES * STAGE_BYTES) +
+                                (warp * 32 + lane) * PER;
+#pragma unroll
+            for (int m = 0; m < MR; m++)
+#pragma unroll
+                for (int n = 0; n < NT; n++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++)
+                        out[m][n][c] += part[(m * NT + n) * 4 + c];
         }
     }
 }
 
-/* gate_up task (whole CTA): expert e, pairs [p0, p0+cnt), row tile rt;
- * warp 0 writes h = bf16(silu(gate) * up). */
-template <int NT>
+/* gate_up task (whole CTA): expert e, pairs [p0, p0+cnt), row tiles
+ * [rt0, rt0 + ntiles); warp w < ntiles writes tile rt0 + w of
+ * h = bf16(silu(gate) * up). */
+template <int NT, int NTILE>
 __device__ void gu_task(const struct moe_gpu_params &p, const struct moe_gpu_layer &L,
-                        const route &r, unsigned e, unsigned p0, unsigned cnt, unsigned rt,
-                        uint8_t *sw, uint8_t *sw_cta, unsigned long long pol, const task_pf &pf)
+                        const route &r, unsigned e, unsigned p0, unsigned cnt, unsigned rt0,
+                        unsigned ntiles, uint8_t *sw, uint8_t *sw_cta, unsigned long long pol)
 {
     const unsigned H = p.d.hidden, I = p.d.inter, NE = p.d.n_experts + p.d.n_shared;
-    const unsigned lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const unsigned lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, warp = threadIdx.x >> 5;
     const unsigned units = H / MOE_GPU_UNIT_K;
     const uint8_t *wt = L.gu + (size_t)e * moe_gpu_expert_bytes_d(H, I) +
-                        (size_t)rt * units * MOE_GPU_UNIT_BYTES;
-    const uint16_t *brow[NT];
-#pragma unroll
-    for (int n = 0; n < NT; n++) {
-        unsigned j = n * 8 + g;
-        brow[n] = j < cnt ? p.xs + (size_t)r.tok[p0 + j] * H : nullptr;
-    }
+                        (size_t)rt0 * units * MOE_GPU_UNIT_BYTES;
     float acc[MR][NT][4];
-    tile_splitk<NT>(wt, units, brow, xsrc{p.xs, r.tok, p0, H, cnt}, sw, sw_cta, pol, pf, acc);
-    if (threadIdx.x >= 32)
+    task_splitk<NT, NTILE>(wt, units, ntiles, xsrc{p.xs, r.tok, p0, H, cnt}, sw, sw_cta, pol, acc);
+    if (warp >= ntiles)
         return;
+    const unsigned rt = rt0 + warp;
     const float sgate = __ldg(L.s2 + e) * 256.f, sup = __ldg(L.s2 + NE + e) * 256.f;
 #pragma unroll
     for (int m = 0; m < MR; m++) {
@@ -705,27 +681,23 @@ __device__ void gu_task(const struct moe_gpu_params &p, const struct moe_gpu_lay
     }
 }
 
-/* down task (whole CTA): d[pair][row] = W_down h, fp32, by warp 0. */
-template <int NT>
+/* down task (whole CTA): d[pair][row] = W_down h, fp32; warp w < ntiles
+ * writes row tile rt0 + w. */
+template <int NT, int NTILE>
 __device__ void dn_task(const struct moe_gpu_params &p, const struct moe_gpu_layer &L,
-                        unsigned e, unsigned p0, unsigned cnt, unsigned rt, uint8_t *sw,
-                        uint8_t *sw_cta, unsigned long long pol, const task_pf &pf)
+                        unsigned e, unsigned p0, unsigned cnt, unsigned rt0, unsigned ntiles,
+                        uint8_t *sw, uint8_t *sw_cta, unsigned long long pol)
 {
     const unsigned H = p.d.hidden, I = p.d.inter, NE = p.d.n_experts + p.d.n_shared;
-    const unsigned lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const unsigned lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, warp = threadIdx.x >> 5;
     const unsigned units = I / MOE_GPU_UNIT_K;
     const uint8_t *wt = L.dn + (size_t)e * moe_gpu_expert_bytes_d(H, I) +
-                        (size_t)rt * units * MOE_GPU_UNIT_BYTES;
-    const uint16_t *brow[NT];
-#pragma unroll
-    for (int n = 0; n < NT; n++) {
-        unsigned j = n * 8 + g;
-        brow[n] = j < cnt ? p.h + (size_t)(p0 + j) * I : nullptr;
-    }
+                        (size_t)rt0 * units * MOE_GPU_UNIT_BYTES;
     float acc[MR][NT][4];
-    tile_splitk<NT>(wt, units, brow, xsrc{p.h, nullptr, p0, I, cnt}, sw, sw_cta, pol, pf, acc);
-    if (threadIdx.x >= 32)
+    task_splitk<NT, NTILE>(wt, units, ntiles, xsrc{p.h, nullptr, p0, I, cnt}, sw, sw_cta, pol, acc);
+    if (warp >= ntiles)
         return;
+    const unsigned rt = rt0 + warp;
     const float sd = __ldg(L.s2 + 2 * NE + e) * 256.f;
 #pragma unroll
     for (int m = 0; m < MR; m++) {
@@ -798,9 +770,27 @@ __device__ void combine_unit(const struct moe_gpu_params &p, const route &r, uns
     *reinterpret_cast<uint4 *>(y + (size_t)t * H + c) = o;
 }
 
+/* Row tiles per task for a phase of `tiles` tiles on `grid` CTAs: as many as
+ * MOE_GPU_NTILE while every CTA still gets MOE_GPU_NTILE_WAVES tasks. Longer
+ * tasks pay the pipeline fill, the split-K barrier and the claim once per
+ * NTILE tiles; small batches keep one tile per task so every SM streams. */
+__device__ __forceinline__ unsigned ntile_for(unsigned tiles, unsigned grid)
+{
+#if MOE_GPU_CHUNK_TOKENS > 8
+    (void)tiles; /* two n-tiles (16-token chunks) keep one row tile per task: registers */
+    (void)grid;
+    return 1;
+#endif
+    unsigned n = tiles / (MOE_GPU_NTILE_WAVES * grid);
+    return n < 1 ? 1u : n > MOE_GPU_NTILE ? (unsigned)MOE_GPU_NTILE : n;
+}
+
 /* ---------------- the persistent kernel ---------------- */
 
-__global__ void __launch_bounds__(THREADS, 16 / NWARPS) moe_persistent(const struct moe_gpu_params p)
+#ifndef MOE_GPU_MINB /* CTAs per SM the registers must allow (65536 / (THREADS * MINB) each) */
+#define MOE_GPU_MINB (16 / NWARPS)
+#endif
+__global__ void __launch_bounds__(THREADS, MOE_GPU_MINB) moe_persistent(const struct moe_gpu_params p)
 {
     extern __shared__ __align__(16) uint8_t smem[];
     __shared__ struct moe_gpu_desc sd;
@@ -817,7 +807,11 @@ __global__ void __launch_bounds__(THREADS, 16 / NWARPS) moe_persistent(const str
     r.cnt = (unsigned *)smem;
     r.off = r.cnt + NE;
     r.chs = r.off + NE + 1;
+#if MOE_GPU_ROUTE_GMEM
+    r.pos = p.route_g + (size_t)blockIdx.x * (2 * (size_t)p.d.max_tokens * KS);
+#else
     r.pos = (uint16_t *)(r.chs + NE + 1);
+#endif
     r.tok = r.pos + (size_t)p.d.max_tokens * KS;
     uint8_t *sw = smem + p.smem_route + warp * STAGES * STAGE_BYTES;
     const unsigned long long pol = policy_evict_first();
@@ -927,7 +921,12 @@ __global__ void __launch_bounds__(THREADS, 16 / NWARPS) moe_persistent(const str
         const struct moe_gpu_layer L = p.layers[sd.layer];
         build_route(p.d, T, p.ids_s, r);
         const unsigned n_ch = r.chs[NE];
-        const unsigned n_gu = n_ch * RT_GU, n_dn = n_ch * RT_DN, total = n_gu + n_dn + T;
+        /* row tiles per task: up to MOE_GPU_NTILE while the batch still has
+         * MOE_GPU_NTILE_WAVES tasks per CTA (small T keeps 1: every SM busy) */
+        const unsigned gu_tiles = n_ch * RT_GU, dn_tiles = n_ch * RT_DN;
+        const unsigned NTG = ntile_for(gu_tiles, gridDim.x), NTD = ntile_for(dn_tiles, gridDim.x);
+        const unsigned TPC_GU = (RT_GU + NTG - 1) / NTG, TPC_DN = (RT_DN + NTD - 1) / NTD;
+        const unsigned n_gu = n_ch * TPC_GU, n_dn = n_ch * TPC_DN; /* tasks */
         uint16_t *y = (uint16_t *)sd.y;
 
         /* ---- tasks: claimed per CTA (the next claim is issued while the
@@ -935,8 +934,7 @@ __global__ void __launch_bounds__(THREADS, 16 / NWARPS) moe_persistent(const str
          * gives each warp one (token, 256-column) unit ---- */
         const unsigned n_cblk = (p.d.hidden + 255) / 256;
         const unsigned n_cu = T * n_cblk, n_cb = (n_cu + NWARPS - 1) / NWARPS;
-        const unsigned total2 = n_gu + n_dn + n_cb;
-        (void)total;
+        const unsigned total = n_gu + n_dn + n_cb;
         bool wrote_y = false, x_ready = false, dn_ready = false;
         uint8_t *sw_cta = smem + p.smem_route;
         if (tid == 0)
@@ -944,15 +942,17 @@ __global__ void __launch_bounds__(THREADS, 16 / NWARPS) moe_persistent(const str
         for (;;) {
             __syncthreads();
             const unsigned t = s_task;
-            if (t >= total2)
+            if (t >= total)
                 break;
             unsigned next = 0;
             if (tid == 0)
                 next = atomicAdd(&st->task_ctr, 1u); /* result waited for at the end */
             if (t < n_gu + n_dn) {
                 const bool is_gu = t < n_gu;
-                const unsigned tt = is_gu ? t : t - n_gu, RT = is_gu ? RT_GU : RT_DN;
-                const unsigned cg = tt / RT, rt = tt - cg * RT;
+                const unsigned tt = is_gu ? t : t - n_gu, TPC = is_gu ? TPC_GU : TPC_DN;
+                const unsigned RT = is_gu ? RT_GU : RT_DN, NTT = is_gu ? NTG : NTD;
+                const unsigned cg = tt / TPC, rt0 = (tt - cg * TPC) * NTT;
+                const unsigned ntiles = min(NTT, RT - rt0);
                 const unsigned e = chunk_expert(r.chs, NE, cg);
                 const unsigned c = cg - r.chs[e];
                 const unsigned p0 = r.off[e] + c * MOE_GPU_CHUNK_TOKENS;
@@ -964,32 +964,35 @@ __global__ void __launch_bounds__(THREADS, 16 / NWARPS) moe_persistent(const str
                             while (ld_acquire_gpu32(&st->x_done) < gridDim.x)
                                 __nanosleep(32);
                         x_ready = true;
-                    } else {
+                    } else { /* every gate_up tile of every chunk of e */
                         const unsigned need = (r.chs[e + 1] - r.chs[e]) * RT_GU;
                         while (ld_acquire_gpu32(&st->gu_done[e]) < need)
                             __nanosleep(64);
                     }
                 }
                 __syncthreads(); /* also: every thread has read s_task */
-                const task_pf pf{L.gu, L.dn, r.chs, NE, n_gu, n_dn, RT_GU, RT_DN,
-                                 p.d.hidden, p.d.inter, next};
                 if (is_gu) {
-                    if (cnt <= 8)
-                        gu_task<1>(p, L, r, e, p0, cnt, rt, sw, sw_cta, pol, pf);
+                    if (cnt > 8)
+                        gu_task<2, 1>(p, L, r, e, p0, cnt, rt0, ntiles, sw, sw_cta, pol);
+                    else if (NTG > 1)
+                        gu_task<1, MOE_GPU_NTILE>(p, L, r, e, p0, cnt, rt0, ntiles, sw, sw_cta, pol);
                     else
-                        gu_task<2>(p, L, r, e, p0, cnt, rt, sw, sw_cta, pol, pf);
+                        gu_task<1, 1>(p, L, r, e, p0, cnt, rt0, ntiles, sw, sw_cta, pol);
                 } else {
-                    if (cnt <= 8)
-                        dn_task<1>(p, L, e, p0, cnt, rt, sw, sw_cta, pol, pf);
+                    if (cnt > 8)
+                        dn_task<2, 1>(p, L, e, p0, cnt, rt0, ntiles, sw, sw_cta, pol);
+                    else if (NTD > 1)
+                        dn_task<1, MOE_GPU_NTILE>(p, L, e, p0, cnt, rt0, ntiles, sw, sw_cta, pol);
                     else
-                        dn_task<2>(p, L, e, p0, cnt, rt, sw, sw_cta, pol, pf);
+                        dn_task<1, 1>(p, L, e, p0, cnt, rt0, ntiles, sw, sw_cta, pol);
                 }
-                if (warp == 0) { /* only warp 0 wrote h / dout */
+                if (warp < ntiles) { /* warp w wrote tile rt0 + w of h / dout */
                     __syncwarp();
-                    if (tid == 0) {
+                    if ((tid & 31) == 0) {
                         red_release_gpu(is_gu ? &st->gu_done[e] : &st->dn_done, 1u);
 #if MOE_GPU_PHASES
-                        if (atomicAdd(is_gu ? &st->gu_all : &st->dn_all, 1u) == (is_gu ? n_gu : n_dn) - 1)
+                        if (atomicAdd(is_gu ? &st->gu_all : &st->dn_all, 1u) ==
+                            (is_gu ? gu_tiles : dn_tiles) - 1)
                             st_relaxed_sys(&ctrl->phase_ns[is_gu ? 3 : 4], globaltimer_ns());
 #endif
                     }
@@ -997,7 +1000,7 @@ __global__ void __launch_bounds__(THREADS, 16 / NWARPS) moe_persistent(const str
                 __syncthreads(); /* stage buffers (partials) free for the next task */
             } else {
                 if (tid == 0 && !dn_ready) {
-                    while (ld_acquire_gpu32(&st->dn_done) < n_dn)
+                    while (ld_acquire_gpu32(&st->dn_done) < dn_tiles)
                         __nanosleep(64);
                     dn_ready = true;
                 }
@@ -1109,10 +1112,18 @@ extern "C" size_t moe_gpu_state_bytes(const struct moe_gpu_dims *d)
     return sizeof(struct moe_state) + sizeof(unsigned) * (d->n_experts + d->n_shared);
 }
 
+extern "C" uint32_t moe_gpu_route_gmem_bytes(const struct moe_gpu_dims *d)
+{
+    size_t ks = d->top_k + d->n_shared;
+    return MOE_GPU_ROUTE_GMEM ? (uint32_t)(2 * sizeof(uint16_t) * d->max_tokens * ks) : 0u;
+}
+
 extern "C" uint32_t moe_gpu_smem_route_bytes(const struct moe_gpu_dims *d)
 {
     size_t ne = d->n_experts + d->n_shared, ks = d->top_k + d->n_shared;
-    size_t b = sizeof(unsigned) * (ne + 2 * (ne + 1)) + 2 * sizeof(uint16_t) * d->max_tokens * ks;
+    size_t b = sizeof(unsigned) * (ne + 2 * (ne + 1));
+    if (!MOE_GPU_ROUTE_GMEM)
+        b += 2 * sizeof(uint16_t) * d->max_tokens * ks;
     return (uint32_t)((b + 15) & ~(size_t)15);
 }
 

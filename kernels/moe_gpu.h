@@ -46,6 +46,47 @@
 #define MOE_GPU_STAGES 3        /* cp.async stages per warp (weights + x rows; 3 keeps 3
                                    CTAs/SM on H200 with max_tokens 512 deepseek-v3) */
 #endif
+#ifndef MOE_GPU_ROUTE_GMEM
+#define MOE_GPU_ROUTE_GMEM 1    /* 1: the per-token routing tables (pos, tok: 4 bytes per
+                                   (token, slot) entry) live in a per-CTA region of device
+                                   memory, not in shared memory, which is left to the
+                                   cp.async stages */
+#endif
+
+/* Code word layout. Lane l = 4g + q of a sub-tile owns four 32-bit words (one
+ * per mma step s); word s holds 8 E2M1 codes as 4 pairs: pair p = 0 (row g,
+ * k 16q+4s+0/1), 1 (row g+8, same k), 2 (row g, k +2/3), 3 (row g+8, k +2/3);
+ * element h = 0 the lower k, 1 the upper. Each code is split into its sign
+ * bit and its 3-bit magnitude (e1 e0 m, m lowest), placed so that the kernel
+ * turns pair p into the bf16x2 bits of (value * 2^-126) with 2-4 integer ops
+ * (sign to bit 15/31, magnitude to bits 6-8/22-24):
+ *   p0: rotl(w, 6) & M            p1: rotl(w, 3) & M
+ *   p2: rotl(w, 4) & S | w & G    p3: rotl(w, 5) & S | rotl(w, 9) & G
+ * with M = S | G, S = 0x80008000 (signs), G = 0x01c001c0 (magnitudes). The
+ * 32 bits of the word are each used once (bench/NOTES.md, v9). */
+#if defined(__CUDACC__)
+#define MOE_GPU_HD __host__ __device__
+#else
+#define MOE_GPU_HD
+#endif
+MOE_GPU_HD static inline unsigned moe_gpu_sign_bit(unsigned p, unsigned h)
+{
+    return (p == 0 ? 9u : p == 1 ? 12u : p == 2 ? 11u : 10u) + 16u * h;
+}
+MOE_GPU_HD static inline unsigned moe_gpu_mag_bit(unsigned p, unsigned h)
+{
+    return p == 3 ? (h ? 13u : 29u) : 3u * p + 16u * h;
+}
+/* the 4-bit E2M1 code of (p, h) in word w */
+MOE_GPU_HD static inline uint32_t moe_gpu_code_get(uint32_t w, unsigned p, unsigned h)
+{
+    return (((w >> moe_gpu_sign_bit(p, h)) & 1u) << 3) | ((w >> moe_gpu_mag_bit(p, h)) & 7u);
+}
+/* word w with the code of (p, h) set to c (its bits must be clear) */
+MOE_GPU_HD static inline uint32_t moe_gpu_code_put(uint32_t w, unsigned p, unsigned h, uint32_t c)
+{
+    return w | (((c >> 3) & 1u) << moe_gpu_sign_bit(p, h)) | ((c & 7u) << moe_gpu_mag_bit(p, h));
+}
 
 /* One batch, written by the host into ring[seq % MOE_GPU_RING] before head
  * is released. Pointers are device-visible (device memory or mapped host). */
@@ -104,6 +145,8 @@ struct moe_gpu_params {
     float *dout;        /* device: [max_tokens*(k+S), H] fp32 */
     uint64_t start_seq; /* first seq this launch processes */
     uint32_t smem_route;/* bytes of the routing part of dynamic smem */
+    uint16_t *route_g;  /* device: per-CTA pos/tok tables, moe_gpu_route_gmem_bytes each
+                           (MOE_GPU_ROUTE_GMEM; NULL otherwise) */
 };
 
 struct moe_gpu_launch {
@@ -129,6 +172,8 @@ void moe_gpu_repack_expert(const struct moe_expert *ex, uint32_t hidden, uint32_
 size_t moe_gpu_state_bytes(const struct moe_gpu_dims *d);
 /* Dynamic shared memory: routing tables + per-warp stages. */
 uint32_t moe_gpu_smem_route_bytes(const struct moe_gpu_dims *d);
+/* Device memory for the routing tables of one CTA (0 unless MOE_GPU_ROUTE_GMEM). */
+uint32_t moe_gpu_route_gmem_bytes(const struct moe_gpu_dims *d);
 /* Total dynamic shared memory per CTA (routing + stages). */
 uint32_t moe_gpu_smem_bytes(const struct moe_gpu_dims *d);
 /* Grid from the occupancy API on `device`, leaving sms_free SMs idle. */

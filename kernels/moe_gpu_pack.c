@@ -61,8 +61,9 @@ static inline uint8_t sc(const struct nvfp4_mat *m, uint32_t row, uint32_t k)
  * physical k in [16q, 16q+16) of the unit: for mma step s its A fragment
  * slots (2q, 2q+1 | 2q+8, 2q+9) carry k = 16q+4s+(0,1 | 2,3), matching the
  * B fragment the kernel builds from 32 contiguous bytes of x. Word s of the
- * lane holds pair p in nibbles p (low element) and p+4 (high element):
- * p0 = row g k+0/1, p1 = row g+8 k+0/1, p2 = row g k+2/3, p3 = row g+8 k+2/3. */
+ * lane holds pair p = 0 (row g k+0/1), 1 (row g+8 k+0/1), 2 (row g k+2/3),
+ * 3 (row g+8 k+2/3), its codes' bits where moe_gpu_code_put puts them
+ * (moe_gpu.h: chosen so the kernel's dequant is 2-4 ops per pair). */
 static void pack_sub(const struct nvfp4_mat *m_lo, uint32_t r_lo, const struct nvfp4_mat *m_hi,
                      uint32_t r_hi, uint32_t k0, uint8_t *out)
 {
@@ -80,8 +81,8 @@ static void pack_sub(const struct nvfp4_mat *m_lo, uint32_t r_lo, const struct n
             lo[3] = nib(m_hi, r_hi + g, kb + 2);
             hi[3] = nib(m_hi, r_hi + g, kb + 3);
             uint32_t word = 0;
-            for (int p = 0; p < 4; p++)
-                word |= (lo[p] << (4 * p)) | (hi[p] << (4 * (p + 4)));
+            for (unsigned p = 0; p < 4; p++)
+                word = moe_gpu_code_put(moe_gpu_code_put(word, p, 0, lo[p]), p, 1, hi[p]);
             uint8_t *o = out + l * 16 + s * 4; /* little-endian word */
             o[0] = (uint8_t)word;
             o[1] = (uint8_t)(word >> 8);

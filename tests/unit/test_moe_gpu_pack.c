@@ -24,9 +24,21 @@ static float bf16_bits(uint32_t b)
 }
 
 /* Decode a stream of n_sub 16-row sub-tiles x K exactly as moe_gpu.cu's
- * tile_mma does: word s of lane 4g+q holds pair p in nibbles p (low) and p+4
- * (high); pair p is row g (p even) or g+8 (p odd), k = 16q + 4s + (p & 2);
- * (nibble & 7) << 6 | (nibble & 8) << 12 as bf16 is value * 2^-126. */
+ * task_mma does (the rotate-and-mask formulas of moe_gpu.h, written out
+ * here independently of moe_gpu_code_get): pair p of word s of lane 4g+q is
+ * row g (p even) or g+8 (p odd), k = 16q + 4s + (p & 2); the result as bf16
+ * is value * 2^-126. */
+static uint32_t rotl32(uint32_t w, unsigned n) { return (w << n) | (w >> (32 - n)); }
+static uint32_t dequant_bits(uint32_t w, uint32_t p)
+{
+    const uint32_t S = 0x80008000u, G = 0x01c001c0u, M = S | G;
+    switch (p) {
+    case 0: return rotl32(w, 6) & M;
+    case 1: return rotl32(w, 3) & M;
+    case 2: return (rotl32(w, 4) & S) | (w & G);
+    default: return (rotl32(w, 5) & S) | (rotl32(w, 9) & G);
+    }
+}
 static void decode_stream(const uint8_t *buf, uint32_t n_sub, uint32_t K, float *W)
 {
     uint32_t units = K / MOE_GPU_UNIT_K;
@@ -42,8 +54,7 @@ static void decode_stream(const uint8_t *buf, uint32_t n_sub, uint32_t K, float 
                     uint32_t w;
                     memcpy(&w, sub + l * 16 + s * 4, 4);
                     for (uint32_t p = 0; p < 4; p++) {
-                        uint32_t t = w >> (4 * p);
-                        uint32_t r = ((t & 0x00070007u) << 6) | ((t & 0x00080008u) << 12);
+                        uint32_t r = dequant_bits(w, p);
                         float lo = bf16_bits(r & 0xffff) * ldexpf(1.0f, 126);
                         float hi = bf16_bits(r >> 16) * ldexpf(1.0f, 126);
                         uint32_t row = st * 16 + ((p & 1) ? g + 8 : g);

@@ -1,0 +1,128 @@
+/* tile_probe.cu - moed's gate_up / down task code as a plain (non-persistent)
+ * kernel, so that Nsight Compute can profile the hot loop (the persistent
+ * kernel waits on host memory and cannot be replayed). For bench/NOTES.md.
+ *
+ * Includes kernels/moe_gpu.cu as is: the task functions are the ones moed runs.
+ * Each CTA takes tasks blockIdx.x, blockIdx.x + grid, ... of one phase
+ * (gate_up or down tiles of E experts, every expert with the same cnt tokens),
+ * no routing, no queue, no dependencies.
+ *
+ * Build (repository root; add -D switches as for the kernel):
+ *   nvcc -O3 -std=c++17 -lineinfo -gencode=arch=compute_90a,code=sm_90a -Icommon -Ikernels \
+ *     -DMOED_HAVE_CUDA=1 -o build-var/tile_probe bench/probe/tile_probe.cu \
+ *     kernels/moe_gpu_pack.c common/moed_err.c
+ * Run:   tile_probe [gu|dn] [cnt] [reps] [ntile]
+ *        ncu --clock-control none --launch-skip 1 --launch-count 1 \
+ *            --section ComputeWorkloadAnalysis tile_probe gu 1 1 1
+ */
+#include "../../kernels/moe_gpu.cu"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+__global__ void __launch_bounds__(THREADS, MOE_GPU_MINB)
+    tile_probe(const struct moe_gpu_params p, const struct moe_gpu_layer L, route r, int is_gu,
+               unsigned n_exp, unsigned cnt, unsigned ntile)
+{
+    extern __shared__ __align__(16) uint8_t smem[];
+    const unsigned warp = threadIdx.x >> 5;
+    uint8_t *sw_cta = smem;
+    uint8_t *sw = smem + warp * STAGES * STAGE_BYTES;
+    const unsigned RT = is_gu ? p.d.inter / 16 / MR * 2 : p.d.hidden / 16 / MR;
+    const unsigned TPE = (RT + ntile - 1) / ntile, n_tasks = n_exp * TPE;
+    const unsigned long long pol = policy_evict_first();
+    for (unsigned t = blockIdx.x; t < n_tasks; t += gridDim.x) {
+        const unsigned e = t / TPE, rt0 = (t - e * TPE) * ntile, nt = min(ntile, RT - rt0);
+        if (is_gu) {
+            if (ntile > 1)
+                gu_task<1, MOE_GPU_NTILE>(p, L, r, e, 0, cnt, rt0, nt, sw, sw_cta, pol);
+            else
+                gu_task<1, 1>(p, L, r, e, 0, cnt, rt0, nt, sw, sw_cta, pol);
+        } else {
+            if (ntile > 1)
+                dn_task<1, MOE_GPU_NTILE>(p, L, e, 0, cnt, rt0, nt, sw, sw_cta, pol);
+            else
+                dn_task<1, 1>(p, L, e, 0, cnt, rt0, nt, sw, sw_cta, pol);
+        }
+        __syncthreads();
+    }
+}
+
+#define CKP(x)                                                                 \
+    do {                                                                       \
+        cudaError_t e_ = (x);                                                  \
+        if (e_) {                                                              \
+            fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
+            exit(1);                                                           \
+        }                                                                      \
+    } while (0)
+
+int main(int argc, char **argv)
+{
+    const int is_gu = argc > 1 ? strcmp(argv[1], "dn") != 0 : 1;
+    const unsigned cnt = argc > 2 ? (unsigned)atoi(argv[2]) : 1;
+    const int reps = argc > 3 ? atoi(argv[3]) : 5;
+    const unsigned ntile = argc > 4 ? (unsigned)atoi(argv[4]) : 1;
+    struct moe_gpu_dims d = {7168, 2048, 256, 1, 8, 512};
+    const unsigned n_exp = 240; /* 5.9 GB: several times the L2 */
+    const size_t eb = (size_t)moe_gpu_gu_bytes(d.hidden, d.inter) + moe_gpu_dn_bytes(d.hidden, d.inter);
+    uint8_t *w;
+    CKP(cudaMalloc(&w, eb * n_exp));
+    CKP((cudaError_t)moe_gpu_fill_random(w, eb * n_exp, 7));
+    float *s2;
+    CKP(cudaMalloc(&s2, 3 * 257 * sizeof(float)));
+    {
+        float h[3 * 257];
+        for (int i = 0; i < 3 * 257; i++)
+            h[i] = 1e-3f;
+        CKP(cudaMemcpy(s2, h, sizeof h, cudaMemcpyHostToDevice));
+    }
+    uint16_t *xs, *hbuf, *tok;
+    float *dout;
+    CKP(cudaMalloc(&xs, 16 * d.hidden * 2));
+    CKP(cudaMemset(xs, 0x3c, 16 * d.hidden * 2));
+    CKP(cudaMalloc(&hbuf, 16 * d.inter * 2));
+    CKP(cudaMemset(hbuf, 0x3c, 16 * d.inter * 2));
+    CKP(cudaMalloc(&dout, 16 * (size_t)d.hidden * 4));
+    CKP(cudaMalloc(&tok, 16 * 2));
+    {
+        uint16_t h[16];
+        for (int i = 0; i < 16; i++)
+            h[i] = (uint16_t)i;
+        CKP(cudaMemcpy(tok, h, sizeof h, cudaMemcpyHostToDevice));
+    }
+    struct moe_gpu_params p;
+    memset(&p, 0, sizeof p);
+    p.d = d;
+    p.xs = xs;
+    p.h = hbuf;
+    p.dout = dout;
+    struct moe_gpu_layer L = {w, w + moe_gpu_gu_bytes(d.hidden, d.inter), s2};
+    route r;
+    memset(&r, 0, sizeof r);
+    r.tok = tok;
+    const int smem = NWARPS * STAGES * STAGE_BYTES;
+    CKP(cudaFuncSetAttribute(tile_probe, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    int per = 0, sms = 0;
+    CKP(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, tile_probe, THREADS, smem));
+    CKP(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    const int grid = per * sms;
+    tile_probe<<<grid, THREADS, smem>>>(p, L, r, is_gu, n_exp, cnt, ntile);
+    CKP(cudaDeviceSynchronize());
+    cudaEvent_t a, b;
+    cudaEventCreate(&a);
+    cudaEventCreate(&b);
+    cudaEventRecord(a);
+    for (int i = 0; i < reps; i++)
+        tile_probe<<<grid, THREADS, smem>>>(p, L, r, is_gu, n_exp, cnt, ntile);
+    cudaEventRecord(b);
+    CKP(cudaEventSynchronize(b));
+    float ms;
+    cudaEventElapsedTime(&ms, a, b);
+    const double bytes = (double)n_exp * (is_gu ? moe_gpu_gu_bytes(d.hidden, d.inter) : moe_gpu_dn_bytes(d.hidden, d.inter));
+    printf("tile_probe %s cnt=%u ntile=%u grid=%d (%d/SM): %.1f us per pass, %.3f TB/s\n",
+           is_gu ? "gate_up" : "down", cnt, ntile, grid, per, ms * 1e3 / reps,
+           bytes * reps / (ms * 1e-3) / 1e12);
+    return 0;
+}

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Kernel variants for the experiments in bench/NOTES.md: build several
+# bench_moe binaries that differ only in compile-time switches here, then
+# time them all in one call on the GPU machine.
+#
+#   scripts/device-variants.sh prepare NAME:DEFS ...   here: DEFS is a comma list of
+#                                                       -D switches (may be empty);
+#                                                       builds build-var/NAME/bench/bench_moe
+#                                                       (sm_90a only); needs .device/lib
+#                                                       from scripts/device-gpu.sh prepare
+#   scripts/device-variants.sh run [NAME ...]          there: every built variant (or those
+#                                                       named) with VAR_DS_ARGS and
+#                                                       VAR_QWEN_ARGS; one log per variant
+#                                                       in $OUT (or build-var/logs) and a
+#                                                       summary table, variants-summary.txt
+# Carry build-var and .device (and build-cuda if the GPU tests run in the same call).
+#
+# e.g. scripts/device-variants.sh prepare base:-DMOE_GPU_NTILE=1 s5:-DMOE_GPU_STAGES=5
+set -u
+cd "$(dirname "$0")/.."
+mode=${1:-}
+shift || true
+
+if [ "$mode" = prepare ]; then
+    set -e
+    rm -rf build-var
+    for v in "$@"; do
+        name=${v%%:*}
+        defs=$(echo "${v#*:}" | tr ',' ' ')
+        [ "$name" = "$v" ] && defs=""
+        echo "== $name: ${defs:-(defaults)}"
+        NVCCFLAGS="$defs" CFLAGS="$defs" make -s BUILD="build-var/$name" CUDA=1 CUDA_ARCHS=90a \
+            "build-var/$name/bench/bench_moe" > "/tmp/variant-$name.log" 2>&1 ||
+            { tail -20 "/tmp/variant-$name.log"; exit 1; }
+        echo "$defs" > "build-var/$name/DEFS"
+        # only the binary travels
+        find "build-var/$name" -mindepth 1 -maxdepth 1 ! -name bench ! -name DEFS -exec rm -rf {} +
+        find "build-var/$name/bench" -mindepth 1 ! -name bench_moe -exec rm -rf {} +
+    done
+    du -sh build-var
+    exit 0
+fi
+[ "$mode" = run ] || { sed -n 2,19p "$0"; exit 2; }
+
+export LD_LIBRARY_PATH="$PWD/.device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+nv=$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null || true)
+cub=$( [ -n "$nv" ] && find "$nv" -name 'libcublas.so.*' 2>/dev/null | head -1)
+[ -n "$cub" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$(dirname "$cub")"
+LOGDIR=${OUT:-build-var/logs}
+mkdir -p "$LOGDIR"
+DS=${VAR_DS_ARGS:---preset deepseek-v3 --layers 4 --tokens 1,4,16,64,256 --no-baselines --iters 100}
+QW=${VAR_QWEN_ARGS:---preset qwen3-30b-a3b --layers 24 --tokens 1,4,64,256 --no-baselines --iters 200}
+names=("$@")
+[ ${#names[@]} = 0 ] && names=($(ls build-var | grep -v '^logs$'))
+sum="$LOGDIR/variants-summary.txt"
+: > "$sum"
+for n in "${names[@]}"; do
+    b=build-var/$n/bench/bench_moe
+    [ -x "$b" ] || { echo "$n: not built" | tee -a "$sum"; continue; }
+    log=$LOGDIR/variant-$n.txt
+    echo "# $n: $(cat "build-var/$n/DEFS")" > "$log"
+    BENCH_CSV="$LOGDIR/variant-$n.csv" timeout "${VAR_TIMEOUT:-240}" "$b" $DS >> "$log" 2>&1
+    [ -n "$QW" ] && BENCH_CSV="$LOGDIR/variant-$n.csv" timeout "${VAR_TIMEOUT:-240}" "$b" $QW >> "$log" 2>&1
+    {
+        echo "== $n ($(cat "build-var/$n/DEFS"))"
+        cat "$LOGDIR/variant-$n.csv" 2>/dev/null
+    } >> "$sum"
+done
+cat "$sum"
