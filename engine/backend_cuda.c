@@ -277,7 +277,8 @@ static void publish_locked(struct cuda_backend *cb, struct moed_batch *b)
     uint8_t *st = cb->stage + slot * cb->slot_bytes;
     uint8_t *sd = cb->stage_d + slot * cb->slot_bytes;
     const uint32_t T = b->n_tokens, H = cb->d.hidden, k = cb->d.top_k;
-    struct moe_gpu_desc *dsc = &cb->ctrl->ring[slot];
+    struct moe_gpu_slot *sl = &cb->ctrl->ring[slot];
+    struct moe_gpu_desc *dsc = &sl->d;
     dsc->seq = seq;
     dsc->layer = (uint32_t)cb->slot_of[b->layer];
     dsc->n_tokens = T;
@@ -287,13 +288,20 @@ static void publish_locked(struct cuda_backend *cb, struct moed_batch *b)
     } else {
         dsc->x = (uint64_t)(uintptr_t)b->x.ptr;
     }
-    if (b->ids.kind == MOED_BUF_HOST) {
+    dsc->inl = b->ids.kind == MOED_BUF_HOST && b->w.kind == MOED_BUF_HOST &&
+               (size_t)T * k * 8 <= MOE_GPU_INLINE_BYTES;
+    if (dsc->inl) { /* one PCIe round trip fewer for the kernel (moe_gpu.h) */
+        memcpy(sl->inl, b->ids.ptr, (size_t)T * k * 4);
+        memcpy(sl->inl + (size_t)T * k * 4, b->w.ptr, (size_t)T * k * 4);
+        dsc->ids = dsc->w = 0;
+    } else if (b->ids.kind == MOED_BUF_HOST) {
         memcpy(st + cb->off_ids, b->ids.ptr, (size_t)T * k * 4);
         dsc->ids = (uint64_t)(uintptr_t)(sd + cb->off_ids);
     } else {
         dsc->ids = (uint64_t)(uintptr_t)b->ids.ptr;
     }
-    if (b->w.kind == MOED_BUF_HOST) {
+    if (dsc->inl) {
+    } else if (b->w.kind == MOED_BUF_HOST) {
         memcpy(st + cb->off_w, b->w.ptr, (size_t)T * k * 4);
         dsc->w = (uint64_t)(uintptr_t)(sd + cb->off_w);
     } else {

@@ -68,7 +68,8 @@
  * integer pipe are what bind (Nsight Compute on bench/probe/tile_probe.cu,
  * bench/NOTES.md).
  *
- * QUEUE PROTOCOL. Host: writes ring[seq % RING] then st.release of head
+ * QUEUE PROTOCOL. Host: writes ring[seq % RING] (the descriptor and, for
+ * small batches, ids and w inline) then st.release of head
  * (64-bit, system scope). CTA 0 thread 0 (the dispatcher) waits until the
  * previous batch is complete (done_dev), then polls head with ld.acquire.sys,
  * copies the descriptor, and CTA 0 stages ids and w into device memory;
@@ -124,6 +125,16 @@ extern "C" {
 #define MOE_GPU_PHASES 0
 #endif
 
+#ifndef MOE_GPU_BULK /* 1: stages filled by 1-D bulk copies completing on an mbarrier per stage
+                        (lane 0: the weight unit; lane r: activation row r) instead of
+                        16-byte cp.async by every lane. H200: GPU tests pass, 5% slower
+                        for T >= 4 (bench/NOTES.md v12): off */
+#define MOE_GPU_BULK 0
+#endif
+#ifndef MOE_UNIT_COPY_LOOP /* timing variant: copy a weight unit in a loop over chunks
+                              * lane, lane + 32, ... (H200: 7% slower, bench/NOTES.md v13) */
+#define MOE_UNIT_COPY_LOOP 0
+#endif
 #ifndef MOE_CP_ASYNC_L2_HINT
 #define MOE_CP_ASYNC_L2_HINT 0
 #endif
@@ -142,6 +153,7 @@ extern "C" {
 #define NWARPS MOE_GPU_WARPS
 #define STAGES MOE_GPU_STAGES
 #define THREADS (NWARPS * 32)
+static_assert(THREADS * 16 >= sizeof(struct moe_gpu_slot), "one load per thread reads a ring slot");
 
 /* Device counters; zeroed once at allocation, reset per batch by the last CTA. */
 struct moe_state {
@@ -263,6 +275,66 @@ template <int N> __device__ __forceinline__ void cp_async_wait(void)
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+/* 16-byte chunks of a weight unit, and how many lanes copy them (the largest
+ * divisor of UC that is at most 32: 72 -> 24 lanes x 3). */
+constexpr unsigned UC = MOE_GPU_UNIT_BYTES / 16;
+constexpr unsigned ul_for(unsigned c, unsigned l) { return c % l == 0 ? l : ul_for(c, l - 1); }
+constexpr unsigned UL = ul_for(UC, 32);
+
+/* A warp's pipeline state, kept across tasks and batches: with MOE_GPU_BULK,
+ * the shared-memory address of its STAGES mbarriers and their phase parities
+ * (bit s: the parity the next wait on stage s expects). */
+struct wpipe {
+    unsigned long long pol;
+    uint32_t bar;
+    uint32_t par;
+};
+
+/* Lane 0 of each warp initializes its STAGES mbarriers (arrival count 1);
+ * every thread of the CTA calls this, then the CTA synchronizes. */
+__device__ __forceinline__ wpipe wpipe_init(uint64_t *bars)
+{
+    wpipe pp;
+    pp.pol = policy_evict_first();
+    pp.par = 0;
+    const unsigned warp = threadIdx.x >> 5;
+    pp.bar = (uint32_t)__cvta_generic_to_shared(bars + warp * STAGES);
+#if MOE_GPU_BULK
+    if ((threadIdx.x & 31) == 0)
+        for (unsigned s = 0; s < STAGES; s++)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(pp.bar + 8 * s) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+    __syncthreads();
+    return pp;
+}
+
+/* 1-D bulk copy global -> shared (bytes % 16 == 0, both 16-byte aligned),
+ * completing bytes on the mbarrier at shared address bar. */
+__device__ __forceinline__ void bulk_copy(void *smem, const void *gmem, unsigned bytes, uint32_t bar)
+{
+    unsigned d = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(d), "l"(gmem), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect(uint32_t bar, unsigned bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity)
+{
+    asm volatile("{\n"
+                 ".reg .pred p;\n"
+                 "WAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@!p bra WAIT_%=;\n"
+                 "}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+
 /* bf16x2 a*b exactly (products here are exact), as fma with -0 so a zero stays +0. */
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b)
 {
@@ -279,13 +351,17 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b)
 template <int P> __device__ __forceinline__ uint32_t e2m1x2_bits(uint32_t w)
 {
     constexpr uint32_t S = 0x80008000u, G = 0x01c001c0u, M = S | G;
+    /* Only p3's magnitude wraps around (a funnel shift); plain left shifts
+     * leave the compiler free to issue them on the FMA pipe (IMAD.SHL), off
+     * the half-rate integer ALU pipe, the busiest (bench/NOTES.md v12: +5%
+     * over funnel shifts for all four). */
     if (P == 0)
-        return __funnelshift_l(w, w, 6) & M;
+        return (w << 6) & M;
     if (P == 1)
-        return __funnelshift_l(w, w, 3) & M;
+        return (w << 3) & M;
     if (P == 2)
-        return (__funnelshift_l(w, w, 4) & S) | (w & G);
-    return (__funnelshift_l(w, w, 5) & S) | (__funnelshift_l(w, w, 9) & G);
+        return ((w << 4) & S) | (w & G);
+    return ((w << 5) & S) | (__funnelshift_l(w, w, 9) & G);
 }
 
 /* Two E4M3 scales (low byte row g, high byte row g+8) -> bf16x2 broadcasts of
@@ -452,10 +528,12 @@ __device__ __forceinline__ void acc_store(float (&acc)[NTILE][MR][NT][4], unsign
 template <int NT, int NTILE>
 __device__ __forceinline__ void task_mma(const uint8_t *__restrict__ wtask, unsigned w,
                                          unsigned nuw, unsigned ntiles, unsigned tile_units,
-                                         const xsrc &xs, uint8_t *sw, unsigned long long pol,
+                                         const xsrc &xs, uint8_t *sw, wpipe &pp,
                                          float (&acc)[NTILE][MR][NT][4])
 {
     const unsigned nu = nuw * ntiles;
+    const unsigned long long pol = pp.pol;
+    (void)pol; /* (unused with MOE_GPU_BULK) */
     const unsigned lane = threadIdx.x & 31;
     const unsigned q = lane & 3, g = lane >> 2;
     float cur[MR][NT][4];
@@ -479,6 +557,14 @@ __device__ __forceinline__ void task_mma(const uint8_t *__restrict__ wtask, unsi
                                      (lane & 7) * 8
                                : nullptr;
     }
+#if MOE_GPU_BULK
+    /* lane r < cnt copies activation row r of each unit (128 bytes) */
+    const uint16_t *brow = lane < xs.cnt && lane < NT * 8 && !MOE_VARIANT_NO_XLOAD
+                               ? xs.base + (size_t)(xs.tok ? xs.tok[xs.p0 + lane] : xs.p0 + lane) * xs.ld
+                               : nullptr;
+    const unsigned xbytes = MOE_VARIANT_NO_XLOAD ? 0u : min(xs.cnt, (unsigned)(NT * 8)) * 128u;
+    (void)xrow;
+#endif
 
     /* position of the next unit to issue: tile ij, K unit iu of that tile,
      * ring slot is (no divisions per unit) */
@@ -493,9 +579,34 @@ __device__ __forceinline__ void task_mma(const uint8_t *__restrict__ wtask, unsi
                 iu = w;
                 ij++;
             }
+#if MOE_GPU_BULK
+            const uint32_t bar = pp.bar + 8 * is;
+            if (lane == 0) {
+                mbar_arrive_expect(bar, MOE_GPU_UNIT_BYTES + xbytes);
+                bulk_copy(dst, src, MOE_GPU_UNIT_BYTES, bar);
+            }
+            if (brow)
+                bulk_copy(dst + MOE_GPU_UNIT_BYTES + lane * X_ROW_BYTES,
+                          brow + (size_t)ux * MOE_GPU_UNIT_K, 128, bar);
             is = is + 1 == STAGES ? 0 : is + 1;
-            for (unsigned c = lane; c < MOE_GPU_UNIT_BYTES / 16; c += 32)
+        }
+    };
+#else
+            is = is + 1 == STAGES ? 0 : is + 1;
+            /* the unit's UC 16-byte chunks: lane l < UL copies chunks l, l + UL, ...
+             * (each instruction one contiguous UL * 16 bytes; the offsets are
+             * immediates, so one address per lane per unit) */
+#if MOE_UNIT_COPY_LOOP /* timing variant: the earlier loop over chunks lane, lane + 32, ... */
+            (void)UL;
+            for (unsigned c = lane; c < UC; c += 32)
                 cp_async16(dst + c * 16, src + c * 16, pol);
+#else
+            if (lane < UL) {
+#pragma unroll
+                for (unsigned k = 0; k < UC / UL; k++)
+                    cp_async16(dst + lane * 16 + k * UL * 16, src + lane * 16 + k * UL * 16, pol);
+            }
+#endif
             uint8_t *xd = dst + MOE_GPU_UNIT_BYTES;
 #pragma unroll
             for (int j = 0; j < NT * 8 * 8 / 32; j++)
@@ -505,14 +616,21 @@ __device__ __forceinline__ void task_mma(const uint8_t *__restrict__ wtask, unsi
         }
         cp_async_commit();
     };
+#endif
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++)
         issue(s);
     unsigned ti_cur = 0, left = nuw, cs = 0; /* units left in this tile, ring slot */
     for (unsigned i = 0; i < nu; i++) {
+#if MOE_GPU_BULK
+        mbar_wait(pp.bar + 8 * cs, (pp.par >> cs) & 1u);
+        pp.par ^= 1u << cs;
+        __syncwarp(); /* every lane is done with the stage issue() refills next */
+#else
         cp_async_wait<STAGES - 2>();
         __syncwarp();
+#endif
         issue(i + STAGES - 1);
         if (NTILE > 1) {
             if (left == 0) { /* crossed into the next tile: park this one's sum */
@@ -585,7 +703,9 @@ __device__ __forceinline__ void task_mma(const uint8_t *__restrict__ wtask, unsi
     }
     if (nu)
         acc_store<NTILE, NT>(acc, ti_cur, cur);
+#if !MOE_GPU_BULK
     cp_async_wait<0>();
+#endif
     __syncwarp();
 }
 
@@ -598,7 +718,7 @@ __device__ __forceinline__ void task_mma(const uint8_t *__restrict__ wtask, unsi
 template <int NT, int NTILE>
 __device__ __forceinline__ void task_splitk(const uint8_t *wtask, unsigned tile_units,
                                             unsigned ntiles, const xsrc &xs, uint8_t *sw,
-                                            uint8_t *sw_cta, unsigned long long pol,
+                                            uint8_t *sw_cta, wpipe &pp,
                                             float (&out)[MR][NT][4])
 {
     static_assert(NTILE * 32 * MR * NT * 4 * sizeof(float) <= STAGES * STAGE_BYTES,
@@ -606,7 +726,7 @@ __device__ __forceinline__ void task_splitk(const uint8_t *wtask, unsigned tile_
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const unsigned nuw = tile_units > warp ? (tile_units - warp + NWARPS - 1) / NWARPS : 0;
     float acc[NTILE][MR][NT][4];
-    task_mma<NT, NTILE>(wtask, warp, nuw, ntiles, tile_units, xs, sw, pol, acc);
+    task_mma<NT, NTILE>(wtask, warp, nuw, ntiles, tile_units, xs, sw, pp, acc);
     constexpr int PER = MR * NT * 4; /* floats per lane per tile */
 #pragma unroll
     for (int j = 0; j < NTILE; j++) {
@@ -650,7 +770,7 @@ __device__ __forceinline__ void task_splitk(const uint8_t *wtask, unsigned tile_
 template <int NT, int NTILE>
 __device__ void gu_task(const struct moe_gpu_params &p, const struct moe_gpu_layer &L,
                         const route &r, unsigned e, unsigned p0, unsigned cnt, unsigned rt0,
-                        unsigned ntiles, uint8_t *sw, uint8_t *sw_cta, unsigned long long pol)
+                        unsigned ntiles, uint8_t *sw, uint8_t *sw_cta, wpipe &pp)
 {
     const unsigned H = p.d.hidden, I = p.d.inter, NE = p.d.n_experts + p.d.n_shared;
     const unsigned lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, warp = threadIdx.x >> 5;
@@ -658,7 +778,7 @@ __device__ void gu_task(const struct moe_gpu_params &p, const struct moe_gpu_lay
     const uint8_t *wt = L.gu + (size_t)e * moe_gpu_expert_bytes_d(H, I) +
                         (size_t)rt0 * units * MOE_GPU_UNIT_BYTES;
     float acc[MR][NT][4];
-    task_splitk<NT, NTILE>(wt, units, ntiles, xsrc{p.xs, r.tok, p0, H, cnt}, sw, sw_cta, pol, acc);
+    task_splitk<NT, NTILE>(wt, units, ntiles, xsrc{p.xs, r.tok, p0, H, cnt}, sw, sw_cta, pp, acc);
     if (warp >= ntiles)
         return;
     const unsigned rt = rt0 + warp;
@@ -686,7 +806,7 @@ __device__ void gu_task(const struct moe_gpu_params &p, const struct moe_gpu_lay
 template <int NT, int NTILE>
 __device__ void dn_task(const struct moe_gpu_params &p, const struct moe_gpu_layer &L,
                         unsigned e, unsigned p0, unsigned cnt, unsigned rt0, unsigned ntiles,
-                        uint8_t *sw, uint8_t *sw_cta, unsigned long long pol)
+                        uint8_t *sw, uint8_t *sw_cta, wpipe &pp)
 {
     const unsigned H = p.d.hidden, I = p.d.inter, NE = p.d.n_experts + p.d.n_shared;
     const unsigned lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, warp = threadIdx.x >> 5;
@@ -694,7 +814,7 @@ __device__ void dn_task(const struct moe_gpu_params &p, const struct moe_gpu_lay
     const uint8_t *wt = L.dn + (size_t)e * moe_gpu_expert_bytes_d(H, I) +
                         (size_t)rt0 * units * MOE_GPU_UNIT_BYTES;
     float acc[MR][NT][4];
-    task_splitk<NT, NTILE>(wt, units, ntiles, xsrc{p.h, nullptr, p0, I, cnt}, sw, sw_cta, pol, acc);
+    task_splitk<NT, NTILE>(wt, units, ntiles, xsrc{p.h, nullptr, p0, I, cnt}, sw, sw_cta, pp, acc);
     if (warp >= ntiles)
         return;
     const unsigned rt = rt0 + warp;
@@ -794,6 +914,7 @@ __global__ void __launch_bounds__(THREADS, MOE_GPU_MINB) moe_persistent(const st
 {
     extern __shared__ __align__(16) uint8_t smem[];
     __shared__ struct moe_gpu_desc sd;
+    __shared__ uint4 s_inl[MOE_GPU_INLINE_BYTES / 16];
     __shared__ int s_go, s_last;
     __shared__ unsigned s_task;
 
@@ -814,7 +935,8 @@ __global__ void __launch_bounds__(THREADS, MOE_GPU_MINB) moe_persistent(const st
 #endif
     r.tok = r.pos + (size_t)p.d.max_tokens * KS;
     uint8_t *sw = smem + p.smem_route + warp * STAGES * STAGE_BYTES;
-    const unsigned long long pol = policy_evict_first();
+    __shared__ uint64_t bars[NWARPS * STAGES];
+    wpipe pp = wpipe_init(bars);
 
     unsigned long long hb_last = globaltimer_ns(), busy_at = hb_last;
     for (unsigned long long n = p.start_seq;; n++) {
@@ -846,9 +968,14 @@ __global__ void __launch_bounds__(THREADS, MOE_GPU_MINB) moe_persistent(const st
                 s_go = go;
             }
             __syncthreads();
-            if (s_go && tid < sizeof(struct moe_gpu_desc) / 16) /* one PCIe round trip */
-                reinterpret_cast<uint4 *>(&sd)[tid] =
+            if (s_go && tid < sizeof(struct moe_gpu_slot) / 16) { /* one PCIe round trip */
+                const uint4 v =
                     __ldcv(reinterpret_cast<const uint4 *>(&ctrl->ring[n % MOE_GPU_RING]) + tid);
+                if (tid < sizeof(struct moe_gpu_desc) / 16)
+                    reinterpret_cast<uint4 *>(&sd)[tid] = v;
+                else
+                    s_inl[tid - sizeof(struct moe_gpu_desc) / 16] = v;
+            }
             __syncthreads();
             if (s_go && tid == 0)
                 for (unsigned long long t0 = globaltimer_ns(); globaltimer_ns() - t0 < sd.stall_ns;)
@@ -856,11 +983,20 @@ __global__ void __launch_bounds__(THREADS, MOE_GPU_MINB) moe_persistent(const st
             if (s_go) {
                 /* stage ids, w and x into device memory (read once over PCIe) */
                 const unsigned T = sd.n_tokens, k = p.d.top_k;
-                const int32_t *ids = (const int32_t *)sd.ids;
-                const float *w = (const float *)sd.w;
-                for (unsigned i = tid; i < T * k; i += THREADS) {
-                    p.ids_s[i] = __ldcv(ids + i);
-                    p.w_s[i] = __ldcv(w + i);
+                if (sd.inl) { /* ids and w came with the descriptor */
+                    const int32_t *ids = reinterpret_cast<const int32_t *>(s_inl);
+                    const float *w = reinterpret_cast<const float *>(s_inl) + T * k;
+                    for (unsigned i = tid; i < T * k; i += THREADS) {
+                        p.ids_s[i] = ids[i];
+                        p.w_s[i] = w[i];
+                    }
+                } else {
+                    const int32_t *ids = (const int32_t *)sd.ids;
+                    const float *w = (const float *)sd.w;
+                    for (unsigned i = tid; i < T * k; i += THREADS) {
+                        p.ids_s[i] = __ldcv(ids + i);
+                        p.w_s[i] = __ldcv(w + i);
+                    }
                 }
                 if (tid == 0)
                     st->desc = sd;
@@ -973,18 +1109,18 @@ __global__ void __launch_bounds__(THREADS, MOE_GPU_MINB) moe_persistent(const st
                 __syncthreads(); /* also: every thread has read s_task */
                 if (is_gu) {
                     if (cnt > 8)
-                        gu_task<2, 1>(p, L, r, e, p0, cnt, rt0, ntiles, sw, sw_cta, pol);
+                        gu_task<2, 1>(p, L, r, e, p0, cnt, rt0, ntiles, sw, sw_cta, pp);
                     else if (NTG > 1)
-                        gu_task<1, MOE_GPU_NTILE>(p, L, r, e, p0, cnt, rt0, ntiles, sw, sw_cta, pol);
+                        gu_task<1, MOE_GPU_NTILE>(p, L, r, e, p0, cnt, rt0, ntiles, sw, sw_cta, pp);
                     else
-                        gu_task<1, 1>(p, L, r, e, p0, cnt, rt0, ntiles, sw, sw_cta, pol);
+                        gu_task<1, 1>(p, L, r, e, p0, cnt, rt0, ntiles, sw, sw_cta, pp);
                 } else {
                     if (cnt > 8)
-                        dn_task<2, 1>(p, L, e, p0, cnt, rt0, ntiles, sw, sw_cta, pol);
+                        dn_task<2, 1>(p, L, e, p0, cnt, rt0, ntiles, sw, sw_cta, pp);
                     else if (NTD > 1)
-                        dn_task<1, MOE_GPU_NTILE>(p, L, e, p0, cnt, rt0, ntiles, sw, sw_cta, pol);
+                        dn_task<1, MOE_GPU_NTILE>(p, L, e, p0, cnt, rt0, ntiles, sw, sw_cta, pp);
                     else
-                        dn_task<1, 1>(p, L, e, p0, cnt, rt0, ntiles, sw, sw_cta, pol);
+                        dn_task<1, 1>(p, L, e, p0, cnt, rt0, ntiles, sw, sw_cta, pp);
                 }
                 if (warp < ntiles) { /* warp w wrote tile rt0 + w of h / dout */
                     __syncwarp();

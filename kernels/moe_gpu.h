@@ -62,8 +62,9 @@
  * (sign to bit 15/31, magnitude to bits 6-8/22-24):
  *   p0: rotl(w, 6) & M            p1: rotl(w, 3) & M
  *   p2: rotl(w, 4) & S | w & G    p3: rotl(w, 5) & S | rotl(w, 9) & G
- * with M = S | G, S = 0x80008000 (signs), G = 0x01c001c0 (magnitudes). The
- * 32 bits of the word are each used once (bench/NOTES.md, v9). */
+ * with M = S | G, S = 0x80008000 (signs), G = 0x01c001c0 (magnitudes); only
+ * p3's magnitude wraps, the other rotations equal plain left shifts here. The
+ * 32 bits of the word are each used once (bench/NOTES.md, v10). */
 #if defined(__CUDACC__)
 #define MOE_GPU_HD __host__ __device__
 #else
@@ -99,7 +100,16 @@ struct moe_gpu_desc {
     uint64_t w;         /* fp32 [T, k] */
     uint64_t y;         /* bf16 [T, H] output */
     uint64_t stall_ns;  /* test hook: dispatcher sleeps this long first (0) */
-    uint64_t pad;
+    uint64_t inl;       /* 1: ids then w are inline in the slot (ids, w unused) */
+};
+
+/* A ring slot: the descriptor and, for small batches (T * top_k * 8 <=
+ * MOE_GPU_INLINE_BYTES), ids (int32 [T, k]) then w (fp32 [T, k]) inline, so
+ * that the kernel reads all it needs to route in one PCIe round trip. */
+#define MOE_GPU_INLINE_BYTES 448
+struct moe_gpu_slot {
+    struct moe_gpu_desc d;
+    uint8_t inl[MOE_GPU_INLINE_BYTES];
 };
 
 /* Control block in mapped host memory; each word on its own 64-byte line. */
@@ -118,7 +128,7 @@ struct moe_gpu_ctrl {
      * [0] head seen, [1] batch released to CTAs, [2] x staged, [3] last
      * gate_up tile done, [4] last down tile done, [5] batch complete */
     uint64_t phase_ns[8];
-    struct moe_gpu_desc ring[MOE_GPU_RING];
+    struct moe_gpu_slot ring[MOE_GPU_RING];
 };
 
 /* Device pointers of one layer's repacked weights. */

@@ -31,19 +31,20 @@ __global__ void __launch_bounds__(THREADS, MOE_GPU_MINB)
     uint8_t *sw = smem + warp * STAGES * STAGE_BYTES;
     const unsigned RT = is_gu ? p.d.inter / 16 / MR * 2 : p.d.hidden / 16 / MR;
     const unsigned TPE = (RT + ntile - 1) / ntile, n_tasks = n_exp * TPE;
-    const unsigned long long pol = policy_evict_first();
+    __shared__ uint64_t bars[NWARPS * STAGES];
+    wpipe pp = wpipe_init(bars);
     for (unsigned t = blockIdx.x; t < n_tasks; t += gridDim.x) {
         const unsigned e = t / TPE, rt0 = (t - e * TPE) * ntile, nt = min(ntile, RT - rt0);
         if (is_gu) {
             if (ntile > 1)
-                gu_task<1, MOE_GPU_NTILE>(p, L, r, e, 0, cnt, rt0, nt, sw, sw_cta, pol);
+                gu_task<1, MOE_GPU_NTILE>(p, L, r, e, 0, cnt, rt0, nt, sw, sw_cta, pp);
             else
-                gu_task<1, 1>(p, L, r, e, 0, cnt, rt0, nt, sw, sw_cta, pol);
+                gu_task<1, 1>(p, L, r, e, 0, cnt, rt0, nt, sw, sw_cta, pp);
         } else {
             if (ntile > 1)
-                dn_task<1, MOE_GPU_NTILE>(p, L, e, 0, cnt, rt0, nt, sw, sw_cta, pol);
+                dn_task<1, MOE_GPU_NTILE>(p, L, e, 0, cnt, rt0, nt, sw, sw_cta, pp);
             else
-                dn_task<1, 1>(p, L, e, 0, cnt, rt0, nt, sw, sw_cta, pol);
+                dn_task<1, 1>(p, L, e, 0, cnt, rt0, nt, sw, sw_cta, pp);
         }
         __syncthreads();
     }
