@@ -896,11 +896,6 @@ __device__ void combine_unit(const struct moe_gpu_params &p, const route &r, uns
  * NTILE tiles; small batches keep one tile per task so every SM streams. */
 __device__ __forceinline__ unsigned ntile_for(unsigned tiles, unsigned grid)
 {
-#if MOE_GPU_CHUNK_TOKENS > 8
-    (void)tiles; /* two n-tiles (16-token chunks) keep one row tile per task: registers */
-    (void)grid;
-    return 1;
-#endif
     unsigned n = tiles / (MOE_GPU_NTILE_WAVES * grid);
     return n < 1 ? 1u : n > MOE_GPU_NTILE ? (unsigned)MOE_GPU_NTILE : n;
 }
@@ -1107,28 +1102,39 @@ __global__ void __launch_bounds__(THREADS, MOE_GPU_MINB) moe_persistent(const st
                     }
                 }
                 __syncthreads(); /* also: every thread has read s_task */
-                if (is_gu) {
-                    if (cnt > 8)
-                        gu_task<2, 1>(p, L, r, e, p0, cnt, rt0, ntiles, sw, sw_cta, pp);
-                    else if (NTG > 1)
+                /* more than 8 pairs (16-token chunks): two n-tiles, one row tile
+                 * at a time (registers), warp 0 writes every tile. H200: a 16-token
+                 * build is 19% faster at T = 256 and 3-7% slower at T <= 64 (its
+                 * registers spill), bench/NOTES.md v14: 8 stays the default */
+                const bool wide = cnt > 8;
+                if (wide) {
+                    for (unsigned j = 0; j < ntiles; j++) {
+                        if (j)
+                            __syncthreads(); /* partials read: stages free again */
+                        if (is_gu)
+                            gu_task<2, 1>(p, L, r, e, p0, cnt, rt0 + j, 1, sw, sw_cta, pp);
+                        else
+                            dn_task<2, 1>(p, L, e, p0, cnt, rt0 + j, 1, sw, sw_cta, pp);
+                    }
+                } else if (is_gu) {
+                    if (NTG > 1)
                         gu_task<1, MOE_GPU_NTILE>(p, L, r, e, p0, cnt, rt0, ntiles, sw, sw_cta, pp);
                     else
                         gu_task<1, 1>(p, L, r, e, p0, cnt, rt0, ntiles, sw, sw_cta, pp);
                 } else {
-                    if (cnt > 8)
-                        dn_task<2, 1>(p, L, e, p0, cnt, rt0, ntiles, sw, sw_cta, pp);
-                    else if (NTD > 1)
+                    if (NTD > 1)
                         dn_task<1, MOE_GPU_NTILE>(p, L, e, p0, cnt, rt0, ntiles, sw, sw_cta, pp);
                     else
                         dn_task<1, 1>(p, L, e, p0, cnt, rt0, ntiles, sw, sw_cta, pp);
                 }
-                if (warp < ntiles) { /* warp w wrote tile rt0 + w of h / dout */
+                if (wide ? warp == 0 : warp < ntiles) { /* warp w wrote tile rt0 + w */
                     __syncwarp();
                     if ((tid & 31) == 0) {
-                        red_release_gpu(is_gu ? &st->gu_done[e] : &st->dn_done, 1u);
+                        const unsigned nd = wide ? ntiles : 1u;
+                        red_release_gpu(is_gu ? &st->gu_done[e] : &st->dn_done, nd);
 #if MOE_GPU_PHASES
-                        if (atomicAdd(is_gu ? &st->gu_all : &st->dn_all, 1u) ==
-                            (is_gu ? gu_tiles : dn_tiles) - 1)
+                        if (atomicAdd(is_gu ? &st->gu_all : &st->dn_all, nd) + nd ==
+                            (is_gu ? gu_tiles : dn_tiles))
                             st_relaxed_sys(&ctrl->phase_ns[is_gu ? 3 : 4], globaltimer_ns());
 #endif
                     }
