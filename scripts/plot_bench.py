@@ -29,6 +29,7 @@ def main(argv):
     fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 8), squeeze=False)
     series = [("moed_p50_us", "moed (persistent), x/y through host staging", "o-"),
               ("moed_dev_p50_us", "moed (persistent), x/y in device memory", "D-"),
+              ("kernel_us", "moed kernel time (head seen -> batch complete)", "x-"),
               ("staged_p50_us", "(a) NVFP4, launch per stage, graph", "s--"),
               ("cublas_p50_us", "(b) bf16 + cuBLAS per expert, graph", "^:")]
     for c, m in enumerate(models):
