@@ -120,6 +120,20 @@ static const struct cfg_key keys[] = {
      .def = "5000", FIELD(frame_timeout_ms),
      .doc = "Once a frame's first byte has arrived, the whole frame must arrive within this "
             "many milliseconds or the client gets a timeout error and is closed."},
+    {.path = "server.read_buffer_keep_bytes", .type = T_UINT, .min = 0, .max = 4294967296LL,
+     .def = "8388608", FIELD(read_buffer_keep_bytes), .bytes = true,
+     .doc = "A connection keeps its read buffer between frames as long as it is at most this "
+            "big, so the next frame of a steady client is read without allocating; a buffer "
+            "grown beyond it for a bigger frame is freed once the connection is idle (0: "
+            "always freed). Also the largest read buffer kept as one of the 16 spares that "
+            "connections read into while the engine works on a frame in place, so the worst "
+            "case is max_clients + 16 times this."},
+    {.path = "server.socket_buffer_bytes", .type = T_UINT, .min = 0, .max = 1073741824,
+     .def = "1048576", FIELD(socket_buffer_bytes), .bytes = true,
+     .doc = "Kernel send buffer (SO_SNDBUF) asked for each client socket, so that a reply up "
+            "to about this size is written in one system call instead of waiting for the "
+            "client to read part of it; the kernel caps it at net.core.wmem_max (and doubles "
+            "it for its own bookkeeping). 0 keeps the kernel default (about 208 KiB)."},
     /* status */
     {.path = "status.address", .type = T_STRING, .min = 1, .max = 15, .def = "127.0.0.1",
      FIELD(status_addr), .check = check_ipv4, .allowed = "an IPv4 literal",

@@ -31,6 +31,8 @@ struct moed_cfg {
     uint64_t max_frame_bytes;
     uint64_t max_client_buffer_bytes; /* queued reply bytes before reading stops */
     uint32_t frame_timeout_ms;        /* header received -> body must complete */
+    uint64_t read_buffer_keep_bytes;  /* read buffer a connection keeps between frames */
+    uint64_t socket_buffer_bytes;     /* SO_SNDBUF of client sockets; 0 = kernel default */
     /* status */
     char status_addr[64];             /* "127.0.0.1" */
     uint32_t status_port;             /* 0 = off */

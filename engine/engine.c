@@ -2,14 +2,20 @@
  *
  * Flow (loop thread unless noted):
  *   forward()   validate (moed_forward_validate) before anything reaches a
- *               backend, copy the inputs out of the read buffer into a
- *               request, append it to the waiting FIFO, dispatch();
+ *               backend; keep the inputs where they are when the server lends
+ *               its read buffer (the frame was all it held), else copy them
+ *               out into the request; append it to the waiting FIFO,
+ *               dispatch();
  *   dispatch()  while fewer than MOED_ENGINE_MAX_OUTSTANDING batches are at
  *               the backend: take the oldest waiting request's layer and merge
  *               every waiting request of that layer that still fits into
  *               max_tokens (in arrival order), copy them into one batch and
  *               submit it. With the backend busy, requests pile up and merge;
- *               idle, a lone request goes out at once;
+ *               idle, a lone request goes out at once, and then without
+ *               copies: the backend reads x, ids and w where the request
+ *               holds them and writes y straight into the reply frame
+ *               (a "direct" batch; at T=64, H=2048 that is two 256 KiB
+ *               copies less per request);
  *   on_done()   backend thread: push the batch on the completion list and
  *               uv_async_send (which coalesces);
  *   on_async()  drain the whole completion list: split each batch's output
@@ -33,17 +39,21 @@ struct eng_req {
     struct eng_req *next;
     struct moed_conn *conn;
     uint64_t request_id;
-    uint64_t t0_ns;       /* frame complete */
+    struct moed_req_times t; /* rx and complete from the server; the rest here */
     uint32_t layer, n_tokens;
     uint8_t *data;        /* x bf16 [T,H] | ids int32 [T,k] | w fp32 [T,k] */
+    struct moed_rx_buf rx; /* base != NULL: data lies in this lent read buffer */
 };
 
 struct eng_batch {
     struct moed_batch b;  /* first: the backend hands us this pointer back */
     struct eng_batch *next;
     struct eng_req *reqs; /* in row order */
-    uint8_t *mem;
+    uint8_t *mem;         /* merged batch: x | y | ids | w; NULL for a direct one */
+    uint8_t *frame;       /* direct batch: the reply frame, y is its payload */
     int selfcheck;
+    uint64_t submit_ns;   /* handed to the backend (loop thread) */
+    uint64_t done_ns;     /* done callback (backend thread, before the push) */
 };
 
 struct moed_engine {
@@ -89,6 +99,7 @@ struct moed_engine {
 static uint64_t now_ns(void) { return uv_hrtime(); }
 
 static void dispatch(struct moed_engine *e);
+static void batch_free(struct eng_batch *eb);
 static void on_health_timer(uv_timer_t *t);
 static void on_async(uv_async_t *h);
 
@@ -102,9 +113,20 @@ static int is_moe_layer_cb(const void *ctx, uint32_t layer)
 static size_t x_bytes(const struct moed_engine *e, uint32_t t) { return (size_t)t * e->dims->hidden * 2; }
 static size_t ids_bytes(const struct moed_engine *e, uint32_t t) { return (size_t)t * e->dims->top_k * 4; }
 
+/* Drop a request's inputs: a lent read buffer goes back to the server. Must
+ * come before the request is answered (the answer may free the connection). */
+static void req_drop_data(struct eng_req *r)
+{
+    if (r->rx.base)
+        moed_server_rx_release(r->conn, &r->rx);
+    else
+        free(r->data);
+    r->data = NULL;
+}
+
 static void req_free(struct eng_req *r)
 {
-    free(r->data);
+    req_drop_data(r);
     free(r);
 }
 
@@ -132,6 +154,7 @@ static void maybe_drained(struct moed_engine *e)
 /* Answer one request with an error; frees it. */
 static void req_fail(struct moed_engine *e, struct eng_req *r, int code, const char *msg)
 {
+    req_drop_data(r);
     moed_server_reply_error(r->conn, r->request_id, code, msg);
     e->stats.in_flight--;
     req_free(r);
@@ -144,6 +167,7 @@ static void on_backend_done(void *ctx, struct moed_batch *b)
     /* Backend thread. */
     struct moed_engine *e = ctx;
     struct eng_batch *eb = (struct eng_batch *)b;
+    eb->done_ns = now_ns(); /* uv_hrtime: CLOCK_MONOTONIC, fine off the loop thread */
     eb->next = NULL;
     pthread_mutex_lock(&e->done_mu);
     if (e->done_tail)
@@ -194,14 +218,19 @@ static void batch_complete(struct moed_engine *e, struct eng_batch *eb)
             req_fail(e, r, b->status, msg);
             continue;
         }
+        req_drop_data(r); /* x was read; y is in the batch or the frame */
         if (moed_server_conn_gone(r->conn)) {
             /* Client left: drop the reply; the server frees the connection
              * once its last request is released here. */
-            moed_server_reply(r->conn, NULL, 0);
+            moed_server_reply(r->conn, NULL, 0, NULL);
         } else {
             size_t ylen = x_bytes(e, r->n_tokens);
             size_t plen = sizeof(struct moed_forward_rep) + ylen;
-            uint8_t *f = malloc(MOED_PROTO_HDR_SIZE + plen);
+            uint8_t *f = eb->frame; /* direct: y is already in place */
+            eb->frame = NULL;
+            if (!f && (f = malloc(MOED_PROTO_HDR_SIZE + plen)) != NULL)
+                memcpy(f + MOED_PROTO_HDR_SIZE + sizeof(struct moed_forward_rep),
+                       (uint8_t *)b->y.ptr + (size_t)row * H * 2, ylen);
             if (!f) {
                 moed_server_reply_error(r->conn, r->request_id, MOED_E_NOMEM,
                                         "out of memory building the reply");
@@ -209,12 +238,13 @@ static void batch_complete(struct moed_engine *e, struct eng_batch *eb)
                 moed_frame_encode(f, MOED_MSG_FORWARD | MOED_PROTO_REPLY, r->request_id, plen);
                 struct moed_forward_rep rep = {.n_tokens = r->n_tokens, .hidden = H};
                 memcpy(f + MOED_PROTO_HDR_SIZE, &rep, sizeof rep);
-                memcpy(f + MOED_PROTO_HDR_SIZE + sizeof rep, (uint8_t *)b->y.ptr + (size_t)row * H * 2,
-                       ylen);
-                moed_server_reply(r->conn, f, MOED_PROTO_HDR_SIZE + plen);
+                r->t.submit_ns = eb->submit_ns;
+                r->t.done_ns = eb->done_ns;
+                moed_server_reply(r->conn, f, MOED_PROTO_HDR_SIZE + plen, &r->t);
                 e->stats.requests++;
                 e->stats.tokens += r->n_tokens;
-                moed_stats_record_latency(&e->stats, (double)(now - r->t0_ns) / 1000.0);
+                moed_stats_record_latency(&e->stats,
+                                          (double)(now - r->t.complete_ns) / 1000.0);
             }
         }
         row += r->n_tokens;
@@ -222,8 +252,7 @@ static void batch_complete(struct moed_engine *e, struct eng_batch *eb)
         req_free(r);
     }
     int status = b->status;
-    free(eb->mem);
-    free(eb);
+    batch_free(eb);
     if (status == MOED_E_BACKEND ||
         (e->be && e->be->ops->healthy && !e->be->ops->healthy(e->be)))
         engine_fail(e, MOED_E_BACKEND, "backend unhealthy (device error or stalled kernel)");
@@ -303,6 +332,47 @@ static struct eng_req *take_batch(struct moed_engine *e, uint32_t *layer, uint32
     return head;
 }
 
+/* A direct batch for a lone request: x, ids and w are read where the request
+ * holds them (r->data: its own malloc'd copy, or offset 48 of a lent read
+ * buffer, 16-byte aligned either way; ids need 4-byte alignment, which holds
+ * when T*H is even), and y is written into the
+ * reply frame right after its two heads (offset 40: 2-byte aligned for bf16).
+ * NULL when the layout does not allow it or on allocation failure: the
+ * caller falls back to a merged batch. */
+static struct eng_batch *batch_alloc_direct(struct moed_engine *e, struct eng_req *r)
+{
+    size_t xb = x_bytes(e, r->n_tokens), ib = ids_bytes(e, r->n_tokens);
+    if (xb % 4 != 0)
+        return NULL;
+    struct eng_batch *eb = calloc(1, sizeof *eb);
+    if (!eb)
+        return NULL;
+    eb->frame = malloc(MOED_PROTO_HDR_SIZE + sizeof(struct moed_forward_rep) + xb);
+    if (!eb->frame) {
+        free(eb);
+        return NULL;
+    }
+    struct moed_batch *b = &eb->b;
+    b->seq = ++e->next_seq;
+    b->layer = r->layer;
+    b->n_tokens = r->n_tokens;
+    b->top_k = e->dims->top_k;
+    b->x = (struct moed_buf){MOED_BUF_HOST, 0, r->data, xb};
+    b->ids = (struct moed_buf){MOED_BUF_HOST, 0, r->data + xb, ib};
+    b->w = (struct moed_buf){MOED_BUF_HOST, 0, r->data + xb + ib, ib};
+    b->y = (struct moed_buf){MOED_BUF_HOST, 0,
+                             eb->frame + MOED_PROTO_HDR_SIZE + sizeof(struct moed_forward_rep), xb};
+    b->user = eb;
+    return eb;
+}
+
+static void batch_free(struct eng_batch *eb)
+{
+    free(eb->frame);
+    free(eb->mem);
+    free(eb);
+}
+
 static struct eng_batch *batch_alloc(struct moed_engine *e, uint32_t layer, uint32_t T)
 {
     struct eng_batch *eb = calloc(1, sizeof *eb);
@@ -333,7 +403,9 @@ static void dispatch(struct moed_engine *e)
     while (!e->failed && e->wait_head && e->outstanding < MOED_ENGINE_MAX_OUTSTANDING) {
         uint32_t layer, T;
         struct eng_req *reqs = take_batch(e, &layer, &T);
-        struct eng_batch *eb = batch_alloc(e, layer, T);
+        struct eng_batch *eb = reqs->next ? NULL : batch_alloc_direct(e, reqs);
+        if (!eb)
+            eb = batch_alloc(e, layer, T);
         if (!eb) {
             for (struct eng_req *r = reqs, *nx; r; r = nx) {
                 nx = r->next;
@@ -343,7 +415,7 @@ static void dispatch(struct moed_engine *e)
         }
         eb->reqs = reqs;
         uint8_t *x = eb->b.x.ptr, *ids = eb->b.ids.ptr, *w = eb->b.w.ptr;
-        for (struct eng_req *r = reqs; r; r = r->next) {
+        for (struct eng_req *r = eb->mem ? reqs : NULL; r; r = r->next) {
             size_t xb = x_bytes(e, r->n_tokens), ib = ids_bytes(e, r->n_tokens);
             memcpy(x, r->data, xb);
             memcpy(ids, r->data + xb, ib);
@@ -355,6 +427,7 @@ static void dispatch(struct moed_engine *e)
         busy_begin(e);
         e->stats.batches++;
         e->stats.batch_tokens += T;
+        eb->submit_ns = now_ns(); /* before submit: the backend may finish at once */
         int rc = moed_backend_submit(e->be, &eb->b);
         if (rc < 0) {
             busy_end(e);
@@ -364,8 +437,7 @@ static void dispatch(struct moed_engine *e)
                 nx = r->next;
                 req_fail(e, r, rc, msg);
             }
-            free(eb->mem);
-            free(eb);
+            batch_free(eb);
             if (rc == MOED_E_BACKEND)
                 engine_fail(e, rc, msg);
         }
@@ -375,7 +447,8 @@ static void dispatch(struct moed_engine *e)
 /* ---- server callbacks ---------------------------------------------------------- */
 
 static int eng_forward(void *ctx, struct moed_conn *c, uint64_t request_id, const uint8_t *payload,
-                       uint64_t len, char *err, size_t errlen)
+                       uint64_t len, const struct moed_req_times *t, struct moed_rx_buf *rx,
+                       char *err, size_t errlen)
 {
     struct moed_engine *e = ctx;
     if (e->draining)
@@ -390,14 +463,22 @@ static int eng_forward(void *ctx, struct moed_conn *c, uint64_t request_id, cons
         return rc;
     struct eng_req *r = calloc(1, sizeof *r);
     size_t body = (size_t)len - sizeof(struct moed_forward_req);
-    if (!r || !(r->data = malloc(body))) {
+    if (r && rx) {
+        /* Keep the server's buffer: the inputs are used where they were read
+         * (a 256 KiB copy less at T=64, H=2048). From malloc, the buffer is
+         * aligned for anything, so x at 32 + 16 is too. */
+        r->rx = *rx;
+        rx->base = NULL;
+        r->data = (uint8_t *)(uintptr_t)(payload + sizeof fr);
+    } else if (!r || !(r->data = malloc(body))) {
         free(r);
         return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory for a %zu-byte request", body);
+    } else {
+        memcpy(r->data, payload + sizeof fr, body);
     }
-    memcpy(r->data, payload + sizeof fr, body);
     r->conn = c;
     r->request_id = request_id;
-    r->t0_ns = now_ns();
+    r->t = *t;
     r->layer = fr.layer;
     r->n_tokens = fr.n_tokens;
     /* Per-expert hits: routed ids (validated in range), then every shared
@@ -611,10 +692,8 @@ int moed_engine_self_check(struct moed_engine *e, char *err, size_t errlen)
     e->stats.loaded = 1;
 out:
     free(ref);
-    if (eb) {
-        free(eb->mem);
-        free(eb);
-    }
+    if (eb)
+        batch_free(eb);
     return rc;
 }
 

@@ -22,6 +22,9 @@
 
 #include <systemd/sd-daemon.h>
 #include <uv.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 
 #include "config.h"
 #include "engine.h"
@@ -37,6 +40,8 @@
 #define SYNTH_DEFAULT_SEED 1u
 #define EXTEND_TIMEOUT_US 60000000ull        /* per EXTEND_TIMEOUT_USEC during loads */
 #define DRAIN_SLACK_MS 10000u                /* drain deadline beyond batch_deadline_ms */
+#define MALLOC_MMAP_THRESHOLD (32u << 20)    /* glibc's largest allowed value (64-bit) */
+#define MALLOC_TRIM_THRESHOLD (64u << 20)
 
 enum exit_code {
     EXIT_CLEAN = 0,
@@ -383,6 +388,25 @@ static void close_walk(uv_handle_t *h, void *arg)
 
 /* ---- main ---------------------------------------------------------------------- */
 
+/* Every FORWARD allocates and frees blocks of its payload's size on the loop
+ * thread (the request copy, the reply frame: 256 KiB each at T=64, H=2048).
+ * glibc gives a block over M_MMAP_THRESHOLD (128 KiB until its adaptive
+ * threshold has seen a large free) a fresh mmap, paid for with a page fault
+ * per 4 KiB on first touch and an munmap on free, and hands free heap top
+ * over M_TRIM_THRESHOLD back to the kernel, to be faulted in again by the
+ * next request. Fixing both keeps these blocks on the heap, recycled warm
+ * from one request to the next; the cost is at most M_TRIM_THRESHOLD of free
+ * heap kept after a burst. Called once the model is loaded, so the loader's
+ * temporary buffers were placed as before. */
+static void tune_malloc(void)
+{
+#ifdef __GLIBC__
+    if (mallopt(M_MMAP_THRESHOLD, (int)MALLOC_MMAP_THRESHOLD) != 1 ||
+        mallopt(M_TRIM_THRESHOLD, (int)MALLOC_TRIM_THRESHOLD) != 1)
+        LOG_D("mallopt refused the mmap/trim thresholds; request buffers may be mmap'ed");
+#endif
+}
+
 static int run_daemon(const struct moed_cfg *cfg)
 {
     char err[MOED_ERRLEN * 4] = "";
@@ -478,6 +502,8 @@ static int run_daemon(const struct moed_cfg *cfg)
         d.exit_code = EXIT_BACKEND;
         goto out_engine;
     }
+
+    tune_malloc();
 
     /* socket */
     rc = moed_server_open(&d.loop, cfg, moed_engine_server_ops(), d.engine, st, &d.server, err,

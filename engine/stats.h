@@ -23,6 +23,44 @@
  * Upper bounds are inclusive so they map directly onto Prometheus `le`. */
 #define MOED_LAT_BUCKETS 64
 
+/* Where a FORWARD request's time goes, stage by stage, so that the latency
+ * the socket path adds on top of the backend can be read on any backend.
+ * Each stage runs from one timestamp (CLOCK_MONOTONIC, ns) to the next:
+ *   RECV     first byte of the frame read -> frame complete
+ *   SUBMIT   frame complete -> its batch handed to the backend (validation,
+ *            copies, waiting for a backend slot and for other requests)
+ *   BACKEND  handed to the backend -> the backend's done callback
+ *   REPLY    done callback -> reply frame handed to the socket write (loop
+ *            wake-up, reply built)
+ *   WRITE    handed to the write -> last byte written into the socket
+ *   TOTAL    first byte read -> last byte written
+ *   ADDED    TOTAL - BACKEND of the same request: what the daemon adds
+ * Only requests answered OK whose reply was written completely are timed. */
+enum moed_stage {
+    MOED_STAGE_RECV = 0,
+    MOED_STAGE_SUBMIT,
+    MOED_STAGE_BACKEND,
+    MOED_STAGE_REPLY,
+    MOED_STAGE_WRITE,
+    MOED_STAGE_TOTAL,
+    MOED_STAGE_ADDED,
+    MOED_STAGE__COUNT
+};
+
+/* Percentiles of the stages are exact order statistics over the last
+ * MOED_STAGE_WINDOW timed requests (a histogram's 26 % buckets are too coarse
+ * to see tens of microseconds move on a few-hundred-microsecond request). */
+#define MOED_STAGE_WINDOW 1024
+
+/* The timestamps of one request (ns, uv_hrtime clock); 0 = not reached. */
+struct moed_req_times {
+    uint64_t rx_ns;       /* first byte of the frame read */
+    uint64_t complete_ns; /* frame complete */
+    uint64_t submit_ns;   /* batch handed to the backend */
+    uint64_t done_ns;     /* backend done callback (backend thread) */
+    uint64_t reply_ns;    /* reply handed to the socket write */
+};
+
 struct moed_stats {
     /* identity */
     const char *version;
@@ -50,6 +88,13 @@ struct moed_stats {
     uint64_t lat_hist[MOED_LAT_BUCKETS];
     uint64_t lat_count;
     double lat_sum_us;
+    /* stage timing (see enum moed_stage): requests timed, per-stage sums
+     * since start, and the last MOED_STAGE_WINDOW samples of each stage in ns
+     * (saturated at UINT32_MAX, 4.29 s) as a ring written at stage_count %
+     * MOED_STAGE_WINDOW */
+    uint64_t stage_count;
+    uint64_t stage_sum_ns[MOED_STAGE__COUNT];
+    uint32_t stage_win[MOED_STAGE__COUNT][MOED_STAGE_WINDOW];
     /* backend busy accounting: ns with at least one batch queued or running */
     uint64_t busy_ns;
     /* per-expert hits (routed + shared), n_experts + n_shared entries */
@@ -66,6 +111,18 @@ void moed_stats_record_latency(struct moed_stats *s, double us);
  * bucket holding the sample of rank ceil(p * count) (the overflow bucket
  * reports its lower bound). 0 when there are no samples. */
 double moed_stats_latency_pct(const struct moed_stats *s, double p);
+
+/* Record the stages of one request whose reply's last byte was written at
+ * written_ns. Timestamps out of order (never with a monotonic clock) count as
+ * 0-length stages. */
+void moed_stats_record_stages(struct moed_stats *s, const struct moed_req_times *t,
+                              uint64_t written_ns);
+/* Percentile p (0..1) of a stage over the window, microseconds: the sample of
+ * rank ceil(p * n) among the last n = min(stage_count, MOED_STAGE_WINDOW)
+ * timed requests; 0 with no samples. */
+double moed_stats_stage_pct(const struct moed_stats *s, enum moed_stage st, double p);
+/* The stage's name in /status and /metrics ("recv", "submit", ...). */
+const char *moed_stage_name(enum moed_stage st);
 
 /* Renderers (malloc'd strings, caller frees; NULL on allocation failure). */
 char *moed_status_json(const struct moed_stats *s, uint64_t now_ns);

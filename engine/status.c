@@ -85,6 +85,81 @@ double moed_stats_latency_pct(const struct moed_stats *s, double p)
     return bucket_upper_us(MOED_LAT_BUCKETS - 1);
 }
 
+/* ---------------------------------------------------------- stages */
+
+static const char *const stage_names[MOED_STAGE__COUNT] = {
+    [MOED_STAGE_RECV] = "recv",       [MOED_STAGE_SUBMIT] = "submit",
+    [MOED_STAGE_BACKEND] = "backend", [MOED_STAGE_REPLY] = "reply",
+    [MOED_STAGE_WRITE] = "write",     [MOED_STAGE_TOTAL] = "total",
+    [MOED_STAGE_ADDED] = "added",
+};
+
+const char *moed_stage_name(enum moed_stage st)
+{
+    return (unsigned)st < MOED_STAGE__COUNT ? stage_names[st] : "?";
+}
+
+static uint64_t span(uint64_t from, uint64_t to) { return to > from ? to - from : 0; }
+
+void moed_stats_record_stages(struct moed_stats *s, const struct moed_req_times *t,
+                              uint64_t written_ns)
+{
+    uint64_t d[MOED_STAGE__COUNT];
+    d[MOED_STAGE_RECV] = span(t->rx_ns, t->complete_ns);
+    d[MOED_STAGE_SUBMIT] = span(t->complete_ns, t->submit_ns);
+    d[MOED_STAGE_BACKEND] = span(t->submit_ns, t->done_ns);
+    d[MOED_STAGE_REPLY] = span(t->done_ns, t->reply_ns);
+    d[MOED_STAGE_WRITE] = span(t->reply_ns, written_ns);
+    d[MOED_STAGE_TOTAL] = span(t->rx_ns, written_ns);
+    d[MOED_STAGE_ADDED] = span(d[MOED_STAGE_BACKEND], d[MOED_STAGE_TOTAL]);
+    size_t slot = (size_t)(s->stage_count % MOED_STAGE_WINDOW);
+    for (int i = 0; i < MOED_STAGE__COUNT; i++) {
+        s->stage_sum_ns[i] += d[i];
+        s->stage_win[i][slot] = d[i] > UINT32_MAX ? UINT32_MAX : (uint32_t)d[i];
+    }
+    s->stage_count++;
+}
+
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The window of one stage, sorted; returns how many samples it holds. */
+static size_t stage_sorted(const struct moed_stats *s, enum moed_stage st,
+                           uint32_t out[MOED_STAGE_WINDOW])
+{
+    size_t n = s->stage_count < MOED_STAGE_WINDOW ? (size_t)s->stage_count : MOED_STAGE_WINDOW;
+    memcpy(out, s->stage_win[st], n * sizeof *out);
+    qsort(out, n, sizeof *out, cmp_u32);
+    return n;
+}
+
+/* Order statistic of rank ceil(p * n) of sorted samples, in microseconds. */
+static double sorted_pct_us(const uint32_t *v, size_t n, double p)
+{
+    if (n == 0)
+        return 0.0;
+    if (!(p > 0.0))
+        p = 0.0;
+    if (p > 1.0)
+        p = 1.0;
+    size_t rank = (size_t)ceil(p * (double)n);
+    if (rank < 1)
+        rank = 1;
+    return (double)v[rank - 1] / 1000.0;
+}
+
+double moed_stats_stage_pct(const struct moed_stats *s, enum moed_stage st, double p)
+{
+    if ((unsigned)st >= MOED_STAGE__COUNT)
+        return 0.0;
+    uint32_t v[MOED_STAGE_WINDOW];
+    size_t n = stage_sorted(s, st, v);
+    return sorted_pct_us(v, n, p);
+}
+
 static double uptime_s(const struct moed_stats *s, uint64_t now_ns)
 {
     return now_ns > s->start_ns ? (double)(now_ns - s->start_ns) / 1e9 : 0.0;
@@ -153,6 +228,26 @@ static double pct_json(const struct moed_stats *s, double p)
     return ceil(moed_stats_latency_pct(s, p) * 100.0) / 100.0;
 }
 
+/* stages_us: {count, window, <stage>: {p50, p99, mean}} */
+static int json_stages(cJSON *root, const struct moed_stats *s)
+{
+    cJSON *o = cJSON_AddObjectToObject(root, "stages_us");
+    size_t win = s->stage_count < MOED_STAGE_WINDOW ? (size_t)s->stage_count : MOED_STAGE_WINDOW;
+    if (!o || jnum(o, "count", (double)s->stage_count) || jnum(o, "window", (double)win))
+        return -1;
+    for (int i = 0; i < MOED_STAGE__COUNT; i++) {
+        uint32_t v[MOED_STAGE_WINDOW];
+        size_t n = stage_sorted(s, (enum moed_stage)i, v);
+        double mean = s->stage_count ? (double)s->stage_sum_ns[i] / 1000.0 / (double)s->stage_count
+                                     : 0.0;
+        cJSON *st = cJSON_AddObjectToObject(o, stage_names[i]);
+        if (!st || jnum(st, "p50", sorted_pct_us(v, n, 0.50)) ||
+            jnum(st, "p99", sorted_pct_us(v, n, 0.99)) || jnum(st, "mean", mean))
+            return -1;
+    }
+    return 0;
+}
+
 static int json_body(cJSON *root, const struct moed_stats *s, uint64_t now_ns)
 {
     double up = uptime_s(s, now_ns);
@@ -201,6 +296,9 @@ static int json_body(cJSON *root, const struct moed_stats *s, uint64_t now_ns)
     if (!lat || jnum(lat, "p50", pct_json(s, 0.50)) || jnum(lat, "p99", pct_json(s, 0.99)) ||
         jnum(lat, "p999", pct_json(s, 0.999)) || jnum(lat, "mean", mean) ||
         jnum(lat, "count", (double)s->lat_count))
+        return -1;
+
+    if (json_stages(root, s))
         return -1;
 
     cJSON *bt = cJSON_AddObjectToObject(root, "batches");
@@ -356,6 +454,40 @@ static void prom_latency(struct sbuf *b, const struct moed_stats *s)
     sb_printf(b, "\n%s_count %" PRIu64 "\n", n, cum);
 }
 
+static void prom_stages(struct sbuf *b, const struct moed_stats *s)
+{
+    prom_u64(b, "moed_request_stage_samples_total", "counter",
+             "FORWARD requests timed stage by stage (answered OK, reply fully written).",
+             s->stage_count);
+    sb_head(b, "moed_request_stage_seconds_total", "counter",
+            "Seconds spent in each stage of a FORWARD request, summed over timed requests.");
+    for (int i = 0; i < MOED_STAGE__COUNT; i++) {
+        sb_printf(b, "moed_request_stage_seconds_total{stage=\"%s\"} ", stage_names[i]);
+        sb_double(b, (double)s->stage_sum_ns[i] / 1e9);
+        sb_printf(b, "\n");
+    }
+    static const struct {
+        const char *name, *help;
+        double p;
+    } q[] = {{"moed_request_stage_p50_seconds",
+              "Median of each stage over the last timed FORWARD requests (window in /status).",
+              0.50},
+             {"moed_request_stage_p99_seconds",
+              "99th percentile of each stage over the last timed FORWARD requests.", 0.99}};
+    uint32_t v[MOED_STAGE__COUNT][MOED_STAGE_WINDOW];
+    size_t n[MOED_STAGE__COUNT];
+    for (int i = 0; i < MOED_STAGE__COUNT; i++)
+        n[i] = stage_sorted(s, (enum moed_stage)i, v[i]);
+    for (size_t k = 0; k < sizeof q / sizeof q[0]; k++) {
+        sb_head(b, q[k].name, "gauge", q[k].help);
+        for (int i = 0; i < MOED_STAGE__COUNT; i++) {
+            sb_printf(b, "%s{stage=\"%s\"} ", q[k].name, stage_names[i]);
+            sb_double(b, sorted_pct_us(v[i], n[i], q[k].p) / 1e6);
+            sb_printf(b, "\n");
+        }
+    }
+}
+
 char *moed_status_prometheus(const struct moed_stats *s, uint64_t now_ns)
 {
     struct sbuf b = {0};
@@ -405,6 +537,8 @@ char *moed_status_prometheus(const struct moed_stats *s, uint64_t now_ns)
                   s->errors[i]);
 
     prom_latency(&b, s);
+
+    prom_stages(&b, s);
 
     prom_u64(&b, "moed_batches_total", "counter", "Batches run by the backend.", s->batches);
     prom_u64(&b, "moed_batch_tokens_total", "counter", "Tokens summed over all batches.",

@@ -27,6 +27,14 @@
 #define MOEDC_BIG_ENDIAN 1
 #endif
 
+/* Kernel send buffer asked for at connect (SO_SNDBUF). An AF_UNIX stream
+ * socket charges the bytes in flight to the sender's send buffer, and the
+ * default (~208 KiB) is smaller than one T=64, H=2048 FORWARD request
+ * (256 KiB of x): the write would stop half-way until the daemon has read
+ * the first part, a wake-up of each side per request. The kernel caps this at
+ * net.core.wmem_max; a failure leaves the default (it only costs speed). */
+#define MOEDC_SNDBUF_BYTES (1 << 20)
+
 /* Sanity caps on a HELLO reply (far above any real model). */
 #define MOEDC_MAX_HIDDEN (1u << 20)
 #define MOEDC_MAX_TOKENS (1u << 24)
@@ -341,6 +349,8 @@ int moedc_connect(const char *path, int timeout_ms, struct moedc **out, char *er
         rc = moed_seterr(err, errlen, MOED_E_CONN, "socket: %s", strerror(errno));
         goto free_c;
     }
+    int sndbuf = MOEDC_SNDBUF_BYTES;
+    (void)setsockopt(c->fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof sndbuf);
     /* A non-blocking AF_UNIX connect completes at once, or fails with
      * EAGAIN when the listener's backlog is full: that is a failure, not
      * "in progress" (the socket stays unconnected yet polls writable), so

@@ -2,7 +2,14 @@
  *
  * Per connection (struct moed_conn):
  *   - a read buffer buf[off..len) that grows on demand, never beyond
- *     32 + max_frame_bytes (the largest frame we accept);
+ *     32 + max_frame_bytes (the largest frame we accept), and is kept between
+ *     frames up to read_buffer_keep_bytes: a client sending 256 KiB frames
+ *     would otherwise pay a malloc, a realloc (copying what was read so far)
+ *     and a free per frame, and fresh memory costs page faults. When the
+ *     buffer holds exactly one FORWARD frame, the engine may keep the whole
+ *     buffer and use the payload in place (no copy); the connection then
+ *     reads on into a spare buffer, and the engine returns the lent one to
+ *     the spares when done (moed_server_rx_release);
  *   - `skip`: bytes of a rejected frame (unknown type, valid header) still to
  *     discard, so the stream stays in sync;
  *   - `pending`: FORWARD requests handed to the engine and not yet answered;
@@ -44,6 +51,7 @@ _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "moed's daemon needs a
 
 #define CONN_BUF_INITIAL (64u * 1024u) /* first read buffer; grows to 32 + max_frame_bytes */
 #define CLOSE_GRACE_MS 2000u           /* max wait for queued replies when closing */
+#define SPARE_BUFS 16                  /* read buffers kept for reuse, server-wide */
 #define LISTEN_BACKLOG 128
 
 enum timer_mode { TIMER_NONE = 0, TIMER_FRAME, TIMER_DRAIN, TIMER_CLOSE };
@@ -57,6 +65,8 @@ struct moed_conn {
     uint8_t *buf;
     size_t cap, off, len;
     uint64_t skip;
+    uint64_t rx_ns;       /* start of the read that brought the current frame's first byte */
+    uint64_t read_start_ns; /* start of the latest read (taken in on_alloc) */
     uint32_t pending;
     int handles_open;     /* pipe + timer still not closed */
     enum timer_mode tmode;
@@ -84,6 +94,11 @@ struct moed_server {
     uv_idle_t closer;
     int listening;
     int closer_active;
+    int sndbuf_logged; /* the effective SO_SNDBUF was reported once */
+    /* read buffers the engine gave back, at most read_buffer_keep_bytes
+     * each, for connections that lent theirs (LIFO: the warmest first) */
+    struct moed_rx_buf spares[SPARE_BUFS];
+    int n_spares;
     int n_handles; /* listener + closer still open */
     uint32_t n_clients;
     uint64_t next_id;
@@ -98,6 +113,8 @@ struct write_req {
     uv_write_t req;
     uint8_t *data;
     struct moed_conn *c;
+    int timed;                /* a FORWARD reply: record its stages when written */
+    struct moed_req_times t;
 };
 
 static void conn_process(struct moed_conn *c);
@@ -132,6 +149,8 @@ static void on_write(uv_write_t *req, int status)
 {
     struct write_req *wr = (struct write_req *)req;
     struct moed_conn *c = wr->c;
+    if (status >= 0 && wr->timed)
+        moed_stats_record_stages(c->srv->stats, &wr->t, uv_hrtime());
     free(wr->data);
     free(wr);
     if (status < 0 && status != UV_ECANCELED && !c->closing) {
@@ -152,8 +171,10 @@ static void on_write(uv_write_t *req, int status)
     }
 }
 
-/* Queue a whole frame; takes ownership of `data`. */
-static void conn_write(struct moed_conn *c, uint8_t *data, size_t len)
+/* Queue a whole frame; takes ownership of `data`. `t`: a timed FORWARD
+ * reply (NULL for everything else). */
+static void conn_write(struct moed_conn *c, uint8_t *data, size_t len,
+                       const struct moed_req_times *t)
 {
     if (c->closed || (c->closing && !c->graceful)) {
         free(data);
@@ -167,6 +188,11 @@ static void conn_write(struct moed_conn *c, uint8_t *data, size_t len)
     }
     wr->data = data;
     wr->c = c;
+    wr->timed = t != NULL;
+    if (t) {
+        wr->t = *t;
+        wr->t.reply_ns = uv_hrtime();
+    }
     uv_buf_t b = uv_buf_init((char *)data, (unsigned)len);
     int rc = uv_write(&wr->req, (uv_stream_t *)&c->pipe, &b, 1, on_write);
     if (rc < 0) {
@@ -194,7 +220,7 @@ static void conn_send_error(struct moed_conn *c, uint64_t request_id, int code, 
     size_t len;
     uint8_t *f = moed_server_error_frame(request_id, code, msg, &len);
     if (f)
-        conn_write(c, f, len);
+        conn_write(c, f, len, NULL);
 }
 
 static void conn_send(struct moed_conn *c, uint16_t type, uint64_t request_id, const void *payload,
@@ -208,7 +234,7 @@ static void conn_send(struct moed_conn *c, uint16_t type, uint64_t request_id, c
     moed_frame_encode(f, type | MOED_PROTO_REPLY, request_id, plen);
     if (plen)
         memcpy(f + MOED_PROTO_HDR_SIZE, payload, plen);
-    conn_write(c, f, MOED_PROTO_HDR_SIZE + plen);
+    conn_write(c, f, MOED_PROTO_HDR_SIZE + plen, NULL);
 }
 
 /* ---- closing ------------------------------------------------------------ */
@@ -359,8 +385,17 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *out)
     (void)suggested;
     struct moed_conn *c = h->data;
     size_t limit = MOED_PROTO_HDR_SIZE + (size_t)c->srv->cfg.max_frame_bytes;
+    /* libuv reads right after this: the stage timing of a frame starts here,
+     * so that its first read's copy counts too */
+    c->read_start_ns = uv_hrtime();
     if (c->off > 0 && c->off == c->len)
         c->off = c->len = 0;
+    if (!c->buf && c->srv->n_spares > 0) {
+        struct moed_rx_buf *sp = &c->srv->spares[--c->srv->n_spares];
+        c->buf = sp->base;
+        c->cap = sp->cap;
+        sp->base = NULL;
+    }
     if (c->len == c->cap && c->cap < limit) {
         size_t ncap = c->cap ? c->cap * 2 : CONN_BUF_INITIAL;
         if (ncap > limit)
@@ -408,6 +443,8 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *b)
         conn_close(c, 0);
         return;
     }
+    if (c->len == c->off)
+        c->rx_ns = c->read_start_ns; /* these bytes start a frame */
     c->len += (size_t)nread;
     conn_process(c);
 }
@@ -468,42 +505,51 @@ static void handle_hello(struct moed_conn *c, const struct moed_frame_hdr *h, co
     conn_send(c, MOED_MSG_HELLO, h->request_id, &rep, sizeof rep);
 }
 
-static void handle_frame(struct moed_conn *c, const struct moed_frame_hdr *h, const uint8_t *p)
+/* Returns 1 when the engine kept the read buffer (a FORWARD used in place):
+ * the connection no longer owns c->buf. */
+static int handle_frame(struct moed_conn *c, const struct moed_frame_hdr *h, const uint8_t *p)
 {
     struct moed_server *srv = c->srv;
     char msg[MOED_ERRLEN];
     switch (h->type) {
     case MOED_MSG_HELLO:
         handle_hello(c, h, p);
-        return;
+        return 0;
     case MOED_MSG_PING:
         if (h->payload_len > MOED_PROTO_MAX_PING) {
             snprintf(msg, sizeof msg, "PING payload is %llu bytes; at most %d allowed",
                      (unsigned long long)h->payload_len, MOED_PROTO_MAX_PING);
             conn_send_error(c, h->request_id, MOED_E_INVAL, msg);
-            return;
+            return 0;
         }
         conn_send(c, MOED_MSG_PING, h->request_id, p, (size_t)h->payload_len);
-        return;
+        return 0;
     case MOED_MSG_STATUS: {
         char *js = srv->ops->status_json(srv->ctx);
         if (!js) {
             conn_send_error(c, h->request_id, MOED_E_NOMEM, "out of memory rendering the status");
-            return;
+            return 0;
         }
         conn_send(c, MOED_MSG_STATUS, h->request_id, js, strlen(js));
         free(js);
-        return;
+        return 0;
     }
     case MOED_MSG_FORWARD: {
         msg[0] = 0;
         c->pending++;
-        int rc = srv->ops->forward(srv->ctx, c, h->request_id, p, h->payload_len, msg, sizeof msg);
+        struct moed_req_times t = {.rx_ns = c->rx_ns, .complete_ns = uv_hrtime()};
+        /* Lend the buffer only when the frame is all it holds: nothing of a
+         * next frame has to move out of it. */
+        struct moed_rx_buf rx = {c->buf, c->cap};
+        int lend = c->off == 0 && c->len == MOED_PROTO_HDR_SIZE + (size_t)h->payload_len;
+        int rc = srv->ops->forward(srv->ctx, c, h->request_id, p, h->payload_len, &t,
+                                   lend ? &rx : NULL, msg, sizeof msg);
         if (rc < 0) {
             c->pending--;
             conn_send_error(c, h->request_id, rc, msg[0] ? msg : moed_strerror(rc));
+            return 0;
         }
-        return;
+        return lend && rx.base == NULL;
     }
     case MOED_MSG_REGISTER_BUF:
     case MOED_MSG_UNREGISTER_BUF:
@@ -511,11 +557,11 @@ static void handle_frame(struct moed_conn *c, const struct moed_frame_hdr *h, co
                  "message type %u (buffer registration) is not supported by protocol version %d",
                  h->type, MOED_PROTO_VERSION);
         conn_send_error(c, h->request_id, MOED_E_UNSUPPORTED, msg);
-        return;
+        return 0;
     default:
         snprintf(msg, sizeof msg, "unknown message type %u (0x%04x)", h->type, h->type);
         conn_send_error(c, h->request_id, MOED_E_TYPE, msg);
-        return;
+        return 0;
     }
 }
 
@@ -597,15 +643,27 @@ static void conn_process(struct moed_conn *c)
         uv_timer_stop(&c->timer);
         c->tmode = TIMER_NONE;
         size_t flen = MOED_PROTO_HDR_SIZE + (size_t)h.payload_len;
-        handle_frame(c, &h, c->buf + c->off + MOED_PROTO_HDR_SIZE);
+        if (handle_frame(c, &h, c->buf + c->off + MOED_PROTO_HDR_SIZE)) {
+            /* The engine keeps the buffer (it held just this frame); the
+             * next read takes a spare. */
+            c->buf = NULL;
+            c->cap = c->off = c->len = 0;
+            continue;
+        }
         c->off += flen;
+        /* Bytes left over start the next frame; they came with the latest
+         * read at the latest. */
+        c->rx_ns = c->read_start_ns;
     }
     c->processing = 0;
     if (c->off == c->len) {
         c->off = c->len = 0;
-        /* Idle after a big frame: give the memory back (Redis shrinks query
-         * buffers the same way), so N idle clients never hold N max frames. */
-        if (c->cap > CONN_BUF_INITIAL && c->skip == 0) {
+        /* Idle after a frame bigger than what we keep: give the memory back
+         * (Redis shrinks query buffers the same way), so N idle clients never
+         * hold N max frames. Up to the keep size the buffer stays, at its
+         * high-water mark, for the next frame. */
+        if (c->cap > CONN_BUF_INITIAL && c->cap > srv->cfg.read_buffer_keep_bytes &&
+            c->skip == 0) {
             free(c->buf);
             c->buf = NULL;
             c->cap = 0;
@@ -673,13 +731,26 @@ static void conn_request_done(struct moed_conn *c)
         conn_process(c);
 }
 
-void moed_server_reply(struct moed_conn *c, uint8_t *frame, size_t len)
+void moed_server_reply(struct moed_conn *c, uint8_t *frame, size_t len,
+                       const struct moed_req_times *t)
 {
     if (c->closing || !frame)
         free(frame); /* client gone: the reply is dropped */
     else
-        conn_write(c, frame, len);
+        conn_write(c, frame, len, t);
     conn_request_done(c);
+}
+
+void moed_server_rx_release(struct moed_conn *c, struct moed_rx_buf *b)
+{
+    struct moed_server *srv = c->srv;
+    if (!b->base)
+        return;
+    if (srv->n_spares < SPARE_BUFS && b->cap <= srv->cfg.read_buffer_keep_bytes)
+        srv->spares[srv->n_spares++] = *b;
+    else
+        free(b->base);
+    b->base = NULL;
 }
 
 void moed_server_reply_error(struct moed_conn *c, uint64_t request_id, int code, const char *msg)
@@ -708,6 +779,41 @@ static int peer_allowed(const struct moed_server *srv, uid_t uid, gid_t gid)
         if (srv->cfg.allowed_gids[i] == gid)
             return 1;
     return 0;
+}
+
+/* Ask for a kernel send buffer that holds a whole reply. An AF_UNIX stream
+ * socket charges queued bytes to the sender's SO_SNDBUF (the receiver's
+ * SO_RCVBUF plays no part), and the default (net.core.wmem_default, ~208 KiB)
+ * is smaller than one T=64, H=2048 FORWARD reply (256 KiB): the write then
+ * stops half-way until the client has read the first part, which costs a
+ * wake-up of each side and a second pass through the loop per reply. The
+ * kernel caps the value at net.core.wmem_max; we say so once. */
+static void conn_set_sndbuf(struct moed_conn *c, uv_os_fd_t fd)
+{
+    struct moed_server *srv = c->srv;
+    uint64_t want64 = srv->cfg.socket_buffer_bytes;
+    if (want64 == 0)
+        return;
+    int want = want64 > INT_MAX / 2 ? INT_MAX / 2 : (int)want64;
+    if (setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &want, sizeof want) < 0) {
+        LOG_D("client %llu: SO_SNDBUF %d: %s", (unsigned long long)c->id, want, strerror(errno));
+        return;
+    }
+    if (srv->sndbuf_logged)
+        return;
+    srv->sndbuf_logged = 1;
+    int got = 0;
+    socklen_t gl = sizeof got;
+    if (getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &got, &gl) < 0)
+        return;
+    /* Linux reports twice the value it accepted (the other half is its
+     * bookkeeping overhead). */
+    if (got / 2 < want)
+        LOG_I("server.socket_buffer_bytes %d capped by the kernel to %d (net.core.wmem_max); "
+              "replies larger than that are written in several steps",
+              want, got / 2);
+    else
+        LOG_D("client sockets: SO_SNDBUF %d (kernel reports %d)", want, got);
 }
 
 static void on_connection(uv_stream_t *ls, int status)
@@ -766,6 +872,7 @@ static void on_connection(uv_stream_t *ls, int status)
         conn_close(c, 1);
         return;
     }
+    conn_set_sndbuf(c, fd);
     c->counted = 1;
     srv->n_clients++;
     srv->stats->clients = srv->n_clients;
@@ -933,6 +1040,8 @@ static void server_maybe_done(struct moed_server *srv)
         return;
     void (*done)(void *) = srv->done;
     void *arg = srv->done_arg;
+    for (int i = 0; i < srv->n_spares; i++)
+        free(srv->spares[i].base);
     free(srv);
     if (done)
         done(arg);
