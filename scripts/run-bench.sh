@@ -16,7 +16,9 @@ if ! ldd "$B" | grep -q 'libcublas.so.*=> /'; then
     [ -n "$cub" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$(dirname "$cub")"
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null | sed 's/^/# /'
-commit=$(git rev-parse --short HEAD 2>/dev/null || cat .device/COMMIT 2>/dev/null || echo unknown)
+# .device/COMMIT (written by scripts/device-gpu.sh prepare) names what the binaries were built
+# from; a .git on the GPU machine may be a stale copy
+commit=$(cat .device/COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 echo "# $(date -u +%Y-%m-%dT%H:%MZ) commit $commit"
 export BENCH_CSV="$LOGDIR/bench.csv"
 rm -f "$BENCH_CSV"
