@@ -51,6 +51,26 @@ def synth_dir(synthetic_dir):
 TEST_BACKEND = os.environ.get("MOED_TEST_BACKEND", "cpu")
 
 
+def free_port():
+    """A TCP port on 127.0.0.1 that was free a moment ago (for status.port)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def module_daemon(tmp_path_factory, models_dir, name):
+    """Body of a module-scoped `daemon` fixture (`yield from` it): a daemon on
+    base_config with a free status port, which must exit cleanly at the end
+    (and leak nothing under ASan)."""
+    tmp = tmp_path_factory.mktemp(name)
+    cfg = base_config(str(tmp), models_dir, status__port=free_port())
+    with Daemon(tmp, cfg) as d:
+        yield d
+        assert d.stop() == 0, d.log()[-4000:]
+
+
 def base_config(tmpdir, synthetic_dir, **over):
     """A small, strict config: MOED_TEST_BACKEND (default CPU), tight limits,
     short frame deadline."""

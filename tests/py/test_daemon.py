@@ -27,21 +27,9 @@ def models_dir(tmp_path_factory):
     return str(tmp_path_factory.getbasetemp() / "models")
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, models_dir):
-    tmp = tmp_path_factory.mktemp("daemon")
-    cfg = du.base_config(str(tmp), models_dir, status__port=free_port())
-    with du.Daemon(tmp, cfg) as d:
-        yield d
-        assert d.stop() == 0, d.log()[-4000:]  # clean exit (and no leak under ASan)
+    yield from du.module_daemon(tmp_path_factory, models_dir, "daemon")
 
 
 @pytest.fixture(scope="module")
@@ -557,7 +545,7 @@ def test_status_served_while_loading(tmp_path_factory):
     loaded; once ready, 200 and loaded with the model's dimensions."""
     import threading
     tmp = short_tmp()
-    port = free_port()
+    port = du.free_port()
     synth = str(tmp_path_factory.mktemp("synth-load"))
     cfg = du.base_config(tmp, synth, status__port=port,
                          model__path="synthetic:qwen3-30b-a3b:layers=1:seed=5")

@@ -10,7 +10,6 @@ settings on and off.
 """
 
 import json
-import socket
 import time
 import urllib.request
 
@@ -29,21 +28,9 @@ def models_dir(tmp_path_factory):
     return str(tmp_path_factory.getbasetemp() / "models")
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, models_dir):
-    tmp = tmp_path_factory.mktemp("stages")
-    cfg = du.base_config(str(tmp), models_dir, status__port=free_port())
-    with du.Daemon(tmp, cfg) as d:
-        yield d
-        assert d.stop() == 0, d.log()[-4000:]  # clean exit (and no leak under ASan)
+    yield from du.module_daemon(tmp_path_factory, models_dir, "stages")
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +190,7 @@ def test_buffer_settings_serve_correctly(tmp_path_factory, models_dir, keep, soc
     and the stages are still counted."""
     import moed_client
     tmp = tmp_path_factory.mktemp("stages-cfg")
-    cfg = du.base_config(str(tmp), models_dir, status__port=free_port(),
+    cfg = du.base_config(str(tmp), models_dir, status__port=du.free_port(),
                          server__read_buffer_keep_bytes=keep,
                          server__socket_buffer_bytes=sockbuf)
     with du.Daemon(tmp, cfg) as d:
