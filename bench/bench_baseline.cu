@@ -31,12 +31,8 @@ __device__ __forceinline__ float e2m1_f(unsigned c)
     float v = mag[c & 7];
     return (c & 8) ? -v : v;
 }
-__device__ __forceinline__ float e4m3_f(unsigned b)
-{
-    int e = (b >> 3) & 15, m = b & 7;
-    float v = e ? ldexpf(1.0f + m * 0.125f, e - 7) : ldexpf(m * 0.125f, -6);
-    return (b & 0x80) ? -v : v;
-}
+/* a stream scale byte (moe_gpu.h: re-encoded E4M3, sign moved onto the codes) */
+__device__ __forceinline__ float e4m3_f(unsigned b) { return moe_gpu_scale_value((uint8_t)b); }
 __device__ __forceinline__ float bf2f(uint16_t u) { return __uint_as_float((uint32_t)u << 16); }
 __device__ __forceinline__ uint16_t f2bf(float f)
 {

@@ -8,8 +8,8 @@
  * Weight stream layout ("tiles"): see the block comment in moe_gpu.cu. In
  * short, every matrix is cut into warp tiles of MOE_GPU_MR * 16 rows; a tile
  * is a contiguous run of K/64 "units", each unit MOE_GPU_MR sub-tiles of 576
- * bytes (512 bytes of E2M1 codes in mma fragment order, then 64 bytes of E4M3
- * block scales), so a warp streams one tile with 16-byte loads from start to
+ * bytes (512 bytes of E2M1 codes in mma fragment order, then 64 bytes of block
+ * scales, re-encoded below), so a warp streams one tile with 16-byte loads from start to
  * end. gate and up rows are interleaved 8 + 8 per 16-row sub-tile so the
  * SiLU(gate)*up product is formed in registers.
  *
@@ -33,9 +33,10 @@
 #define MOE_GPU_SUB_BYTES 576   /* one 16-row x 64-K sub-tile: 512 codes + 64 scales */
 #define MOE_GPU_UNIT_BYTES (MOE_GPU_MR * MOE_GPU_SUB_BYTES)
 #ifndef MOE_GPU_CHUNK_TOKENS
-#define MOE_GPU_CHUNK_TOKENS 8  /* tokens (pairs) per task, at most (NT = 1 n-tile; 16 allows
-                                   NT = 2). H200 2026-11-29: 8 fits 4 CTAs/SM and is 1-14%
-                                   faster for T <= 64, 6% slower at T = 256 (bench/NOTES.md) */
+#define MOE_GPU_CHUNK_TOKENS 8  /* tokens (pairs) per task, at most (8: NT = 1 n-tile; 16:
+                                   chunks of 9-16 take NT = 2). H200 2026-11-30: 16 is 11%
+                                   faster at T = 256, 5-17% slower at T <= 64 (bench/NOTES.md
+                                   v19) */
 #endif
 #define MOE_GPU_RING 8          /* batch descriptors in flight per GPU */
 #ifndef MOE_GPU_WARPS
@@ -88,6 +89,44 @@ MOE_GPU_HD static inline uint32_t moe_gpu_code_get(uint32_t w, unsigned p, unsig
 MOE_GPU_HD static inline uint32_t moe_gpu_code_put(uint32_t w, unsigned p, unsigned h, uint32_t c)
 {
     return w | (((c >> 3) & 1u) << moe_gpu_sign_bit(p, h)) | ((c & 7u) << moe_gpu_mag_bit(p, h));
+}
+
+/* Block scale byte layout. The checkpoint's E4M3 block scale is stored as
+ * one byte b chosen so that the bf16 bits of |scale| * 2^118 are
+ * MOE_GPU_SCALE_BIAS + (b << 4): b = (bf16 exponent - 224) << 3 | 3-bit
+ * mantissa. Every E4M3 value fits exactly (normals: b = (e + 14) << 3 | m;
+ * subnormals are normalized; NaN -> 0xff, whose bf16 is a NaN), so the kernel
+ * turns two scale bytes into two bf16x2 broadcasts with a byte permute and a
+ * multiply-add each (bench/NOTES.md v16). The sign is not stored: the packer
+ * flips the signs of the block's 16 codes for a negative scale, and clears
+ * them for a zero scale (value 0 either way), so every product is exactly the
+ * checkpoint's code * scale. */
+#define MOE_GPU_SCALE_BIAS 0x7000u
+/* E4M3 byte -> stream scale byte; *sign = 1, -1 (flip the block's code
+ * signs) or 0 (clear the block's codes: the scale is +-0) */
+MOE_GPU_HD static inline uint8_t moe_gpu_scale_byte(uint8_t e4m3, int *sign)
+{
+    const unsigned e = (e4m3 >> 3) & 15u, m = e4m3 & 7u;
+    *sign = (e4m3 & 0x80u) ? -1 : 1;
+    if (e == 15 && m == 7)
+        return 0xff; /* NaN */
+    if (e > 0)
+        return (uint8_t)(((e + 14u) << 3) | m);
+    if (m == 0) {
+        *sign = 0;
+        return 0;
+    }
+    const unsigned n = m >= 4 ? 2u : m >= 2 ? 1u : 0u; /* m * 2^-9 = 2^(n-9) * 1.f */
+    return (uint8_t)(((n + 12u) << 3) | ((m << (3 - n)) & 7u));
+}
+/* the scale a stream byte stands for (|E4M3 value|; NaN for 0xff) */
+MOE_GPU_HD static inline float moe_gpu_scale_value(uint8_t b)
+{
+    union {
+        uint32_t u;
+        float f;
+    } v = {(MOE_GPU_SCALE_BIAS + ((uint32_t)b << 4)) << 16};
+    return v.f * 0x1p-118f; /* exact */
 }
 
 /* One batch, written by the host into ring[seq % MOE_GPU_RING] before head

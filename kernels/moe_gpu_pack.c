@@ -1,10 +1,11 @@
 /* moe_gpu_pack.c - repack NVFP4 expert weights into the GPU kernel's stream
  * order (host side, plain C; see the layout comment in moe_gpu.cu).
  *
- * Nothing is re-quantized: every E2M1 nibble and every E4M3 scale byte of the
- * checkpoint lands somewhere in the output unchanged; weight_scale_2 stays a
- * per-matrix float applied by the kernel's epilogue (gate and up each with
- * their own). Only the order changes, so the GPU sees exactly the values the
+ * Nothing is re-quantized: every E2M1 nibble of the checkpoint lands somewhere
+ * in the output, and every E4M3 block scale is re-encoded exactly
+ * (moe_gpu_scale_byte in moe_gpu.h: its sign moves onto the block's codes);
+ * weight_scale_2 stays a per-matrix float applied by the kernel's epilogue
+ * (gate and up each with their own). So the GPU sees exactly the values the
  * CPU reference (moe_ref.c) sees.
  */
 #include <string.h>
@@ -69,6 +70,9 @@ static void pack_sub(const struct nvfp4_mat *m_lo, uint32_t r_lo, const struct n
 {
     for (uint32_t l = 0; l < 32; l++) {
         uint32_t g = l / 4, q = l % 4;
+        int sn_lo, sn_hi; /* the lane's two blocks: row g and g+8, k [16q, 16q+16) */
+        out[512 + l * 2 + 0] = moe_gpu_scale_byte(sc(m_lo, r_lo + g, k0 + 16 * q), &sn_lo);
+        out[512 + l * 2 + 1] = moe_gpu_scale_byte(sc(m_hi, r_hi + g, k0 + 16 * q), &sn_hi);
         for (uint32_t s = 0; s < 4; s++) {
             uint32_t kb = k0 + 16 * q + 4 * s;
             uint32_t lo[4], hi[4];
@@ -81,16 +85,19 @@ static void pack_sub(const struct nvfp4_mat *m_lo, uint32_t r_lo, const struct n
             lo[3] = nib(m_hi, r_hi + g, kb + 2);
             hi[3] = nib(m_hi, r_hi + g, kb + 3);
             uint32_t word = 0;
-            for (unsigned p = 0; p < 4; p++)
-                word = moe_gpu_code_put(moe_gpu_code_put(word, p, 0, lo[p]), p, 1, hi[p]);
+            for (unsigned p = 0; p < 4; p++) {
+                /* pairs 0, 2: row g; 1, 3: row g+8 (its block's scale sign) */
+                const int sn = (p & 1) ? sn_hi : sn_lo;
+                const uint32_t a = sn == 0 ? 0 : sn < 0 ? lo[p] ^ 8u : lo[p];
+                const uint32_t b = sn == 0 ? 0 : sn < 0 ? hi[p] ^ 8u : hi[p];
+                word = moe_gpu_code_put(moe_gpu_code_put(word, p, 0, a), p, 1, b);
+            }
             uint8_t *o = out + l * 16 + s * 4; /* little-endian word */
             o[0] = (uint8_t)word;
             o[1] = (uint8_t)(word >> 8);
             o[2] = (uint8_t)(word >> 16);
             o[3] = (uint8_t)(word >> 24);
         }
-        out[512 + l * 2 + 0] = sc(m_lo, r_lo + g, k0 + 16 * q);
-        out[512 + l * 2 + 1] = sc(m_hi, r_hi + g, k0 + 16 * q);
     }
 }
 

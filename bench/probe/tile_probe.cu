@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(THREADS, MOE_GPU_MINB)
     extern __shared__ __align__(16) uint8_t smem[];
     const unsigned warp = threadIdx.x >> 5;
     uint8_t *sw_cta = smem;
-    uint8_t *sw = smem + warp * STAGES * STAGE_BYTES;
+    uint8_t *sw = smem + warp * WARP_SMEM;
     const unsigned RT = is_gu ? p.d.inter / 16 / MR * 2 : p.d.hidden / 16 / MR;
     const unsigned TPE = (RT + ntile - 1) / ntile, n_tasks = n_exp * TPE;
     __shared__ uint64_t bars[NWARPS * STAGES];
@@ -103,7 +103,7 @@ int main(int argc, char **argv)
     route r;
     memset(&r, 0, sizeof r);
     r.tok = tok;
-    const int smem = NWARPS * STAGES * STAGE_BYTES;
+    const int smem = NWARPS * WARP_SMEM;
     CKP(cudaFuncSetAttribute(tile_probe, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     int per = 0, sms = 0;
     CKP(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, tile_probe, THREADS, smem));

@@ -39,6 +39,9 @@ static uint32_t dequant_bits(uint32_t w, uint32_t p)
     default: return (rotl32(w, 5) & S) | (rotl32(w, 9) & G);
     }
 }
+/* a stream scale byte as the kernel reads it (bf16 bits 0x7000 + (b << 4)
+ * are scale * 2^118), written out independently of moe_gpu_scale_value */
+static float scale_of(uint8_t b) { return bf16_bits(0x7000u + ((uint32_t)b << 4)) * ldexpf(1.0f, -118); }
 static void decode_stream(const uint8_t *buf, uint32_t n_sub, uint32_t K, float *W)
 {
     uint32_t units = K / MOE_GPU_UNIT_K;
@@ -48,8 +51,8 @@ static void decode_stream(const uint8_t *buf, uint32_t n_sub, uint32_t K, float 
             const uint8_t *sub = buf + (((uint64_t)tile * units + u) * MOE_GPU_MR + m) * MOE_GPU_SUB_BYTES;
             for (uint32_t l = 0; l < 32; l++) {
                 uint32_t g = l / 4, q = l % 4;
-                float sg = nvfp4_e4m3_decode(sub[512 + l * 2]);
-                float sg8 = nvfp4_e4m3_decode(sub[512 + l * 2 + 1]);
+                float sg = scale_of(sub[512 + l * 2]);
+                float sg8 = scale_of(sub[512 + l * 2 + 1]);
                 for (uint32_t s = 0; s < 4; s++) {
                     uint32_t w;
                     memcpy(&w, sub + l * 16 + s * 4, 4);
@@ -82,8 +85,12 @@ static void rand_mat(struct nvfp4_mat *m, uint32_t n, uint32_t k)
     for (size_t i = 0; i < (size_t)n * k / 2; i++)
         w[i] = rbyte();
     for (size_t i = 0; i < (size_t)n * k / 16; i++) {
+        /* every E4M3 value but NaN: negative, zero, subnormal scales included
+         * (the repacker moves the sign onto the codes, clears zero blocks) */
         uint8_t b = rbyte();
-        sc[i] = (b & 0x7f) == 0x7f ? 0x7e : b & 0x7f; /* no NaN; subnormals included */
+        sc[i] = (b & 0x7f) == 0x7f ? (uint8_t)(b ^ 1) : b;
+        if (i % 7 == 0)
+            sc[i] = (uint8_t)(b & 0x87); /* +-0 and subnormals, often */
     }
     *m = (struct nvfp4_mat){n, k, w, sc, 1.0f, 1.0f};
 }
@@ -142,6 +149,30 @@ START_TEST(test_sizes)
 }
 END_TEST
 
+START_TEST(test_scale_bytes)
+{
+    /* every E4M3 byte: the stream byte, read the kernel's way, times the
+     * sign the repacker moves onto the codes, is the E4M3 value */
+    for (unsigned c = 0; c < 256; c++) {
+        int sign = 2;
+        uint8_t b = moe_gpu_scale_byte((uint8_t)c, &sign);
+        float want = nvfp4_e4m3_decode((uint8_t)c), got = scale_of(b);
+        if (isnan(want)) {
+            ck_assert_msg(isnan(got), "E4M3 0x%02x is NaN, stream byte 0x%02x reads %g", c, b,
+                          (double)got);
+            continue;
+        }
+        ck_assert_float_eq(moe_gpu_scale_value(b), got);
+        if (want == 0.0f) {
+            ck_assert_int_eq(sign, 0);
+            continue;
+        }
+        ck_assert_msg(sign * got == want, "E4M3 0x%02x = %g: stream byte 0x%02x sign %d reads %g",
+                      c, (double)want, b, sign, (double)got);
+    }
+}
+END_TEST
+
 START_TEST(test_check_dims)
 {
     char err[MOED_ERRLEN];
@@ -172,6 +203,7 @@ int main(void)
     tcase_set_timeout(tc, 60);
     tcase_add_test(tc, test_repack_every_element);
     tcase_add_test(tc, test_sizes);
+    tcase_add_test(tc, test_scale_bytes);
     tcase_add_test(tc, test_check_dims);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
