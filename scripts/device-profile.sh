@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Disassembly and Nsight Compute profile of the kernel's task code (bench/NOTES.md).
+# Runs on the GPU machine from the tracked sources (nothing to carry): builds
+# bench/probe/tile_probe.cu with the given -D switches, dumps its SASS, times it,
+# and profiles one launch (instruction mix, pipes, stalls, per-instruction counts).
+#
+#   scripts/device-profile.sh [NAME:DEFS ...]     DEFS: comma list of -D switches
+#   e.g. scripts/device-profile.sh base: nt2:-DMOE_GPU_NTILE=2
+# Logs go to $OUT (or build-var/profile): NAME.sass, NAME-time.txt, NAME-ncu.txt,
+# NAME-src.csv (SASS with executed-instruction counts).
+# PROF_ARGS: tile_probe arguments for the profile (default "gu 1 1 1").
+# PROF_SRC: a tree with kernels/, common/ and bench/probe/ to build from instead
+# (e.g. an older commit's, for an A/B of the task code); NCU=none: no profile.
+set -u
+cd "$(dirname "$0")/.."
+LOG=${OUT:-build-var/profile}
+LOG=$(mkdir -p "$LOG" && cd "$LOG" && pwd)
+mkdir -p build-var
+BIN=$PWD/build-var
+[ -n "${PROF_SRC:-}" ] && cd "$PROF_SRC"
+NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
+CUOBJDUMP=${CUOBJDUMP:-$(dirname "$NVCC")/cuobjdump}
+ARGS=${PROF_ARGS:-gu 1 1 1}
+# tile_probe runs timed for every build: phase, tokens per task, reps, tiles per task
+TIMES=("gu 1 20 1" "gu 8 20 1" "dn 1 20 1" "gu 1 20 4" "gu 8 20 4" "dn 1 20 4" "dn 8 20 4")
+[ $# = 0 ] && set -- base:
+for v in "$@"; do
+    name=${v%%:*}
+    defs=$(echo "${v#*:}" | tr ',' ' ')
+    [ "$name" = "$v" ] && defs=""
+    bin=$BIN/tile_probe-$name
+    echo "== $name: ${defs:-(defaults)}"
+    # shellcheck disable=SC2086
+    "$NVCC" -O3 -std=c++17 -lineinfo -gencode=arch=compute_90a,code=sm_90a -Icommon -Ikernels \
+        -DMOED_HAVE_CUDA=1 $defs -Xptxas -v -o "$bin" bench/probe/tile_probe.cu \
+        kernels/moe_gpu_pack.c common/moed_err.c > "$LOG/$name-build.txt" 2>&1 ||
+        { tail -30 "$LOG/$name-build.txt"; continue; }
+    grep -E "tile_probe|spill|registers" "$LOG/$name-build.txt" | head -6
+    "$CUOBJDUMP" -sass -fun tile_probe "$bin" > "$LOG/$name.sass" 2>&1 || "$CUOBJDUMP" -sass "$bin" > "$LOG/$name.sass" 2>&1
+    for a in "${TIMES[@]}"; do
+        # shellcheck disable=SC2086
+        echo "args $a: $(timeout 60 "$bin" $a 2>&1 | tail -1)"
+    done > "$LOG/$name-time.txt"
+    cat "$LOG/$name-time.txt"
+    [ "$NCU" = none ] && continue
+    # shellcheck disable=SC2086
+    timeout 240 "$NCU" --clock-control none --launch-skip 1 --launch-count 1 \
+        --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats \
+        --section MemoryWorkloadAnalysis --section SpeedOfLight --section SourceCounters \
+        "$bin" $ARGS > "$LOG/$name-ncu.txt" 2>&1
+    # shellcheck disable=SC2086
+    timeout 240 "$NCU" --clock-control none --launch-skip 1 --launch-count 1 \
+        --section SourceCounters --page source --print-source sass --csv \
+        "$bin" $ARGS > "$LOG/$name-src.csv" 2>&1
+    wc -l "$LOG/$name-src.csv"
+done
