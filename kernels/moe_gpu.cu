@@ -150,6 +150,10 @@ extern "C" {
                                    before K unit v+1 (activations read once per K unit) */
 #define MOE_GPU_TILE_INTERLEAVE 1
 #endif
+#ifndef MOE_GPU_FULL_PATH /* 1: tasks with all their tiles take task_mma_full (constant
+                             ring offsets, branch-free copies) */
+#define MOE_GPU_FULL_PATH 1
+#endif
 #ifndef MOE_GPU_NTILE_WAVES /* a batch uses n tiles per task only while it still has at
                                least this many tasks per CTA */
 #define MOE_GPU_NTILE_WAVES 2
@@ -842,6 +846,98 @@ __device__ __forceinline__ void task_mma_il(const uint8_t *__restrict__ wtask, u
     __syncwarp();
 }
 
+/* task_mma_il's steady state for the common case: one n-tile, the task has
+ * all NTILE tiles and the weight ring NTILE stages (4 and 4). Unit (v, j)
+ * lives in weight slot j and K step v's activation rows in slot v % NTILE,
+ * so ring indices and shared-memory offsets are constants; the next K
+ * step's weights are four fixed strides from one running pointer; all 32
+ * lanes copy (lanes 24-31 repeat lanes 16-23's chunks: the same bytes to the
+ * same place), so no copy needs a branch. Same order, same sums as
+ * task_mma_il. */
+template <int NTILE>
+__device__ __forceinline__ void task_mma_full(const uint8_t *__restrict__ wtask, unsigned w,
+                                              unsigned nuw, unsigned tile_units, const xsrc &xs,
+                                              uint8_t *sw, wpipe &pp, float (&acc)[NTILE][MR][1][4])
+{
+    constexpr unsigned WS = NTILE, XB = 8 * X_ROW_BYTES;
+    static_assert(WS >= 2 && WS * (MOE_GPU_UNIT_BYTES + XB) <= WARP_SMEM, "rings fit");
+    static_assert(UL >= 16, "lanes >= UL repeat a lane below UL");
+    const unsigned long long pol = pp.pol;
+    const unsigned lane = threadIdx.x & 31;
+    uint8_t *const xring = sw + WS * MOE_GPU_UNIT_BYTES;
+#pragma unroll
+    for (int j = 0; j < NTILE; j++)
+#pragma unroll
+        for (int m = 0; m < MR; m++)
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                acc[j][m][0][c] = 0.f;
+    /* weights: this lane copies chunks l, l + UL, ... of every unit */
+    const unsigned lw = (lane < UL ? lane : lane - (32 - UL)) * 16;
+    const uint8_t *wsrc = wtask + (size_t)w * MOE_GPU_UNIT_BYTES + lw; /* unit (v, 0) */
+    const unsigned tstride = tile_units * MOE_GPU_UNIT_BYTES;
+    uint8_t *const wdst = sw + lw;
+    auto copy_w = [&](const uint8_t *src, unsigned slot) {
+#pragma unroll
+        for (unsigned k = 0; k < UC / UL; k++)
+            cp_async16(wdst + slot * MOE_GPU_UNIT_BYTES + k * UL * 16, src + k * UL * 16, pol);
+    };
+    /* activations: chunks lane + 32 i (row (lane + 32 i) / 8, 16-byte part lane % 8) */
+    constexpr int XR = 8 * 8 / 32;
+    const uint16_t *xrow[XR];
+#pragma unroll
+    for (int i = 0; i < XR; i++) {
+        unsigned row = (lane + 32 * i) >> 3;
+        xrow[i] = row < xs.cnt && !MOE_VARIANT_NO_XLOAD
+                      ? xs.base + (size_t)(xs.tok ? xs.tok[xs.p0 + row] : xs.p0 + row) * xs.ld +
+                            (lane & 7) * 8 + (size_t)w * MOE_GPU_UNIT_K
+                      : nullptr;
+    }
+    uint8_t *const xdst = xring + (lane >> 3) * X_ROW_BYTES + (lane & 7) * 16;
+    auto copy_x = [&](unsigned slot, unsigned off) {
+#pragma unroll
+        for (int i = 0; i < XR; i++)
+            if (xrow[i])
+                cp_async16(xdst + slot * XB + 4 * i * X_ROW_BYTES, xrow[i] + off, pol);
+    };
+    /* prologue: units (0, 0 .. WS-2) and K step 0's rows */
+    copy_x(0, 0);
+#pragma unroll
+    for (unsigned j = 0; j + 1 < WS; j++) {
+        copy_w(wsrc + j * tstride, j);
+        cp_async_commit();
+    }
+    unsigned xoff = 0; /* elements past K unit w of this lane's rows */
+    unsigned xcur = 0;
+    for (unsigned v = 0; v < nuw; v++) {
+        const bool more = v + 1 < nuw;
+        const unsigned xnext = xcur + 1 == WS ? 0 : xcur + 1;
+        uint4 xb[1][2];
+#pragma unroll
+        for (unsigned j = 0; j < NTILE; j++) {
+            cp_async_wait<WS - 2>();
+            __syncwarp();
+            /* issue unit (v, j) + WS - 1: (v, WS - 1) or (v + 1, j - 1) */
+            if (j == 0) {
+                copy_w(wsrc + (WS - 1) * tstride, WS - 1);
+            } else if (more) {
+                if (j == 1)
+                    copy_x(xnext, xoff + NWARPS * MOE_GPU_UNIT_K);
+                copy_w(wsrc + NWARPS * MOE_GPU_UNIT_BYTES + (j - 1) * tstride, j - 1);
+            }
+            cp_async_commit();
+            if (j == 0)
+                load_b<1>(xring + xcur * XB, xs.cnt, xb);
+            unit_mma<1>(sw + j * MOE_GPU_UNIT_BYTES, xb, acc[j]);
+        }
+        wsrc += NWARPS * MOE_GPU_UNIT_BYTES;
+        xoff += NWARPS * MOE_GPU_UNIT_K;
+        xcur = xnext;
+    }
+    cp_async_wait<0>();
+    __syncwarp();
+}
+
 /* Split-K of a task across the CTA: each tile's K units are dealt to the
  * warps round robin (warp w: units w, w + NWARPS, ...: the CTA's warps move
  * through the weights together, one contiguous window at a time), each warp
@@ -861,8 +957,12 @@ __device__ __forceinline__ void task_splitk(const uint8_t *wtask, unsigned tile_
     float acc[NTILE][MR][NT][4];
     if constexpr (NT > 1)
         task_mma_il<NT, NTILE, WIDE_STAGES>(wtask, warp, nuw, ntiles, tile_units, xs, sw, pp, acc);
-    else if constexpr (NTILE > 1 && MOE_GPU_TILE_INTERLEAVE && !MOE_GPU_BULK)
-        task_mma_il<1, NTILE, STAGES>(wtask, warp, nuw, ntiles, tile_units, xs, sw, pp, acc);
+    else if constexpr (NTILE > 1 && MOE_GPU_TILE_INTERLEAVE && !MOE_GPU_BULK) {
+        if (NTILE == STAGES && ntiles == NTILE && MOE_GPU_FULL_PATH)
+            task_mma_full<NTILE>(wtask, warp, nuw, tile_units, xs, sw, pp, acc);
+        else
+            task_mma_il<1, NTILE, STAGES>(wtask, warp, nuw, ntiles, tile_units, xs, sw, pp, acc);
+    }
     else
         task_mma<NT, NTILE>(wtask, warp, nuw, ntiles, tile_units, xs, sw, pp, acc);
     constexpr int PER = MR * NT * 4; /* floats per lane per tile */
@@ -902,24 +1002,42 @@ __device__ __forceinline__ void task_splitk(const uint8_t *wtask, unsigned tile_
     }
 }
 
-/* gate_up task (whole CTA): expert e, pairs [p0, p0+cnt), row tiles
- * [rt0, rt0 + ntiles); warp w < ntiles writes tile rt0 + w of
- * h = bf16(silu(gate) * up). */
-template <int NT, int NTILE>
-__device__ void gu_task(const struct moe_gpu_params &p, const struct moe_gpu_layer &L,
-                        const route &r, unsigned e, unsigned p0, unsigned cnt, unsigned rt0,
-                        unsigned ntiles, uint8_t *sw, uint8_t *sw_cta, wpipe &pp)
+/* Where a task's weights and activation rows are: gate_up tiles of expert
+ * e read x (the pairs' tokens), down tiles read h (the pairs' rows). */
+struct task_src {
+    const uint8_t *wt; /* the task's first tile */
+    unsigned units;    /* K units per tile */
+    xsrc xs;
+};
+__device__ __forceinline__ task_src gu_src(const struct moe_gpu_params &p,
+                                           const struct moe_gpu_layer &L, const route &r,
+                                           unsigned e, unsigned p0, unsigned cnt, unsigned rt0)
 {
-    const unsigned H = p.d.hidden, I = p.d.inter, NE = p.d.n_experts + p.d.n_shared;
-    const unsigned lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, warp = threadIdx.x >> 5;
-    const unsigned units = H / MOE_GPU_UNIT_K;
-    const uint8_t *wt = L.gu + (size_t)e * moe_gpu_expert_bytes_d(H, I) +
-                        (size_t)rt0 * units * MOE_GPU_UNIT_BYTES;
-    float acc[MR][NT][4];
-    task_splitk<NT, NTILE>(wt, units, ntiles, xsrc{p.xs, r.tok, p0, H, cnt}, sw, sw_cta, pp, acc);
-    if (warp >= ntiles)
-        return;
-    const unsigned rt = rt0 + warp;
+    const unsigned H = p.d.hidden, I = p.d.inter, units = H / MOE_GPU_UNIT_K;
+    return task_src{L.gu + (size_t)e * moe_gpu_expert_bytes_d(H, I) +
+                        (size_t)rt0 * units * MOE_GPU_UNIT_BYTES,
+                    units, xsrc{p.xs, r.tok, p0, H, cnt}};
+}
+__device__ __forceinline__ task_src dn_src(const struct moe_gpu_params &p,
+                                           const struct moe_gpu_layer &L, unsigned e, unsigned p0,
+                                           unsigned cnt, unsigned rt0)
+{
+    const unsigned H = p.d.hidden, I = p.d.inter, units = I / MOE_GPU_UNIT_K;
+    return task_src{L.dn + (size_t)e * moe_gpu_expert_bytes_d(H, I) +
+                        (size_t)rt0 * units * MOE_GPU_UNIT_BYTES,
+                    units, xsrc{p.h, nullptr, p0, I, cnt}};
+}
+
+/* gate_up epilogue of row tile rt (one warp): h = bf16(silu(gate) * up) of
+ * pairs [p0, p0 + cnt) */
+template <int NT>
+__device__ __forceinline__ void gu_epilogue(const struct moe_gpu_params &p,
+                                            const struct moe_gpu_layer &L, unsigned e,
+                                            unsigned p0, unsigned cnt, unsigned rt,
+                                            const float (&acc)[MR][NT][4])
+{
+    const unsigned I = p.d.inter, NE = p.d.n_experts + p.d.n_shared;
+    const unsigned lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const float sgate = __ldg(L.s2 + e) * 256.f, sup = __ldg(L.s2 + NE + e) * 256.f;
 #pragma unroll
     for (int m = 0; m < MR; m++) {
@@ -939,23 +1057,15 @@ __device__ void gu_task(const struct moe_gpu_params &p, const struct moe_gpu_lay
     }
 }
 
-/* down task (whole CTA): d[pair][row] = W_down h, fp32; warp w < ntiles
- * writes row tile rt0 + w. */
-template <int NT, int NTILE>
-__device__ void dn_task(const struct moe_gpu_params &p, const struct moe_gpu_layer &L,
-                        unsigned e, unsigned p0, unsigned cnt, unsigned rt0, unsigned ntiles,
-                        uint8_t *sw, uint8_t *sw_cta, wpipe &pp)
+/* down epilogue of row tile rt (one warp): d[pair][row] = W_down h, fp32 */
+template <int NT>
+__device__ __forceinline__ void dn_epilogue(const struct moe_gpu_params &p,
+                                            const struct moe_gpu_layer &L, unsigned e,
+                                            unsigned p0, unsigned cnt, unsigned rt,
+                                            const float (&acc)[MR][NT][4])
 {
-    const unsigned H = p.d.hidden, I = p.d.inter, NE = p.d.n_experts + p.d.n_shared;
-    const unsigned lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3, warp = threadIdx.x >> 5;
-    const unsigned units = I / MOE_GPU_UNIT_K;
-    const uint8_t *wt = L.dn + (size_t)e * moe_gpu_expert_bytes_d(H, I) +
-                        (size_t)rt0 * units * MOE_GPU_UNIT_BYTES;
-    float acc[MR][NT][4];
-    task_splitk<NT, NTILE>(wt, units, ntiles, xsrc{p.h, nullptr, p0, I, cnt}, sw, sw_cta, pp, acc);
-    if (warp >= ntiles)
-        return;
-    const unsigned rt = rt0 + warp;
+    const unsigned H = p.d.hidden, NE = p.d.n_experts + p.d.n_shared;
+    const unsigned lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const float sd = __ldg(L.s2 + 2 * NE + e) * 256.f;
 #pragma unroll
     for (int m = 0; m < MR; m++) {
@@ -975,31 +1085,63 @@ __device__ void dn_task(const struct moe_gpu_params &p, const struct moe_gpu_lay
     }
 }
 
-/* A task of a chunk of more than 8 pairs (MOE_GPU_CHUNK_TOKENS 16): two
- * n-tiles, the row tiles two at a time, interleaved (task_mma_il); warp
- * w < 2 writes tile w of each pair. Not inlined: it gets registers of its
- * own (inlined, the persistent kernel spills 128 bytes). H200: a 16-pair
- * build is 11% faster at T = 256 but 5-17% slower at T <= 64 (its kernel
- * still spills around the call), bench/NOTES.md v19: 8 is the default. */
-__device__ __noinline__ void wide_task(const struct moe_gpu_params &p, const struct moe_gpu_layer &L,
-                                       const route &r, bool is_gu, unsigned e, unsigned p0,
-                                       unsigned cnt, unsigned rt0, unsigned ntiles, uint8_t *sw,
-                                       uint8_t *sw_cta, wpipe &pp)
+/* A gate_up (is_gu) or down task (whole CTA): expert e, pairs [p0, p0+cnt),
+ * row tiles [rt0, rt0 + ntiles) with up to NTILE tiles per pass; warp w <
+ * ntiles writes tile rt0 + w. One copy of the task code serves both kinds
+ * (one hot loop in the instruction cache, not two). */
+template <int NT, int NTILE>
+__device__ __forceinline__ void mm_task(const struct moe_gpu_params &p,
+                                        const struct moe_gpu_layer &L, const route &r,
+                                        bool is_gu, unsigned e, unsigned p0, unsigned cnt,
+                                        unsigned rt0, unsigned ntiles, uint8_t *sw,
+                                        uint8_t *sw_cta, wpipe &pp)
+{
+    const unsigned warp = threadIdx.x >> 5;
+    const task_src ts = is_gu ? gu_src(p, L, r, e, p0, cnt, rt0) : dn_src(p, L, e, p0, cnt, rt0);
+    float acc[MR][NT][4];
+    task_splitk<NT, NTILE>(ts.wt, ts.units, ntiles, ts.xs, sw, sw_cta, pp, acc);
+    if (warp >= ntiles)
+        return;
+    if (is_gu)
+        gu_epilogue<NT>(p, L, e, p0, cnt, rt0 + warp, acc);
+    else
+        dn_epilogue<NT>(p, L, e, p0, cnt, rt0 + warp, acc);
+}
+
+#ifndef MOE_GPU_TASK_NOINLINE /* 1: the task code is a function of its own (see run_task) */
+#define MOE_GPU_TASK_NOINLINE 0
+#endif
+#if MOE_GPU_TASK_NOINLINE
+#define MOE_TASK_FN __noinline__
+#else
+#define MOE_TASK_FN __forceinline__
+#endif
+/* One gate_up or down task (whole CTA). Chunks of more than 8 pairs
+ * (MOE_GPU_CHUNK_TOKENS 16) take two n-tiles, the row tiles two at a time,
+ * interleaved (warp w < 2 writes tile w of each pair); the others one
+ * n-tile: tile by tile when nt = 1, else up to MOE_GPU_NTILE tiles
+ * interleaved. MOE_GPU_TASK_NOINLINE=1 makes it a function of its own (the
+ * task code then gets the registers to itself, the persistent loop saves its
+ * live registers around the call): H200 2026-11-30, 1-7% slower (v20). */
+__device__ MOE_TASK_FN void run_task(const struct moe_gpu_params &p, const struct moe_gpu_layer &L,
+                                     const route &r, bool is_gu, unsigned nt, unsigned e,
+                                     unsigned p0, unsigned cnt, unsigned rt0, unsigned ntiles,
+                                     uint8_t *sw, uint8_t *sw_cta, wpipe &pp)
 {
 #if MOE_GPU_CHUNK_TOKENS > 8
-    for (unsigned j = 0; j < ntiles; j += 2) {
-        if (j)
-            __syncthreads(); /* partials read: stages free again */
-        const unsigned nj = min(2u, ntiles - j);
-        if (is_gu)
-            gu_task<2, 2>(p, L, r, e, p0, cnt, rt0 + j, nj, sw, sw_cta, pp);
-        else
-            dn_task<2, 2>(p, L, e, p0, cnt, rt0 + j, nj, sw, sw_cta, pp);
+    if (cnt > 8) {
+        for (unsigned j = 0; j < ntiles; j += 2) {
+            if (j)
+                __syncthreads(); /* partials read: stages free again */
+            mm_task<2, 2>(p, L, r, is_gu, e, p0, cnt, rt0 + j, min(2u, ntiles - j), sw, sw_cta, pp);
+        }
+        return;
     }
-#else
-    (void)p, (void)L, (void)r, (void)is_gu, (void)e, (void)p0, (void)cnt, (void)rt0, (void)ntiles;
-    (void)sw, (void)sw_cta, (void)pp;
 #endif
+    if (nt > 1)
+        mm_task<1, MOE_GPU_NTILE>(p, L, r, is_gu, e, p0, cnt, rt0, ntiles, sw, sw_cta, pp);
+    else
+        mm_task<1, 1>(p, L, r, is_gu, e, p0, cnt, rt0, ntiles, sw, sw_cta, pp);
 }
 
 /* combine unit: token t, columns [256 blk, 256 blk + 256) (8 per lane).
@@ -1299,19 +1441,8 @@ __global__ void __launch_bounds__(THREADS, MOE_GPU_MINB) moe_persistent(const st
                 }
                 __syncthreads(); /* also: every thread has read s_task */
                 const bool wide = MOE_GPU_CHUNK_TOKENS > 8 && cnt > 8;
-                if (wide) {
-                    wide_task(p, L, r, is_gu, e, p0, cnt, rt0, ntiles, sw, sw_cta, pp);
-                } else if (is_gu) {
-                    if (NTG > 1)
-                        gu_task<1, MOE_GPU_NTILE>(p, L, r, e, p0, cnt, rt0, ntiles, sw, sw_cta, pp);
-                    else
-                        gu_task<1, 1>(p, L, r, e, p0, cnt, rt0, ntiles, sw, sw_cta, pp);
-                } else {
-                    if (NTD > 1)
-                        dn_task<1, MOE_GPU_NTILE>(p, L, e, p0, cnt, rt0, ntiles, sw, sw_cta, pp);
-                    else
-                        dn_task<1, 1>(p, L, e, p0, cnt, rt0, ntiles, sw, sw_cta, pp);
-                }
+                run_task(p, L, r, is_gu, is_gu ? NTG : NTD, e, p0, cnt, rt0, ntiles, sw, sw_cta,
+                         pp);
                 /* warp w wrote tile rt0 + w (wide: tiles rt0 + w, rt0 + w + 2, ...) */
                 if (warp < (wide ? min(2u, ntiles) : ntiles)) {
                     __syncwarp();

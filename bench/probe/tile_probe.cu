@@ -35,17 +35,10 @@ __global__ void __launch_bounds__(THREADS, MOE_GPU_MINB)
     wpipe pp = wpipe_init(bars);
     for (unsigned t = blockIdx.x; t < n_tasks; t += gridDim.x) {
         const unsigned e = t / TPE, rt0 = (t - e * TPE) * ntile, nt = min(ntile, RT - rt0);
-        if (is_gu) {
-            if (ntile > 1)
-                gu_task<1, MOE_GPU_NTILE>(p, L, r, e, 0, cnt, rt0, nt, sw, sw_cta, pp);
-            else
-                gu_task<1, 1>(p, L, r, e, 0, cnt, rt0, nt, sw, sw_cta, pp);
-        } else {
-            if (ntile > 1)
-                dn_task<1, MOE_GPU_NTILE>(p, L, e, 0, cnt, rt0, nt, sw, sw_cta, pp);
-            else
-                dn_task<1, 1>(p, L, e, 0, cnt, rt0, nt, sw, sw_cta, pp);
-        }
+        if (ntile > 1)
+            mm_task<1, MOE_GPU_NTILE>(p, L, r, is_gu, e, 0, cnt, rt0, nt, sw, sw_cta, pp);
+        else
+            mm_task<1, 1>(p, L, r, is_gu, e, 0, cnt, rt0, nt, sw, sw_cta, pp);
         __syncthreads();
     }
 }
