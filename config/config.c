@@ -125,15 +125,25 @@ static const struct cfg_key keys[] = {
      .doc = "A connection keeps its read buffer between frames as long as it is at most this "
             "big, so the next frame of a steady client is read without allocating; a buffer "
             "grown beyond it for a bigger frame is freed once the connection is idle (0: "
-            "always freed). Also the largest read buffer kept as one of the 16 spares that "
-            "connections read into while the engine works on a frame in place, so the worst "
-            "case is max_clients + 16 times this."},
+            "always freed). Also the largest ordinary buffer kept as one of the 16 spares that "
+            "read buffers, reply frames and batches are taken from (a connection reads into one "
+            "while the engine works on its last frame in place), so the worst case is "
+            "max_clients + 16 times this, besides server.pinned_pool_bytes."},
     {.path = "server.socket_buffer_bytes", .type = T_UINT, .min = 0, .max = 1073741824,
      .def = "1048576", FIELD(socket_buffer_bytes), .bytes = true,
      .doc = "Kernel send buffer (SO_SNDBUF) asked for each client socket, so that a reply up "
             "to about this size is written in one system call instead of waiting for the "
             "client to read part of it; the kernel caps it at net.core.wmem_max (and doubles "
             "it for its own bookkeeping). 0 keeps the kernel default (about 208 KiB)."},
+    {.path = "server.pinned_pool_bytes", .type = T_UINT, .min = 0, .max = 68719476736LL,
+     .def = "268435456", FIELD(pinned_pool_bytes), .bytes = true,
+     .doc = "Most host memory taken from the backend's own allocator (CUDA: pinned, "
+            "device-mapped) for read buffers, reply frames and batches, so that the GPU reads x "
+            "and writes y where they lie instead of through copies. Taken as needed in "
+            "power-of-two buffers from 64 KiB and kept for reuse until the daemon stops "
+            "(freeing pinned memory waits for the resident kernel to exit); beyond it, buffers "
+            "are ordinary memory and go through the backend's staging copies. 0: never. No "
+            "effect on a backend without such an allocator (CPU)."},
     /* status */
     {.path = "status.address", .type = T_STRING, .min = 1, .max = 15, .def = "127.0.0.1",
      FIELD(status_addr), .check = check_ipv4, .allowed = "an IPv4 literal",
@@ -173,6 +183,11 @@ static const struct cfg_key keys[] = {
      FIELD(idle_exit_ms),
      .doc = "Idle milliseconds after which the persistent kernel exits, to be relaunched "
             "by the next batch; 0: never."},
+    {.path = "engine.cpu_host_alloc", .type = T_BOOL, .def = "false", FIELD(cpu_host_alloc),
+     .doc = "For tests: the CPU backend offers a host allocator (page-aligned ordinary "
+            "memory, reported as pinned) the way the CUDA backend offers pinned memory, so "
+            "that the pinned-buffer path (server.pinned_pool_bytes, /status buffers) runs "
+            "without a GPU."},
     /* log */
     {.path = "log.level", .type = T_LOGLEVEL, .def = "info", FIELD(log_level),
      .names = loglevel_names, .doc = "Lines above this level are not written to stderr."},

@@ -10,6 +10,7 @@
 #ifndef MOED_CONFIG_H
 #define MOED_CONFIG_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -33,6 +34,7 @@ struct moed_cfg {
     uint32_t frame_timeout_ms;        /* header received -> body must complete */
     uint64_t read_buffer_keep_bytes;  /* read buffer a connection keeps between frames */
     uint64_t socket_buffer_bytes;     /* SO_SNDBUF of client sockets; 0 = kernel default */
+    uint64_t pinned_pool_bytes;       /* cap on buffers from the backend's host allocator */
     /* status */
     char status_addr[64];             /* "127.0.0.1" */
     uint32_t status_port;             /* 0 = off */
@@ -47,6 +49,7 @@ struct moed_cfg {
     uint32_t cpu_threads;             /* 0 = all cores */
     uint32_t batch_deadline_ms;
     uint32_t idle_exit_ms;
+    bool cpu_host_alloc;              /* CPU backend offers host_alloc (tests) */
     /* log */
     int log_level;                    /* enum moed_log_level */
 };

@@ -7,16 +7,29 @@
  *
  * Buffers are descriptors so the CUDA backend can later read a client's
  * registered GPU buffer directly (CUDA IPC); the CPU backend accepts only
- * host buffers.
+ * host buffers. A backend that can use host memory in place (CUDA: pinned,
+ * device-mapped) hands it out through host_alloc; batches mark such memory
+ * MOED_BUF_PINNED, and the backend then reads x and writes y where they lie
+ * instead of copying them through its own staging memory.
  */
 #ifndef MOED_BACKEND_H
 #define MOED_BACKEND_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "model.h"
 
-enum moed_buf_kind { MOED_BUF_HOST = 0, MOED_BUF_DEVICE = 1 };
+enum moed_buf_kind {
+    MOED_BUF_HOST = 0,   /* ordinary host memory */
+    MOED_BUF_DEVICE = 1, /* memory of GPU `device` */
+    MOED_BUF_PINNED = 2, /* host memory inside a block from this backend's host_alloc;
+                            host-readable like MOED_BUF_HOST */
+};
+
+/* x and y are used in place only at this alignment (the CUDA kernel moves them
+ * in 16-byte vectors); a pinned buffer less aligned is copied like host memory. */
+#define MOED_BUF_ALIGN 16
 
 struct moed_buf {
     enum moed_buf_kind kind;
@@ -24,6 +37,12 @@ struct moed_buf {
     void *ptr;
     uint64_t bytes;
 };
+
+/* 1 if the host can read and write the buffer (HOST or PINNED). */
+static inline int moed_buf_on_host(const struct moed_buf *b)
+{
+    return b->kind == MOED_BUF_HOST || b->kind == MOED_BUF_PINNED;
+}
 
 struct moed_batch {
     uint64_t seq;         /* engine-assigned, increasing */
@@ -53,8 +72,20 @@ struct moed_backend_ops {
     /* Fill a JSON-free description into buf (devices, memory); may be NULL. */
     void (*describe)(struct moed_backend *be, char *buf, unsigned len);
     /* Stop accepting, finish or fail everything queued (done called for each),
-     * then free. */
+     * then free, host_alloc memory given back with host_free included. */
     void (*close)(struct moed_backend *be);
+    /* Optional (NULL: callers use malloc): host memory the backend can use in
+     * place, `bytes` long, page-aligned; NULL on failure (the reason is
+     * logged; the caller then uses malloc'd memory, which still works,
+     * through the staging copies). May take milliseconds: keep and reuse.
+     * Loop thread. */
+    void *(*host_alloc)(struct moed_backend *be, size_t bytes);
+    /* Give back memory from host_alloc. The backend releases it once the
+     * device can no longer touch it, at the latest in close (CUDA: freeing
+     * pinned memory waits for the resident kernel to exit, so it happens in
+     * close, after the kernel has stopped): buffers are meant to be kept,
+     * not freed and allocated again. Must be called before close. */
+    void (*host_free)(struct moed_backend *be, void *p);
 };
 
 struct moed_backend {
@@ -71,6 +102,7 @@ struct moed_backend_cfg {
     uint32_t max_tokens;
     uint32_t batch_deadline_ms; /* CUDA: a batch over this fails the backend */
     uint32_t idle_exit_ms;  /* CUDA: persistent kernel exits after idle (0 = never) */
+    int cpu_host_alloc;     /* CPU: offer host_alloc (page-aligned malloc; tests) */
     /* Optional: weight placement progress (bytes placed, bytes to place),
      * called from the opening thread during open. */
     moed_progress_fn progress;

@@ -5,10 +5,17 @@
  * batch) keeps the machine busy without oversubscribing it. done() is called
  * from the worker thread, exactly once per accepted batch. close() stops
  * accepting, lets the worker finish everything queued, then joins it.
+ *
+ * MOED_BUF_PINNED buffers are host memory like MOED_BUF_HOST. The CPU backend
+ * has no memory of its own to offer (host_alloc NULL), except with
+ * engine.cpu_host_alloc, a test switch: then host_alloc hands out
+ * page-aligned malloc'd memory, so that the daemon's pinned-buffer path
+ * (buffer pool, MOED_BUF_PINNED batches, /status buffers) runs without a GPU.
  */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #include "backend.h"
@@ -23,6 +30,7 @@ struct cpu_node {
 
 struct cpu_backend {
     struct moed_backend base; /* first: ops receive &base */
+    struct moed_backend_ops ops; /* cpu_ops, plus host_alloc with cpu_host_alloc */
     struct moed_model *model;
     int n_threads;
     pthread_t worker;
@@ -52,8 +60,8 @@ static void *cpu_worker(void *arg)
         struct moed_batch *b = n->b;
         free(n);
         const struct moe_layer *layer = moed_model_layer(cb->model, b->layer);
-        if (!layer || b->x.kind != MOED_BUF_HOST || b->y.kind != MOED_BUF_HOST ||
-            b->ids.kind != MOED_BUF_HOST || b->w.kind != MOED_BUF_HOST) {
+        if (!layer || !moed_buf_on_host(&b->x) || !moed_buf_on_host(&b->y) ||
+            !moed_buf_on_host(&b->ids) || !moed_buf_on_host(&b->w)) {
             b->status = MOED_E_INVAL;
         } else {
             b->status = moe_ref_forward(layer, b->n_tokens, b->x.ptr, b->ids.ptr, b->w.ptr, b->y.ptr,
@@ -116,6 +124,24 @@ static void cpu_close(struct moed_backend *be)
     free(cb);
 }
 
+static void *cpu_host_alloc(struct moed_backend *be, size_t bytes)
+{
+    (void)be;
+    void *p = NULL;
+    int rc = posix_memalign(&p, 4096, bytes ? bytes : 1);
+    if (rc != 0) {
+        LOG_W("cpu backend: host_alloc of %zu bytes failed: %s", bytes, strerror(rc));
+        return NULL;
+    }
+    return p;
+}
+
+static void cpu_host_free(struct moed_backend *be, void *p)
+{
+    (void)be;
+    free(p);
+}
+
 static const struct moed_backend_ops cpu_ops = {
     .name = "cpu",
     .submit = cpu_submit,
@@ -132,7 +158,12 @@ int moed_backend_cpu_open(struct moed_model *m, const struct moed_backend_cfg *c
     struct cpu_backend *cb = calloc(1, sizeof *cb);
     if (!cb)
         return moed_seterr(err, errlen, MOED_E_NOMEM, "cpu backend: out of memory");
-    cb->base.ops = &cpu_ops;
+    cb->ops = cpu_ops;
+    if (cfg->cpu_host_alloc) {
+        cb->ops.host_alloc = cpu_host_alloc;
+        cb->ops.host_free = cpu_host_free;
+    }
+    cb->base.ops = &cb->ops;
     cb->base.done = done;
     cb->base.done_ctx = done_ctx;
     cb->model = m;
@@ -146,7 +177,8 @@ int moed_backend_cpu_open(struct moed_model *m, const struct moed_backend_cfg *c
         free(cb);
         return moed_seterr(err, errlen, MOED_E_BACKEND, "cpu backend: pthread_create: error %d", rc);
     }
-    LOG_I("cpu backend: worker started (%d compute threads, 0 = all cores)", cfg->n_threads);
+    LOG_I("cpu backend: worker started (%d compute threads, 0 = all cores)%s", cfg->n_threads,
+          cfg->cpu_host_alloc ? "; host_alloc on (engine.cpu_host_alloc)" : "");
     *out = &cb->base;
     return 0;
 }

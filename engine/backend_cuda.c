@@ -9,14 +9,25 @@
  * counted first and refused with both numbers if it does not fit
  * (cudaMemGetInfo).
  *
- * Hot path (submit). No CUDA call: the inline inputs are copied into the ring
- * slot's pinned, device-mapped staging area, the descriptor is written, and
- * ctrl->head is stored with release semantics (x86: a plain store after the
- * descriptor stores; the kernel reads head with ld.acquire.sys). Batches that
+ * Hot path (submit). No CUDA call: x in memory from host_alloc (pinned,
+ * device-mapped, MOED_BUF_PINNED, 16-byte aligned) is handed to the kernel
+ * where it lies, other host inputs are copied into the ring slot's pinned,
+ * device-mapped staging area (ids and w always: they are small and the slot
+ * holds them inline), the descriptor is written, and ctrl->head is stored
+ * with release semantics (x86: a plain store after the descriptor stores; the
+ * kernel reads head with ld.acquire.sys). Likewise the kernel writes y
+ * straight into a MOED_BUF_PINNED output, else into staging. Batches that
  * find the ring full wait in a FIFO that the completion thread drains.
  *
+ * Host memory (host_alloc). cudaHostAlloc(mapped | portable); with unified
+ * addressing the device pointer is the host pointer, which is checked once
+ * per allocation (a block where it is not is never handed out). Freeing it
+ * (cudaFreeHost) waits until the device is idle, i.e. never returns while the
+ * persistent kernel is resident: host_free only queues the block, and close
+ * frees the queue once the kernel has stopped.
+ *
  * Completion thread (one per GPU). Watches ctrl->done_seq (acquire), copies
- * outputs out of the staging area into the engine's buffer, calls done().
+ * a staged output into the engine's buffer, calls done().
  * It spins briefly after progress and then backs off; idle, it sleeps on a
  * condition variable that submit signals. It also enforces the batch
  * deadline, watches the heartbeat, polls the stream for a sticky CUDA error
@@ -119,6 +130,13 @@ struct cuda_backend {
     uint64_t launches;
     uint64_t stall_ns; /* test hook, consumed by the next publish */
     char fail_msg[256];
+    /* host_alloc blocks given back (host_free), freed in close (mu) */
+    struct host_blk *host_freed;
+};
+
+/* A host_alloc block given back, waiting for close; the link lies in it. */
+struct host_blk {
+    struct host_blk *next;
 };
 
 static uint64_t rt_ns(void)
@@ -269,7 +287,17 @@ cleanup:
 
 /* ---------------- queue ---------------- */
 
-/* Copy the batch's inputs into slot staging and publish it. Caller holds mu. */
+/* 1 if the kernel reads or writes the buffer where it lies: device memory,
+ * or host memory from host_alloc (mapped at the same address) aligned for the
+ * kernel's 16-byte vectors; 0 if it goes through the slot's staging area. */
+static int buf_in_place(const struct moed_buf *b)
+{
+    return b->kind == MOED_BUF_DEVICE ||
+           (b->kind == MOED_BUF_PINNED && (uintptr_t)b->ptr % MOED_BUF_ALIGN == 0);
+}
+
+/* Copy the batch's staged inputs into the slot and publish it. Caller holds
+ * mu. */
 static void publish_locked(struct cuda_backend *cb, struct moed_batch *b)
 {
     uint64_t seq = ++cb->next_seq;
@@ -282,33 +310,33 @@ static void publish_locked(struct cuda_backend *cb, struct moed_batch *b)
     dsc->seq = seq;
     dsc->layer = (uint32_t)cb->slot_of[b->layer];
     dsc->n_tokens = T;
-    if (b->x.kind == MOED_BUF_HOST) {
+    if (buf_in_place(&b->x)) {
+        dsc->x = (uint64_t)(uintptr_t)b->x.ptr;
+    } else {
         memcpy(st, b->x.ptr, (size_t)T * H * 2);
         dsc->x = (uint64_t)(uintptr_t)sd;
-    } else {
-        dsc->x = (uint64_t)(uintptr_t)b->x.ptr;
     }
-    dsc->inl = b->ids.kind == MOED_BUF_HOST && b->w.kind == MOED_BUF_HOST &&
+    dsc->inl = moed_buf_on_host(&b->ids) && moed_buf_on_host(&b->w) &&
                (size_t)T * k * 8 <= MOE_GPU_INLINE_BYTES;
     if (dsc->inl) { /* one PCIe round trip fewer for the kernel (moe_gpu.h) */
         memcpy(sl->inl, b->ids.ptr, (size_t)T * k * 4);
         memcpy(sl->inl + (size_t)T * k * 4, b->w.ptr, (size_t)T * k * 4);
         dsc->ids = dsc->w = 0;
-    } else if (b->ids.kind == MOED_BUF_HOST) {
+    } else if (moed_buf_on_host(&b->ids)) {
         memcpy(st + cb->off_ids, b->ids.ptr, (size_t)T * k * 4);
         dsc->ids = (uint64_t)(uintptr_t)(sd + cb->off_ids);
     } else {
         dsc->ids = (uint64_t)(uintptr_t)b->ids.ptr;
     }
     if (dsc->inl) {
-    } else if (b->w.kind == MOED_BUF_HOST) {
+    } else if (moed_buf_on_host(&b->w)) {
         memcpy(st + cb->off_w, b->w.ptr, (size_t)T * k * 4);
         dsc->w = (uint64_t)(uintptr_t)(sd + cb->off_w);
     } else {
         dsc->w = (uint64_t)(uintptr_t)b->w.ptr;
     }
-    dsc->y = b->y.kind == MOED_BUF_HOST ? (uint64_t)(uintptr_t)(sd + cb->off_y)
-                                        : (uint64_t)(uintptr_t)b->y.ptr;
+    dsc->y = buf_in_place(&b->y) ? (uint64_t)(uintptr_t)b->y.ptr
+                                 : (uint64_t)(uintptr_t)(sd + cb->off_y);
     dsc->stall_ns = cb->stall_ns;
     cb->stall_ns = 0;
     cb->inflight[slot] = b;
@@ -347,7 +375,7 @@ static int cuda_submit(struct moed_backend *be, struct moed_batch *b)
     for (int i = 0; i < 4; i++)
         if (!bufs[i]->ptr || (bufs[i]->kind == MOED_BUF_DEVICE && bufs[i]->device != cb->dev))
             return MOED_E_INVAL;
-    if (b->ids.kind == MOED_BUF_HOST) {
+    if (moed_buf_on_host(&b->ids)) {
         const int32_t *ids = b->ids.ptr;
         for (uint64_t i = 0; i < (uint64_t)T * k; i++)
             if (ids[i] < 0 || (uint32_t)ids[i] >= cb->d.n_experts)
@@ -478,7 +506,7 @@ static void *completion_thread(void *arg)
                 unsigned slot = (unsigned)((cb->delivered + 1) % MOE_GPU_RING);
                 b = cb->inflight[slot];
                 cb->inflight[slot] = NULL;
-                if (b && b->y.kind == MOED_BUF_HOST)
+                if (b && !buf_in_place(&b->y))
                     memcpy(b->y.ptr, cb->stage + slot * cb->slot_bytes + cb->off_y,
                            (size_t)b->n_tokens * cb->d.hidden * 2);
                 cb->delivered++;
@@ -603,9 +631,53 @@ static void cuda_describe(struct moed_backend *be, char *buf, unsigned len)
              cb->failed ? cb->fail_msg : "");
 }
 
+/* host_free: queue the block for close (cudaFreeHost now would wait for the
+ * resident kernel to exit). */
+static void cuda_host_free(struct moed_backend *be, void *p)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)be;
+    struct host_blk *hb = p;
+    pthread_mutex_lock(&cb->mu);
+    hb->next = cb->host_freed;
+    cb->host_freed = hb;
+    pthread_mutex_unlock(&cb->mu);
+}
+
+/* host_alloc: pinned memory mapped into the device at the same address. */
+static void *cuda_host_alloc(struct moed_backend *be, size_t bytes)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)be;
+    void *p = NULL, *dp = NULL;
+    cudaError_t e = cudaSetDevice(cb->dev); /* the caller's thread may have another */
+    if (e == cudaSuccess)
+        e = cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
+    if (e != cudaSuccess) {
+        LOG_W("cuda: GPU %d: cudaHostAlloc of %zu bytes (mapped, portable) failed: %s (%s); "
+              "that buffer uses ordinary memory and the staging copies",
+              cb->dev, bytes, cudaGetErrorName(e), cudaGetErrorString(e));
+        (void)cudaGetLastError(); /* not sticky: clear it off this thread */
+        return NULL;
+    }
+    e = cudaHostGetDevicePointer(&dp, p, 0);
+    if (e != cudaSuccess || dp != p) {
+        LOG_W("cuda: GPU %d: pinned block %p is mapped at device address %p (%s); it cannot be "
+              "used in place: ordinary memory and the staging copies instead", cb->dev, p, dp,
+              cudaGetErrorString(e));
+        (void)cudaGetLastError();
+        cuda_host_free(be, p); /* cudaFreeHost would wait for the kernel */
+        return NULL;
+    }
+    return p;
+}
+
 static void free_all(struct cuda_backend *cb, int device_ok)
 {
     if (device_ok) {
+        while (cb->host_freed) {
+            struct host_blk *hb = cb->host_freed;
+            cb->host_freed = hb->next;
+            cudaFreeHost(hb);
+        }
         if (cb->stream)
             cudaStreamDestroy(cb->stream);
         cudaFree(cb->wbuf);
@@ -665,6 +737,8 @@ static const struct moed_backend_ops cuda_ops = {
     .heartbeat = moed_backend_cuda_heartbeat,
     .describe = cuda_describe,
     .close = cuda_close,
+    .host_alloc = cuda_host_alloc,
+    .host_free = cuda_host_free,
 };
 
 /* ---------------- open ---------------- */

@@ -15,7 +15,11 @@
  *               copies: the backend reads x, ids and w where the request
  *               holds them and writes y straight into the reply frame
  *               (a "direct" batch; at T=64, H=2048 that is two 256 KiB
- *               copies less per request);
+ *               copies less per request). Read buffers, reply frames and
+ *               batch memory come from the buffer pool (bufpool.h): with a
+ *               backend that offers host memory it can use in place (CUDA:
+ *               pinned), batches mark them MOED_BUF_PINNED and the backend
+ *               skips its own staging copies of x and y too;
  *   on_done()   backend thread: push the batch on the completion list and
  *               uv_async_send (which coalesces);
  *   on_async()  drain the whole completion list: split each batch's output
@@ -30,6 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bufpool.h"
 #include "moe_ref.h"
 #include "moed_err.h"
 #include "moed_log.h"
@@ -42,15 +47,15 @@ struct eng_req {
     struct moed_req_times t; /* rx and complete from the server; the rest here */
     uint32_t layer, n_tokens;
     uint8_t *data;        /* x bf16 [T,H] | ids int32 [T,k] | w fp32 [T,k] */
-    struct moed_rx_buf rx; /* base != NULL: data lies in this lent read buffer */
+    struct moed_hbuf rx;  /* base != NULL: data lies in this lent read buffer */
 };
 
 struct eng_batch {
     struct moed_batch b;  /* first: the backend hands us this pointer back */
     struct eng_batch *next;
     struct eng_req *reqs; /* in row order */
-    uint8_t *mem;         /* merged batch: x | y | ids | w; NULL for a direct one */
-    uint8_t *frame;       /* direct batch: the reply frame, y is its payload */
+    struct moed_hbuf mem; /* merged batch: x | y | ids | w; none for a direct one */
+    struct moed_hbuf frame; /* direct batch: the reply frame at REPLY_PAD, y in it */
     int selfcheck;
     uint64_t submit_ns;   /* handed to the backend (loop thread) */
     uint64_t done_ns;     /* done callback (backend thread, before the push) */
@@ -61,6 +66,7 @@ struct moed_engine {
     struct moed_model *model;
     const struct moed_dims *dims;
     struct moed_backend *be;
+    struct moed_bufpool *pool; /* read buffers, reply frames, batch memory */
     const char *backend_name;
     uv_async_t async;
     uint32_t max_tokens;
@@ -96,10 +102,20 @@ struct moed_engine {
 
 #define HEALTH_POLL_MS 250
 
+/* y's offset in a FORWARD reply frame (frame header, then the reply head). */
+#define REPLY_Y_OFF (MOED_PROTO_HDR_SIZE + sizeof(struct moed_forward_rep))
+/* A direct batch's reply frame starts this far into its buffer, so that y
+ * lies at MOED_BUF_ALIGN for the backend to write in place (pool buffers are
+ * at least that aligned: malloc's 16, pinned ones page-aligned). */
+#define REPLY_PAD ((MOED_BUF_ALIGN - REPLY_Y_OFF % MOED_BUF_ALIGN) % MOED_BUF_ALIGN)
+/* x in a lent read buffer, after the frame header and the FORWARD head. */
+_Static_assert((MOED_PROTO_HDR_SIZE + sizeof(struct moed_forward_req)) % MOED_BUF_ALIGN == 0,
+               "x in a lent read buffer is aligned for in-place use");
+
 static uint64_t now_ns(void) { return uv_hrtime(); }
 
 static void dispatch(struct moed_engine *e);
-static void batch_free(struct eng_batch *eb);
+static void batch_free(struct moed_engine *e, struct eng_batch *eb);
 static void on_health_timer(uv_timer_t *t);
 static void on_async(uv_async_t *h);
 
@@ -113,20 +129,19 @@ static int is_moe_layer_cb(const void *ctx, uint32_t layer)
 static size_t x_bytes(const struct moed_engine *e, uint32_t t) { return (size_t)t * e->dims->hidden * 2; }
 static size_t ids_bytes(const struct moed_engine *e, uint32_t t) { return (size_t)t * e->dims->top_k * 4; }
 
-/* Drop a request's inputs: a lent read buffer goes back to the server. Must
- * come before the request is answered (the answer may free the connection). */
-static void req_drop_data(struct eng_req *r)
+/* Drop a request's inputs: a lent read buffer goes back to the pool. */
+static void req_drop_data(struct moed_engine *e, struct eng_req *r)
 {
     if (r->rx.base)
-        moed_server_rx_release(r->conn, &r->rx);
+        moed_bufpool_put(e->pool, &r->rx);
     else
         free(r->data);
     r->data = NULL;
 }
 
-static void req_free(struct eng_req *r)
+static void req_free(struct moed_engine *e, struct eng_req *r)
 {
-    req_drop_data(r);
+    req_drop_data(e, r);
     free(r);
 }
 
@@ -154,10 +169,10 @@ static void maybe_drained(struct moed_engine *e)
 /* Answer one request with an error; frees it. */
 static void req_fail(struct moed_engine *e, struct eng_req *r, int code, const char *msg)
 {
-    req_drop_data(r);
+    req_drop_data(e, r);
     moed_server_reply_error(r->conn, r->request_id, code, msg);
     e->stats.in_flight--;
-    req_free(r);
+    req_free(e, r);
 }
 
 /* ---- completions --------------------------------------------------------- */
@@ -197,11 +212,27 @@ static void engine_fail(struct moed_engine *e, int code, const char *why)
         e->fail_cb(e->fail_arg);
 }
 
+/* A batch the backend failed may still be read and written by the device (a
+ * kernel past its deadline goes on): the pinned buffers it uses in place are
+ * never reused (left to process exit; the daemon is on its way out). */
+static void batch_abandon_in_place(struct moed_engine *e, struct eng_batch *eb)
+{
+    struct eng_req *r = eb->reqs;
+    if (!eb->mem.base && r && r->rx.pinned) { /* direct: x in the read buffer */
+        moed_bufpool_abandon(e->pool, &r->rx);
+        r->data = NULL;
+    }
+    moed_bufpool_abandon(e->pool, &eb->frame);
+    moed_bufpool_abandon(e->pool, &eb->mem);
+}
+
 static void batch_complete(struct moed_engine *e, struct eng_batch *eb)
 {
     struct moed_batch *b = &eb->b;
     const uint32_t H = e->dims->hidden;
     busy_end(e);
+    if (b->status == MOED_E_BACKEND)
+        batch_abandon_in_place(e, eb);
     if (eb->selfcheck) {
         e->selfcheck_done = 1;
         return; /* the self-check owns and frees it */
@@ -218,29 +249,33 @@ static void batch_complete(struct moed_engine *e, struct eng_batch *eb)
             req_fail(e, r, b->status, msg);
             continue;
         }
-        req_drop_data(r); /* x was read; y is in the batch or the frame */
+        req_drop_data(e, r); /* x was read; y is in the batch or the frame */
         if (moed_server_conn_gone(r->conn)) {
             /* Client left: drop the reply; the server frees the connection
              * once its last request is released here. */
-            moed_server_reply(r->conn, NULL, 0, NULL);
+            moed_server_reply(r->conn, NULL, 0, 0, NULL);
         } else {
             size_t ylen = x_bytes(e, r->n_tokens);
             size_t plen = sizeof(struct moed_forward_rep) + ylen;
-            uint8_t *f = eb->frame; /* direct: y is already in place */
-            eb->frame = NULL;
-            if (!f && (f = malloc(MOED_PROTO_HDR_SIZE + plen)) != NULL)
-                memcpy(f + MOED_PROTO_HDR_SIZE + sizeof(struct moed_forward_rep),
-                       (uint8_t *)b->y.ptr + (size_t)row * H * 2, ylen);
-            if (!f) {
+            struct moed_hbuf f = eb->frame; /* direct: y is already in place */
+            size_t off = REPLY_PAD;
+            eb->frame = (struct moed_hbuf){0};
+            if (!f.base) {
+                off = 0;
+                if (moed_bufpool_get(e->pool, MOED_PROTO_HDR_SIZE + plen, 0, &f) == 0)
+                    memcpy(f.base + REPLY_Y_OFF, (uint8_t *)b->y.ptr + (size_t)row * H * 2, ylen);
+            }
+            if (!f.base) {
                 moed_server_reply_error(r->conn, r->request_id, MOED_E_NOMEM,
                                         "out of memory building the reply");
             } else {
-                moed_frame_encode(f, MOED_MSG_FORWARD | MOED_PROTO_REPLY, r->request_id, plen);
+                uint8_t *fr = f.base + off;
+                moed_frame_encode(fr, MOED_MSG_FORWARD | MOED_PROTO_REPLY, r->request_id, plen);
                 struct moed_forward_rep rep = {.n_tokens = r->n_tokens, .hidden = H};
-                memcpy(f + MOED_PROTO_HDR_SIZE, &rep, sizeof rep);
+                memcpy(fr + MOED_PROTO_HDR_SIZE, &rep, sizeof rep);
                 r->t.submit_ns = eb->submit_ns;
                 r->t.done_ns = eb->done_ns;
-                moed_server_reply(r->conn, f, MOED_PROTO_HDR_SIZE + plen, &r->t);
+                moed_server_reply(r->conn, &f, off, MOED_PROTO_HDR_SIZE + plen, &r->t);
                 e->stats.requests++;
                 e->stats.tokens += r->n_tokens;
                 moed_stats_record_latency(&e->stats,
@@ -249,10 +284,10 @@ static void batch_complete(struct moed_engine *e, struct eng_batch *eb)
         }
         row += r->n_tokens;
         e->stats.in_flight--;
-        req_free(r);
+        req_free(e, r);
     }
     int status = b->status;
-    batch_free(eb);
+    batch_free(e, eb);
     if (status == MOED_E_BACKEND ||
         (e->be && e->be->ops->healthy && !e->be->ops->healthy(e->be)))
         engine_fail(e, MOED_E_BACKEND, "backend unhealthy (device error or stalled kernel)");
@@ -332,13 +367,20 @@ static struct eng_req *take_batch(struct moed_engine *e, uint32_t *layer, uint32
     return head;
 }
 
+/* The kind of a buffer from the pool. */
+static enum moed_buf_kind hbuf_kind(const struct moed_hbuf *h)
+{
+    return h->pinned ? MOED_BUF_PINNED : MOED_BUF_HOST;
+}
+
 /* A direct batch for a lone request: x, ids and w are read where the request
  * holds them (r->data: its own malloc'd copy, or offset 48 of a lent read
  * buffer, 16-byte aligned either way; ids need 4-byte alignment, which holds
- * when T*H is even), and y is written into the
- * reply frame right after its two heads (offset 40: 2-byte aligned for bf16).
- * NULL when the layout does not allow it or on allocation failure: the
- * caller falls back to a merged batch. */
+ * when T*H is even), and y is written into the reply frame right after its
+ * two heads (the frame starts REPLY_PAD into its buffer: y 16-byte aligned).
+ * x and y are MOED_BUF_PINNED when their buffers are. NULL when the layout
+ * does not allow it or on allocation failure: the caller falls back to a
+ * merged batch. */
 static struct eng_batch *batch_alloc_direct(struct moed_engine *e, struct eng_req *r)
 {
     size_t xb = x_bytes(e, r->n_tokens), ib = ids_bytes(e, r->n_tokens);
@@ -347,29 +389,29 @@ static struct eng_batch *batch_alloc_direct(struct moed_engine *e, struct eng_re
     struct eng_batch *eb = calloc(1, sizeof *eb);
     if (!eb)
         return NULL;
-    eb->frame = malloc(MOED_PROTO_HDR_SIZE + sizeof(struct moed_forward_rep) + xb);
-    if (!eb->frame) {
+    if (moed_bufpool_get(e->pool, REPLY_PAD + REPLY_Y_OFF + xb, 1, &eb->frame)) {
         free(eb);
         return NULL;
     }
+    enum moed_buf_kind xk = r->rx.base ? hbuf_kind(&r->rx) : MOED_BUF_HOST;
     struct moed_batch *b = &eb->b;
     b->seq = ++e->next_seq;
     b->layer = r->layer;
     b->n_tokens = r->n_tokens;
     b->top_k = e->dims->top_k;
-    b->x = (struct moed_buf){MOED_BUF_HOST, 0, r->data, xb};
-    b->ids = (struct moed_buf){MOED_BUF_HOST, 0, r->data + xb, ib};
-    b->w = (struct moed_buf){MOED_BUF_HOST, 0, r->data + xb + ib, ib};
-    b->y = (struct moed_buf){MOED_BUF_HOST, 0,
-                             eb->frame + MOED_PROTO_HDR_SIZE + sizeof(struct moed_forward_rep), xb};
+    b->x = (struct moed_buf){xk, 0, r->data, xb};
+    b->ids = (struct moed_buf){xk, 0, r->data + xb, ib};
+    b->w = (struct moed_buf){xk, 0, r->data + xb + ib, ib};
+    b->y = (struct moed_buf){hbuf_kind(&eb->frame), 0, eb->frame.base + REPLY_PAD + REPLY_Y_OFF,
+                             xb};
     b->user = eb;
     return eb;
 }
 
-static void batch_free(struct eng_batch *eb)
+static void batch_free(struct moed_engine *e, struct eng_batch *eb)
 {
-    free(eb->frame);
-    free(eb->mem);
+    moed_bufpool_put(e->pool, &eb->frame);
+    moed_bufpool_put(e->pool, &eb->mem);
     free(eb);
 }
 
@@ -379,21 +421,23 @@ static struct eng_batch *batch_alloc(struct moed_engine *e, uint32_t layer, uint
     if (!eb)
         return NULL;
     size_t xb = x_bytes(e, T), ib = ids_bytes(e, T);
-    /* x | y | ids | w: every part 4-byte aligned (x, y are even multiples). */
-    eb->mem = malloc(2 * xb + 2 * ib);
-    if (!eb->mem) {
+    /* x | y | ids | w: every part 4-byte aligned (x, y are even multiples);
+     * y is as aligned as x when H is a multiple of 8 (every CUDA model). */
+    if (moed_bufpool_get(e->pool, 2 * xb + 2 * ib, 1, &eb->mem)) {
         free(eb);
         return NULL;
     }
+    enum moed_buf_kind k = hbuf_kind(&eb->mem);
+    uint8_t *m = eb->mem.base;
     struct moed_batch *b = &eb->b;
     b->seq = ++e->next_seq;
     b->layer = layer;
     b->n_tokens = T;
     b->top_k = e->dims->top_k;
-    b->x = (struct moed_buf){MOED_BUF_HOST, 0, eb->mem, xb};
-    b->y = (struct moed_buf){MOED_BUF_HOST, 0, eb->mem + xb, xb};
-    b->ids = (struct moed_buf){MOED_BUF_HOST, 0, eb->mem + 2 * xb, ib};
-    b->w = (struct moed_buf){MOED_BUF_HOST, 0, eb->mem + 2 * xb + ib, ib};
+    b->x = (struct moed_buf){k, 0, m, xb};
+    b->y = (struct moed_buf){k, 0, m + xb, xb};
+    b->ids = (struct moed_buf){k, 0, m + 2 * xb, ib};
+    b->w = (struct moed_buf){k, 0, m + 2 * xb + ib, ib};
     b->user = eb;
     return eb;
 }
@@ -415,7 +459,7 @@ static void dispatch(struct moed_engine *e)
         }
         eb->reqs = reqs;
         uint8_t *x = eb->b.x.ptr, *ids = eb->b.ids.ptr, *w = eb->b.w.ptr;
-        for (struct eng_req *r = eb->mem ? reqs : NULL; r; r = r->next) {
+        for (struct eng_req *r = eb->mem.base ? reqs : NULL; r; r = r->next) {
             size_t xb = x_bytes(e, r->n_tokens), ib = ids_bytes(e, r->n_tokens);
             memcpy(x, r->data, xb);
             memcpy(ids, r->data + xb, ib);
@@ -437,7 +481,7 @@ static void dispatch(struct moed_engine *e)
                 nx = r->next;
                 req_fail(e, r, rc, msg);
             }
-            batch_free(eb);
+            batch_free(e, eb);
             if (rc == MOED_E_BACKEND)
                 engine_fail(e, rc, msg);
         }
@@ -447,7 +491,7 @@ static void dispatch(struct moed_engine *e)
 /* ---- server callbacks ---------------------------------------------------------- */
 
 static int eng_forward(void *ctx, struct moed_conn *c, uint64_t request_id, const uint8_t *payload,
-                       uint64_t len, const struct moed_req_times *t, struct moed_rx_buf *rx,
+                       uint64_t len, const struct moed_req_times *t, struct moed_hbuf *rx,
                        char *err, size_t errlen)
 {
     struct moed_engine *e = ctx;
@@ -465,8 +509,8 @@ static int eng_forward(void *ctx, struct moed_conn *c, uint64_t request_id, cons
     size_t body = (size_t)len - sizeof(struct moed_forward_req);
     if (r && rx) {
         /* Keep the server's buffer: the inputs are used where they were read
-         * (a 256 KiB copy less at T=64, H=2048). From malloc, the buffer is
-         * aligned for anything, so x at 32 + 16 is too. */
+         * (a 256 KiB copy less at T=64, H=2048). Pool buffers are aligned
+         * for anything, so x at 32 + 16 is too. */
         r->rx = *rx;
         rx->base = NULL;
         r->data = (uint8_t *)(uintptr_t)(payload + sizeof fr);
@@ -532,6 +576,8 @@ static const struct moed_server_ops engine_ops = {
 
 const struct moed_server_ops *moed_engine_server_ops(void) { return &engine_ops; }
 
+struct moed_bufpool *moed_engine_bufpool(struct moed_engine *e) { return e->pool; }
+
 /* ---- open / self-check / close ------------------------------------------------- */
 
 static int open_backend(struct moed_engine *e, const struct moed_cfg *cfg,
@@ -547,6 +593,7 @@ static int open_backend(struct moed_engine *e, const struct moed_cfg *cfg,
         .max_tokens = cfg->max_tokens,
         .batch_deadline_ms = cfg->batch_deadline_ms,
         .idle_exit_ms = cfg->idle_exit_ms,
+        .cpu_host_alloc = cfg->cpu_host_alloc,
     };
     enum moed_cfg_backend kind = cfg->backend;
     if (kind == MOED_CFG_BACKEND_AUTO)
@@ -564,6 +611,38 @@ static int open_backend(struct moed_engine *e, const struct moed_cfg *cfg,
         return moed_backend_cuda_open(e->model, &bc, on_backend_done, e, &e->be, err, errlen);
     }
     return moed_backend_cpu_open(e->model, &bc, on_backend_done, e, &e->be, err, errlen);
+}
+
+static void *pool_host_alloc(void *ctx, size_t bytes)
+{
+    struct moed_backend *be = ctx;
+    return be->ops->host_alloc(be, bytes);
+}
+
+static void pool_host_free(void *ctx, void *p)
+{
+    struct moed_backend *be = ctx;
+    be->ops->host_free(be, p);
+}
+
+/* The buffer pool, on the backend's host allocator when it has one. */
+static int open_pool(struct moed_engine *e, const struct moed_cfg *cfg, char *err, size_t errlen)
+{
+    const struct moed_backend_ops *ops = e->be->ops;
+    struct moed_bufpool_cfg pc = {.pinned_limit = cfg->pinned_pool_bytes,
+                                  .keep_bytes = cfg->read_buffer_keep_bytes};
+    if (ops->host_alloc && ops->host_free)
+        pc.pinned = (struct moed_host_allocator){pool_host_alloc, pool_host_free, e->be};
+    if (moed_bufpool_open(&pc, &e->pool) < 0)
+        return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
+    if (pc.pinned.alloc && pc.pinned_limit)
+        LOG_I("buffers: up to %llu MiB of backend %s host memory, used in place "
+              "(server.pinned_pool_bytes)", (unsigned long long)(pc.pinned_limit >> 20), ops->name);
+    else if (pc.pinned.alloc)
+        LOG_I("buffers: ordinary memory (server.pinned_pool_bytes is 0)");
+    else
+        LOG_I("buffers: ordinary memory (backend %s has no host memory of its own)", ops->name);
+    return 0;
 }
 
 int moed_engine_open(uv_loop_t *loop, struct moed_model *model, const struct moed_cfg *cfg,
@@ -613,6 +692,9 @@ int moed_engine_open(uv_loop_t *loop, struct moed_model *model, const struct moe
     rc = open_backend(e, cfg, progress, progress_ctx, err, errlen);
     if (rc < 0)
         goto fail_mutex;
+    rc = open_pool(e, cfg, err, errlen);
+    if (rc < 0)
+        goto fail_backend;
     e->stats.backend = e->be->ops->name;
     e->backend_name = e->be->ops->name;
     e->stats.healthy = 1;
@@ -621,6 +703,8 @@ int moed_engine_open(uv_loop_t *loop, struct moed_model *model, const struct moe
     *out = e;
     return 0;
 
+fail_backend:
+    moed_backend_close(e->be);
 fail_mutex:
     pthread_mutex_destroy(&e->done_mu);
     free(e->stats.expert_hits);
@@ -693,7 +777,7 @@ int moed_engine_self_check(struct moed_engine *e, char *err, size_t errlen)
 out:
     free(ref);
     if (eb)
-        batch_free(eb);
+        batch_free(e, eb);
     return rc;
 }
 
@@ -708,6 +792,15 @@ struct moed_stats *moed_engine_stats(struct moed_engine *e)
     }
     if (e->be && e->be->ops->healthy && !e->failed)
         e->stats.healthy = e->be->ops->healthy(e->be) ? 1 : 0;
+    if (e->pool) {
+        struct moed_bufpool_stats ps;
+        moed_bufpool_get_stats(e->pool, &ps);
+        e->stats.pinned_bytes = ps.pinned_bytes;
+        e->stats.pinned_free_bytes = ps.pinned_free_bytes;
+        e->stats.pinned_limit = ps.pinned_limit;
+        e->stats.pinned_allocs = ps.pinned_allocs;
+        e->stats.spare_bytes = ps.spare_bytes;
+    }
     if (e->be && e->be->ops->heartbeat) {
         uint64_t hb = e->be->ops->heartbeat(e->be), t = now_ns();
         if (hb != e->hb_last || e->hb_changed_ns == 0) {
@@ -752,8 +845,11 @@ void moed_engine_close(struct moed_engine *e)
 {
     if (!e)
         return;
-    /* The backend finishes (or fails) what is queued and calls done for each
-     * batch; run their completions here so every request is answered. */
+    /* Pinned buffers go back to the backend while it is open (it frees them
+     * once its kernel has stopped). The backend finishes (or fails) what is
+     * queued and calls done for each batch; run their completions here so
+     * every request is answered. */
+    moed_bufpool_release_pinned(e->pool);
     moed_backend_close(e->be);
     e->be = NULL;
     e->failed = 1; /* nothing more is submitted */
@@ -764,6 +860,8 @@ void moed_engine_close(struct moed_engine *e)
         req_fail(e, r, MOED_E_SHUTDOWN, "moed is shutting down");
     }
     e->wait_tail = NULL;
+    moed_bufpool_close(e->pool);
+    e->pool = NULL;
     moed_model_close(e->model);
     e->model = NULL;
     if (!e->attached) { /* no handles on the loop: free now */

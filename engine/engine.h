@@ -54,6 +54,11 @@ int moed_engine_self_check(struct moed_engine *e, char *err, size_t errlen);
 /* The server callbacks; ctx is the engine. */
 const struct moed_server_ops *moed_engine_server_ops(void);
 
+/* The buffer pool the server must read into and write from (its buffers may
+ * be the backend's pinned host memory). Owned by the engine; the server must
+ * be closed before the engine. */
+struct moed_bufpool *moed_engine_bufpool(struct moed_engine *e);
+
 /* The stats, brought up to date (busy time, backend health) for rendering.
  * Owned by the engine; valid until moed_engine_close. */
 struct moed_stats *moed_engine_stats(struct moed_engine *e);
@@ -70,9 +75,10 @@ void moed_engine_drain(struct moed_engine *e, void (*done)(void *arg), void *arg
 /* 1 once the backend has failed. */
 int moed_engine_failed(const struct moed_engine *e);
 
-/* Close the backend (it finishes what is queued), the model and the async
- * handle. Run the loop afterwards so the handle's close completes; the
- * engine's memory is freed in that close callback. */
+/* Close the backend (it finishes what is queued), the buffer pool, the model
+ * and the async handle; the server must be closed already. Run the loop
+ * afterwards so the handle's close completes; the engine's memory is freed in
+ * that close callback. */
 void moed_engine_close(struct moed_engine *e);
 
 #endif

@@ -506,8 +506,8 @@ static int run_daemon(const struct moed_cfg *cfg)
     tune_malloc();
 
     /* socket */
-    rc = moed_server_open(&d.loop, cfg, moed_engine_server_ops(), d.engine, st, &d.server, err,
-                          sizeof err);
+    rc = moed_server_open(&d.loop, cfg, moed_engine_server_ops(), d.engine,
+                          moed_engine_bufpool(d.engine), st, &d.server, err, sizeof err);
     if (rc < 0) {
         LOG_E("%s", err);
         d.exit_code = rc == MOED_E_CONFIG ? EXIT_USAGE : EXIT_RUNTIME;

@@ -100,6 +100,9 @@ struct moed_stats {
     /* per-expert hits (routed + shared), n_experts + n_shared entries */
     uint64_t *expert_hits;
     uint32_t n_expert_hits;
+    /* host buffers (ipc/bufpool.h): backend host memory (CUDA: pinned) held,
+     * of it on the free lists, its cap, allocator calls, plain spares kept */
+    uint64_t pinned_bytes, pinned_free_bytes, pinned_limit, pinned_allocs, spare_bytes;
     /* GPU persistent-kernel heartbeat (0 without a GPU) */
     uint64_t heartbeat;
     uint64_t heartbeat_age_ms;

@@ -309,6 +309,14 @@ static int json_body(cJSON *root, const struct moed_stats *s, uint64_t now_ns)
     if (jnum(root, "busy_fraction", busy_fraction(s, now_ns)))
         return -1;
 
+    cJSON *hb = cJSON_AddObjectToObject(root, "buffers");
+    if (!hb || jnum(hb, "pinned_bytes", (double)s->pinned_bytes) ||
+        jnum(hb, "pinned_free_bytes", (double)s->pinned_free_bytes) ||
+        jnum(hb, "pinned_limit_bytes", (double)s->pinned_limit) ||
+        jnum(hb, "pinned_allocations", (double)s->pinned_allocs) ||
+        jnum(hb, "spare_bytes", (double)s->spare_bytes))
+        return -1;
+
     cJSON *x = cJSON_AddObjectToObject(root, "experts");
     cJSON *hits = x ? cJSON_AddArrayToObject(x, "hits") : NULL;
     if (!hits)
@@ -549,6 +557,18 @@ char *moed_status_prometheus(const struct moed_stats *s, uint64_t now_ns)
     prom_dbl(&b, "moed_busy_fraction", "gauge",
              "busy_seconds / uptime_seconds since start (0..1).",
              busy_fraction(s, now_ns));
+
+    prom_u64(&b, "moed_buffer_pinned_bytes", "gauge",
+             "Backend host memory (CUDA: pinned) held for buffers used in place.",
+             s->pinned_bytes);
+    prom_u64(&b, "moed_buffer_pinned_free_bytes", "gauge",
+             "Of that, bytes kept free for reuse.", s->pinned_free_bytes);
+    prom_u64(&b, "moed_buffer_pinned_limit_bytes", "gauge",
+             "Cap on pinned buffer bytes (server.pinned_pool_bytes).", s->pinned_limit);
+    prom_u64(&b, "moed_buffer_pinned_allocations_total", "counter",
+             "Pinned buffers allocated from the backend since start.", s->pinned_allocs);
+    prom_u64(&b, "moed_buffer_spare_bytes", "gauge",
+             "Ordinary memory kept as spare buffers for reuse.", s->spare_bytes);
 
     if (s->expert_hits && s->n_expert_hits) {
         sb_head(&b, "moed_expert_hits_total", "counter",

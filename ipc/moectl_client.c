@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -22,6 +23,7 @@
 #include "moed_client.h"
 #include "moed_err.h"
 #include "moed_log.h"
+#include "moed_proto.h"
 #include "nvfp4.h"
 
 #define DEFAULT_SOCKET "/tmp/moed.sock"
@@ -34,6 +36,14 @@
 #define MAX_SAMPLES (64u << 20)
 /* Failing rel-L2 of `forward --check`: bf16 output rounding is ~4e-3. */
 #define CHECK_REL_L2 1e-2
+/* bench's floor: round trips of the payload echoed through a socketpair (the
+ * first ECHO_WARMUP not counted), with the send buffer the C client and the
+ * daemon ask for (MOEDC's 1 MiB, server.socket_buffer_bytes' default) */
+#define ECHO_ROUNDS 200
+#define ECHO_WARMUP 20
+#define ECHO_SNDBUF (1 << 20)
+/* What the daemon may add over that echo (end to end, per request). */
+#define ADDED_BUDGET_US 30.0
 
 struct opts {
     const char *cmd;
@@ -90,7 +100,8 @@ static const char *cmd_summary(const char *cmd)
         return "send one random batch and print its latency (--check: compare with the CPU "
                "reference)";
     return "N connections x K pipelined requests for a duration: requests/s, tokens/s, "
-           "p50/p99/p999 latency";
+           "p50/p99/p999 latency, the daemon's stages, and the latency it adds against the "
+           "same payload echoed through a bare socket";
 }
 
 static int cmd_takes(const struct opt_def *d, const char *cmd)
@@ -696,11 +707,12 @@ static double stage_run_mean(const cJSON *before, const cJSON *after, const char
  * socket path adds over the backend. The end-to-end figure subtracts the
  * daemon's mean backend time from the client's mean latency over the same
  * requests: exact when nothing else used the daemon meanwhile, and, unlike a
- * difference of medians, not swamped by a backend whose time varies. */
-static void print_stages(const cJSON *before, const cJSON *after, double client_mean_us)
+ * difference of medians, not swamped by a backend whose time varies. Returns
+ * that figure (NAN without stages). */
+static double print_stages(const cJSON *before, const cJSON *after, double client_mean_us)
 {
     if (!after)
-        return;
+        return NAN;
     static const char *const names[] = {"recv", "submit", "backend", "reply", "write",
                                         "total", "added"};
     double n = stage_num(after, NULL, "count"), win = stage_num(after, NULL, "window");
@@ -710,11 +722,14 @@ static void print_stages(const cJSON *before, const cJSON *after, double client_
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         printf("%s%s %.1f / %.1f", i ? ", " : "", names[i], stage_num(after, names[i], "p50"),
                stage_run_mean(before, after, names[i]));
+    double e2e = client_mean_us - stage_run_mean(before, after, "backend");
     printf("\nadded over backend: in the daemon p50 %.1f us, mean %.1f us; end to end (client "
            "mean - daemon backend mean) %.1f us\n", stage_num(after, "added", "p50"),
-           stage_run_mean(before, after, "added"),
-           client_mean_us - stage_run_mean(before, after, "backend"));
+           stage_run_mean(before, after, "added"), e2e);
+    return e2e;
 }
+
+/* --- payload echo ------------------------------------------------------------ */
 
 static int cmp_u64(const void *a, const void *b)
 {
@@ -728,6 +743,114 @@ static double pct(const uint64_t *v, size_t n, double p)
         return 0;
     size_t i = (size_t)ceil(p * (double)n) - 1;
     return v[i < n ? i : n - 1] / 1e3;
+}
+
+struct echo {
+    int fd;
+    size_t req, rep; /* bytes in, bytes back */
+    uint8_t *buf;    /* max(req, rep) */
+};
+
+/* Move exactly n bytes through a blocking socket; 0 or -1. */
+static int xfer_all(int fd, uint8_t *buf, size_t n, int writing)
+{
+    while (n > 0) {
+        ssize_t k = writing ? send(fd, buf, n, MSG_NOSIGNAL) : recv(fd, buf, n, 0);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0)
+            return -1;
+        buf += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
+/* The daemon's side with no processing: read a request, write a reply. */
+static void *echo_thread(void *arg)
+{
+    struct echo *e = arg;
+    for (int i = 0; i < ECHO_ROUNDS; i++)
+        if (xfer_all(e->fd, e->buf, e->req, 0) || xfer_all(e->fd, e->buf, e->rep, 1))
+            break;
+    return NULL;
+}
+
+/* p50 (us) of a `req`-byte frame out and a `rep`-byte frame back over an
+ * AF_UNIX socketpair with the client's and the daemon's send buffers, echoed
+ * by a thread that does nothing else: what the payload costs on the socket
+ * alone. NAN on failure (why in err). */
+static double echo_p50_us(size_t req, size_t rep, char *err, size_t errlen)
+{
+    int sv[2] = {-1, -1}, sndbuf = ECHO_SNDBUF;
+    uint64_t lat[ECHO_ROUNDS];
+    size_t n = 0;
+    pthread_t th;
+    struct echo e = {.req = req, .rep = rep};
+    uint8_t *mine = calloc(1, req > rep ? req : rep);
+    e.buf = calloc(1, req > rep ? req : rep);
+    if (!mine || !e.buf) {
+        snprintf(err, errlen, "out of memory");
+        goto out;
+    }
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0) {
+        snprintf(err, errlen, "socketpair: %s", strerror(errno));
+        goto out;
+    }
+    for (int i = 0; i < 2; i++)
+        (void)setsockopt(sv[i], SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof sndbuf);
+    e.fd = sv[1];
+    if (pthread_create(&th, NULL, echo_thread, &e)) {
+        snprintf(err, errlen, "cannot start the echo thread");
+        goto out;
+    }
+    for (int i = 0; i < ECHO_ROUNDS; i++) {
+        uint64_t t0 = mono_ns();
+        if (xfer_all(sv[0], mine, req, 1) || xfer_all(sv[0], mine, rep, 0)) {
+            snprintf(err, errlen, "echo: %s", strerror(errno));
+            break;
+        }
+        if (i >= ECHO_WARMUP)
+            lat[n++] = mono_ns() - t0;
+    }
+    shutdown(sv[0], SHUT_RDWR); /* a thread still reading sees EOF */
+    pthread_join(th, NULL);
+out:
+    for (int i = 0; i < 2; i++)
+        if (sv[i] >= 0)
+            close(sv[i]);
+    free(mine);
+    free(e.buf);
+    if (n < ECHO_ROUNDS - ECHO_WARMUP)
+        return NAN;
+    qsort(lat, n, sizeof *lat, cmp_u64);
+    return pct(lat, n, 0.50);
+}
+
+/* The floor under bench's added latency: the same frames through a socket
+ * with nothing behind it, and whether the daemon stays within budget of it. */
+static void print_echo_budget(const struct opts *o, const struct moed_hello_rep *h,
+                              double added_us)
+{
+    char err[128] = "";
+    uint64_t plen = moed_forward_payload_len((uint32_t)o->tokens, h->hidden, h->top_k);
+    double echo = plen ? echo_p50_us(MOED_PROTO_HDR_SIZE + plen,
+                                     MOED_PROTO_HDR_SIZE + sizeof(struct moed_forward_rep) +
+                                         (size_t)o->tokens * h->hidden * 2,
+                                     err, sizeof err)
+                       : NAN;
+    if (isnan(echo)) {
+        printf("payload through the socket (echo, no processing): not measured (%s)\n",
+               err[0] ? err : "frame size out of range");
+        return;
+    }
+    printf("payload through the socket (echo, no processing) p50 %.1f us\n", echo);
+    if (isnan(added_us))
+        printf("added <= echo + %.0f us: unknown (no daemon stages)\n", ADDED_BUDGET_US);
+    else
+        printf("added <= echo + %.0f us: %s (end to end %.1f us, echo + %.0f = %.1f us)\n",
+               ADDED_BUDGET_US, added_us <= echo + ADDED_BUDGET_US ? "met" : "not met", added_us,
+               ADDED_BUDGET_US, echo + ADDED_BUDGET_US);
 }
 
 static int cmd_bench(const struct opts *o)
@@ -817,7 +940,7 @@ join:
         mean_us += (double)all[i] / 1e3;
     mean_us = n ? mean_us / (double)n : 0.0;
     cJSON *st_after = fetch_stages(o);
-    print_stages(st_before, st_after, mean_us);
+    print_echo_budget(o, &sh.h, print_stages(st_before, st_after, mean_us));
     cJSON_Delete(st_after);
     ret = (done > 0 && errors == 0 && atomic_load(&sh.failed_threads) == 0) ? 0 : 1;
 free_th:

@@ -1,15 +1,17 @@
 /* server.c - libuv Unix-socket server: accept, peer check, framing, limits.
  *
  * Per connection (struct moed_conn):
- *   - a read buffer buf[off..len) that grows on demand, never beyond
- *     32 + max_frame_bytes (the largest frame we accept), and is kept between
- *     frames up to read_buffer_keep_bytes: a client sending 256 KiB frames
- *     would otherwise pay a malloc, a realloc (copying what was read so far)
- *     and a free per frame, and fresh memory costs page faults. When the
- *     buffer holds exactly one FORWARD frame, the engine may keep the whole
- *     buffer and use the payload in place (no copy); the connection then
- *     reads on into a spare buffer, and the engine returns the lent one to
- *     the spares when done (moed_server_rx_release);
+ *   - a read buffer buf[off..len) from the buffer pool (bufpool.h: pinned
+ *     when the backend offers host memory it can use in place, else plain)
+ *     that grows on demand, never beyond 32 + max_frame_bytes (the largest
+ *     frame we accept), and is kept between frames up to
+ *     read_buffer_keep_bytes: a client sending 256 KiB frames would
+ *     otherwise pay a malloc, a realloc (copying what was read so far) and a
+ *     free per frame, and fresh memory costs page faults. When the buffer
+ *     holds exactly one FORWARD frame, the engine may keep the whole buffer
+ *     and use the payload in place (no copy); the connection then reads on
+ *     into another buffer from the pool, of the size it lent, and the engine
+ *     puts the lent one back into the pool when done;
  *   - `skip`: bytes of a rejected frame (unknown type, valid header) still to
  *     discard, so the stream stays in sync;
  *   - `pending`: FORWARD requests handed to the engine and not yet answered;
@@ -39,6 +41,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "bufpool.h"
 #include "moed_err.h"
 #include "moed_le.h"
 #include "moed_log.h"
@@ -51,7 +54,6 @@ _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "moed's daemon needs a
 
 #define CONN_BUF_INITIAL (64u * 1024u) /* first read buffer; grows to 32 + max_frame_bytes */
 #define CLOSE_GRACE_MS 2000u           /* max wait for queued replies when closing */
-#define SPARE_BUFS 16                  /* read buffers kept for reuse, server-wide */
 #define LISTEN_BACKLOG 128
 
 enum timer_mode { TIMER_NONE = 0, TIMER_FRAME, TIMER_DRAIN, TIMER_CLOSE };
@@ -62,8 +64,9 @@ struct moed_conn {
     uv_shutdown_t shutdown_req;
     struct moed_server *srv;
     uint64_t id;
-    uint8_t *buf;
-    size_t cap, off, len;
+    struct moed_hbuf buf; /* read buffer; bytes [off, len) are unparsed */
+    size_t off, len;
+    size_t lent_cap;      /* size of the last buffer lent to the engine: the next one's */
     uint64_t skip;
     uint64_t rx_ns;       /* start of the read that brought the current frame's first byte */
     uint64_t read_start_ns; /* start of the latest read (taken in on_alloc) */
@@ -95,10 +98,7 @@ struct moed_server {
     int listening;
     int closer_active;
     int sndbuf_logged; /* the effective SO_SNDBUF was reported once */
-    /* read buffers the engine gave back, at most read_buffer_keep_bytes
-     * each, for connections that lent theirs (LIFO: the warmest first) */
-    struct moed_rx_buf spares[SPARE_BUFS];
-    int n_spares;
+    struct moed_bufpool *pool; /* read buffers and reply frames (the engine's) */
     int n_handles; /* listener + closer still open */
     uint32_t n_clients;
     uint64_t next_id;
@@ -111,7 +111,7 @@ struct moed_server {
 
 struct write_req {
     uv_write_t req;
-    uint8_t *data;
+    struct moed_hbuf buf; /* holds the frame; back to the pool once written */
     struct moed_conn *c;
     int timed;                /* a FORWARD reply: record its stages when written */
     struct moed_req_times t;
@@ -151,7 +151,7 @@ static void on_write(uv_write_t *req, int status)
     struct moed_conn *c = wr->c;
     if (status >= 0 && wr->timed)
         moed_stats_record_stages(c->srv->stats, &wr->t, uv_hrtime());
-    free(wr->data);
+    moed_bufpool_put(c->srv->pool, &wr->buf);
     free(wr);
     if (status < 0 && status != UV_ECANCELED && !c->closing) {
         LOG_D("client %llu: write failed: %s", (unsigned long long)c->id, uv_strerror(status));
@@ -171,39 +171,42 @@ static void on_write(uv_write_t *req, int status)
     }
 }
 
-/* Queue a whole frame; takes ownership of `data`. `t`: a timed FORWARD
- * reply (NULL for everything else). */
-static void conn_write(struct moed_conn *c, uint8_t *data, size_t len,
+/* Queue a whole frame of `len` bytes at buf->base + off; takes ownership of
+ * the buffer (*buf is cleared). `t`: a timed FORWARD reply (NULL for
+ * everything else). */
+static void conn_write(struct moed_conn *c, struct moed_hbuf *buf, size_t off, size_t len,
                        const struct moed_req_times *t)
 {
+    struct moed_server *srv = c->srv;
     if (c->closed || (c->closing && !c->graceful)) {
-        free(data);
+        moed_bufpool_put(srv->pool, buf);
         return;
     }
     struct write_req *wr = malloc(sizeof *wr);
     if (!wr) {
-        free(data);
+        moed_bufpool_put(srv->pool, buf);
         conn_close(c, 0);
         return;
     }
-    wr->data = data;
+    wr->buf = *buf;
+    buf->base = NULL;
     wr->c = c;
     wr->timed = t != NULL;
     if (t) {
         wr->t = *t;
         wr->t.reply_ns = uv_hrtime();
     }
-    uv_buf_t b = uv_buf_init((char *)data, (unsigned)len);
+    uv_buf_t b = uv_buf_init((char *)wr->buf.base + off, (unsigned)len);
     int rc = uv_write(&wr->req, (uv_stream_t *)&c->pipe, &b, 1, on_write);
     if (rc < 0) {
-        free(data);
+        moed_bufpool_put(srv->pool, &wr->buf);
         free(wr);
         if (!c->closing)
             conn_close(c, 0);
         return;
     }
     if (!c->closing &&
-        uv_stream_get_write_queue_size((uv_stream_t *)&c->pipe) > c->srv->cfg.max_client_buffer_bytes &&
+        uv_stream_get_write_queue_size((uv_stream_t *)&c->pipe) > srv->cfg.max_client_buffer_bytes &&
         !c->wpaused) {
         c->wpaused = 1;
         conn_update(c);
@@ -218,23 +221,25 @@ static void conn_send_error(struct moed_conn *c, uint64_t request_id, int code, 
     LOG_D("client %llu: error %s (request %llu): %s", (unsigned long long)c->id,
           moed_errname(code), (unsigned long long)request_id, msg);
     size_t len;
-    uint8_t *f = moed_server_error_frame(request_id, code, msg, &len);
-    if (f)
-        conn_write(c, f, len, NULL);
+    struct moed_hbuf f = {moed_server_error_frame(request_id, code, msg, &len), 0, 0};
+    if (f.base) {
+        f.cap = len;
+        conn_write(c, &f, 0, len, NULL);
+    }
 }
 
 static void conn_send(struct moed_conn *c, uint16_t type, uint64_t request_id, const void *payload,
                       size_t plen)
 {
-    uint8_t *f = malloc(MOED_PROTO_HDR_SIZE + plen);
-    if (!f) {
+    struct moed_hbuf f = {malloc(MOED_PROTO_HDR_SIZE + plen), MOED_PROTO_HDR_SIZE + plen, 0};
+    if (!f.base) {
         conn_close(c, 0);
         return;
     }
-    moed_frame_encode(f, type | MOED_PROTO_REPLY, request_id, plen);
+    moed_frame_encode(f.base, type | MOED_PROTO_REPLY, request_id, plen);
     if (plen)
-        memcpy(f + MOED_PROTO_HDR_SIZE, payload, plen);
-    conn_write(c, f, MOED_PROTO_HDR_SIZE + plen, NULL);
+        memcpy(f.base + MOED_PROTO_HDR_SIZE, payload, plen);
+    conn_write(c, &f, 0, f.cap, NULL);
 }
 
 /* ---- closing ------------------------------------------------------------ */
@@ -250,7 +255,7 @@ static void conn_free_if_done(struct moed_conn *c)
         srv->conns = c->next;
     if (c->next)
         c->next->prev = c->prev;
-    free(c->buf);
+    moed_bufpool_put(srv->pool, &c->buf);
     free(c);
     server_maybe_done(srv);
 }
@@ -365,7 +370,7 @@ static void on_conn_timer(uv_timer_t *t)
     if (m == TIMER_FRAME) {
         uint64_t rid = 0;
         if (c->len - c->off >= MOED_PROTO_HDR_SIZE) {
-            rid = le_get64(c->buf + c->off + 16);
+            rid = le_get64(c->buf.base + c->off + 16);
         }
         snprintf(msg, sizeof msg,
                  "frame not complete within %u ms (server.frame_timeout_ms); %zu bytes received",
@@ -390,28 +395,25 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *out)
     c->read_start_ns = uv_hrtime();
     if (c->off > 0 && c->off == c->len)
         c->off = c->len = 0;
-    if (!c->buf && c->srv->n_spares > 0) {
-        struct moed_rx_buf *sp = &c->srv->spares[--c->srv->n_spares];
-        c->buf = sp->base;
-        c->cap = sp->cap;
-        sp->base = NULL;
-    }
-    if (c->len == c->cap && c->cap < limit) {
-        size_t ncap = c->cap ? c->cap * 2 : CONN_BUF_INITIAL;
+    if (!c->buf.base) {
+        /* after a lend, a buffer like the one lent: a steady client's next
+         * frame then fits without growing */
+        size_t want = c->lent_cap > CONN_BUF_INITIAL ? c->lent_cap : CONN_BUF_INITIAL;
+        if (want > limit)
+            want = limit;
+        (void)moed_bufpool_get(c->srv->pool, want, 1, &c->buf);
+    } else if (c->len == c->buf.cap && c->buf.cap < limit) {
+        size_t ncap = c->buf.cap * 2;
         if (ncap > limit)
             ncap = limit;
-        uint8_t *nb = realloc(c->buf, ncap);
-        if (nb) {
-            c->buf = nb;
-            c->cap = ncap;
-        }
+        (void)moed_bufpool_grow(c->srv->pool, &c->buf, ncap, c->len);
     }
     /* A full buffer (only possible on allocation failure) gives UV_ENOBUFS.
      * uv_buf_t lengths are unsigned int: a 4 GiB frame is read in pieces. */
-    size_t room = c->cap - c->len;
+    size_t room = c->buf.cap - c->len;
     if (room > UINT_MAX)
         room = UINT_MAX;
-    *out = uv_buf_init((char *)c->buf + c->len, (unsigned)room);
+    *out = uv_buf_init((char *)c->buf.base + c->len, (unsigned)room);
 }
 
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *b)
@@ -540,7 +542,7 @@ static int handle_frame(struct moed_conn *c, const struct moed_frame_hdr *h, con
         struct moed_req_times t = {.rx_ns = c->rx_ns, .complete_ns = uv_hrtime()};
         /* Lend the buffer only when the frame is all it holds: nothing of a
          * next frame has to move out of it. */
-        struct moed_rx_buf rx = {c->buf, c->cap};
+        struct moed_hbuf rx = c->buf;
         int lend = c->off == 0 && c->len == MOED_PROTO_HDR_SIZE + (size_t)h->payload_len;
         int rc = srv->ops->forward(srv->ctx, c, h->request_id, p, h->payload_len, &t,
                                    lend ? &rx : NULL, msg, sizeof msg);
@@ -569,7 +571,7 @@ static int handle_frame(struct moed_conn *c, const struct moed_frame_hdr *h, con
 static void framing_message(const struct moed_conn *c, int rc, const struct moed_frame_hdr *h,
                             size_t have, char *msg, size_t len)
 {
-    const uint8_t *p = c->buf + c->off;
+    const uint8_t *p = c->buf.base + c->off;
     uint32_t magic = have >= 4 ? le_get32(p) : 0;
     if (rc == MOED_E_TOOBIG) {
         snprintf(msg, len, "payload_len %llu is over the limit %llu (server.max_frame_bytes)",
@@ -616,7 +618,7 @@ static void conn_process(struct moed_conn *c)
             break;
         struct moed_frame_hdr h;
         memset(&h, 0, sizeof h);
-        int rc = moed_frame_parse(c->buf + c->off, have, srv->cfg.max_frame_bytes, &h);
+        int rc = moed_frame_parse(c->buf.base + c->off, have, srv->cfg.max_frame_bytes, &h);
         if (rc == MOED_PARSE_NEED_MORE)
             break;
         if (rc < 0) {
@@ -643,11 +645,12 @@ static void conn_process(struct moed_conn *c)
         uv_timer_stop(&c->timer);
         c->tmode = TIMER_NONE;
         size_t flen = MOED_PROTO_HDR_SIZE + (size_t)h.payload_len;
-        if (handle_frame(c, &h, c->buf + c->off + MOED_PROTO_HDR_SIZE)) {
+        if (handle_frame(c, &h, c->buf.base + c->off + MOED_PROTO_HDR_SIZE)) {
             /* The engine keeps the buffer (it held just this frame); the
-             * next read takes a spare. */
-            c->buf = NULL;
-            c->cap = c->off = c->len = 0;
+             * next read takes another from the pool. */
+            c->lent_cap = c->buf.cap;
+            c->buf = (struct moed_hbuf){0};
+            c->off = c->len = 0;
             continue;
         }
         c->off += flen;
@@ -662,14 +665,13 @@ static void conn_process(struct moed_conn *c)
          * (Redis shrinks query buffers the same way), so N idle clients never
          * hold N max frames. Up to the keep size the buffer stays, at its
          * high-water mark, for the next frame. */
-        if (c->cap > CONN_BUF_INITIAL && c->cap > srv->cfg.read_buffer_keep_bytes &&
+        if (c->buf.cap > CONN_BUF_INITIAL && c->buf.cap > srv->cfg.read_buffer_keep_bytes &&
             c->skip == 0) {
-            free(c->buf);
-            c->buf = NULL;
-            c->cap = 0;
+            moed_bufpool_put(srv->pool, &c->buf);
+            c->lent_cap = 0;
         }
     } else if (c->off > 0 && !c->closing) {
-        memmove(c->buf, c->buf + c->off, c->len - c->off);
+        memmove(c->buf.base, c->buf.base + c->off, c->len - c->off);
         c->len -= c->off;
         c->off = 0;
     }
@@ -679,15 +681,10 @@ static void conn_process(struct moed_conn *c)
      * fill it without repeated doubling. */
     size_t have = c->len;
     if (have >= MOED_PROTO_HDR_SIZE && c->skip == 0) {
-        uint64_t plen = le_get64(c->buf + 24);
+        uint64_t plen = le_get64(c->buf.base + 24);
         size_t need = MOED_PROTO_HDR_SIZE + (size_t)plen;
-        if (plen <= srv->cfg.max_frame_bytes && need > c->cap) {
-            uint8_t *nb = realloc(c->buf, need);
-            if (nb) {
-                c->buf = nb;
-                c->cap = need;
-            }
-        }
+        if (plen <= srv->cfg.max_frame_bytes && need > c->buf.cap)
+            (void)moed_bufpool_grow(srv->pool, &c->buf, need, c->len);
     }
     if (c->eof) {
         /* No more bytes will come. Bytes left that the loop could not parse
@@ -731,26 +728,14 @@ static void conn_request_done(struct moed_conn *c)
         conn_process(c);
 }
 
-void moed_server_reply(struct moed_conn *c, uint8_t *frame, size_t len,
+void moed_server_reply(struct moed_conn *c, struct moed_hbuf *frame, size_t off, size_t len,
                        const struct moed_req_times *t)
 {
-    if (c->closing || !frame)
-        free(frame); /* client gone: the reply is dropped */
-    else
-        conn_write(c, frame, len, t);
+    if (frame && c->closing)
+        moed_bufpool_put(c->srv->pool, frame); /* client gone: the reply is dropped */
+    else if (frame)
+        conn_write(c, frame, off, len, t);
     conn_request_done(c);
-}
-
-void moed_server_rx_release(struct moed_conn *c, struct moed_rx_buf *b)
-{
-    struct moed_server *srv = c->srv;
-    if (!b->base)
-        return;
-    if (srv->n_spares < SPARE_BUFS && b->cap <= srv->cfg.read_buffer_keep_bytes)
-        srv->spares[srv->n_spares++] = *b;
-    else
-        free(b->base);
-    b->base = NULL;
 }
 
 void moed_server_reply_error(struct moed_conn *c, uint64_t request_id, int code, const char *msg)
@@ -953,8 +938,8 @@ static void on_server_handle_closed(uv_handle_t *h)
 }
 
 int moed_server_open(uv_loop_t *loop, const struct moed_cfg *cfg, const struct moed_server_ops *ops,
-                     void *ctx, struct moed_stats *stats, struct moed_server **out, char *err,
-                     size_t errlen)
+                     void *ctx, struct moed_bufpool *pool, struct moed_stats *stats,
+                     struct moed_server **out, char *err, size_t errlen)
 {
     int rc;
     *out = NULL;
@@ -976,6 +961,7 @@ int moed_server_open(uv_loop_t *loop, const struct moed_cfg *cfg, const struct m
     srv->cfg = *cfg;
     srv->ops = ops;
     srv->ctx = ctx;
+    srv->pool = pool;
     srv->stats = stats;
     uv_pipe_init(loop, &srv->listener, 0);
     srv->listener.data = srv;
@@ -1040,8 +1026,6 @@ static void server_maybe_done(struct moed_server *srv)
         return;
     void (*done)(void *) = srv->done;
     void *arg = srv->done_arg;
-    for (int i = 0; i < srv->n_spares; i++)
-        free(srv->spares[i].base);
     free(srv);
     if (done)
         done(arg);

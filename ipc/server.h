@@ -21,6 +21,7 @@
 
 #include <uv.h>
 
+#include "bufpool.h"
 #include "config.h"
 #include "moed_proto.h"
 #include "stats.h"
@@ -28,27 +29,21 @@
 struct moed_server;
 struct moed_conn; /* one client connection; opaque */
 
-/* A connection's read buffer, lent to the engine with the FORWARD payload
- * it holds (see moed_server_ops.forward). */
-struct moed_rx_buf {
-    uint8_t *base;
-    size_t cap;
-};
-
 struct moed_server_ops {
     /* A FORWARD frame with a valid header. `payload` is valid only during the
      * call, unless the engine keeps the buffer it lies in: when `rx` is not
-     * NULL the frame is all that buffer holds, and an engine that returns 0
-     * may take it (copy *rx, set rx->base = NULL), use the payload in place
-     * instead of copying it, and later hand it back with
-     * moed_server_rx_release (before it answers the request). `t` carries the
-     * frame's rx_ns and complete_ns (the rest is 0).
+     * NULL the frame is all that buffer holds (at rx->base, so the payload
+     * is at rx->base + 32), and an engine that returns 0 may take it (copy
+     * *rx, set rx->base = NULL), use the payload in place instead of copying
+     * it, and later put it back into the pool (before it answers the
+     * request). `t` carries the frame's rx_ns and complete_ns (the rest is
+     * 0).
      * Return 0 if the engine took the request (it then calls
      * moed_server_reply or moed_server_reply_error exactly once for it), or a
      * negative MOED_E_* code with a message in err (and rx untouched): the
      * server answers ERROR and the connection stays open. */
     int (*forward)(void *ctx, struct moed_conn *c, uint64_t request_id, const uint8_t *payload,
-                   uint64_t len, const struct moed_req_times *t, struct moed_rx_buf *rx,
+                   uint64_t len, const struct moed_req_times *t, struct moed_hbuf *rx,
                    char *err, size_t errlen);
     /* Fill the HELLO reply (everything but `version`). */
     void (*hello)(void *ctx, struct moed_hello_rep *rep);
@@ -60,11 +55,13 @@ struct moed_server_ops {
 /* Open the listening socket described by cfg (server.* keys): checks the path
  * length, refuses a path that is not a socket, replaces a stale socket only if
  * nothing listens on it, binds, applies mode and group, and starts listening.
- * `stats` (owned by the caller, outlives the server) gets the client counters
- * and the error counts of every ERROR frame sent. `cfg` is copied. */
+ * Read buffers come from `pool` and every frame written goes back to it;
+ * `pool` and `stats` (owned by the caller) outlive the server. `stats` gets
+ * the client counters and the error counts of every ERROR frame sent. `cfg`
+ * is copied. */
 int moed_server_open(uv_loop_t *loop, const struct moed_cfg *cfg, const struct moed_server_ops *ops,
-                     void *ctx, struct moed_stats *stats, struct moed_server **out, char *err,
-                     size_t errlen);
+                     void *ctx, struct moed_bufpool *pool, struct moed_stats *stats,
+                     struct moed_server **out, char *err, size_t errlen);
 
 /* Stop accepting and remove the socket file (idempotent). Connected clients
  * keep working. */
@@ -76,18 +73,16 @@ void moed_server_stop_listening(struct moed_server *srv);
  * (see moed_engine_drain). The server memory is freed right before done. */
 void moed_server_close(struct moed_server *srv, void (*done)(void *arg), void *arg);
 
-/* Answer a FORWARD the engine took. `frame` is a whole frame (header
- * included), malloc'd; the server owns it from here (frees it after the write,
- * or at once if the client is gone). frame == NULL only releases the request
- * (used when moed_server_conn_gone said the client left). `t` (may be NULL:
- * not timed) has every timestamp up to done_ns; the server adds reply_ns and,
- * once the last byte is written, records the request's stages in the stats. */
-void moed_server_reply(struct moed_conn *c, uint8_t *frame, size_t len,
+/* Answer a FORWARD the engine took. The whole frame (header included) is
+ * `len` bytes at frame->base + off, in a buffer from the server's pool; the
+ * server owns the buffer from here (*frame is cleared) and puts it back into
+ * the pool after the write, or at once if the client is gone. frame == NULL
+ * only releases the request (used when moed_server_conn_gone said the client
+ * left). `t` (may be NULL: not timed) has every timestamp up to done_ns; the
+ * server adds reply_ns and, once the last byte is written, records the
+ * request's stages in the stats. */
+void moed_server_reply(struct moed_conn *c, struct moed_hbuf *frame, size_t off, size_t len,
                        const struct moed_req_times *t);
-/* Give back a read buffer taken in forward (before answering the request
- * whose payload it held): the server reuses it for a later read, or frees
- * it. b->base is set to NULL. */
-void moed_server_rx_release(struct moed_conn *c, struct moed_rx_buf *b);
 
 /* Answer a FORWARD the engine took with an ERROR frame. */
 void moed_server_reply_error(struct moed_conn *c, uint64_t request_id, int code, const char *msg);

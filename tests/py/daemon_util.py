@@ -290,6 +290,46 @@ def forward_reply(payload):
     return t, h, payload[8:]
 
 
+def check_forward_reply(conn, want):
+    """Read one frame: a FORWARD reply whose request id is a key of `want`
+    (id -> reference output); check it against that reference and drop the
+    id from `want`."""
+    import numpy as np
+    mtype, rid, p = read_frame(conn)
+    assert mtype == MSG_FORWARD | REPLY, parse_error(p)
+    assert rid in want, (rid, sorted(want))
+    ref = want.pop(rid)
+    y = np.frombuffer(forward_reply(p)[2], np.uint16).reshape(ref.shape)
+    assert rel_l2(y, ref) < 1e-2
+
+
+def forward_lone_and_burst(conns, cases, rid, burst=None):
+    """Every case as a lone request (one in flight: the daemon computes it in
+    place in its read buffer and writes y into the reply frame) on each of
+    `conns`, then all cases as one pipelined write (later frames share the
+    read buffer, so they are copied and merged) on each of `burst` (default:
+    `conns`); every reply is checked against its reference. Request ids
+    continue from `rid`; returns the last one used."""
+    for conn in conns:
+        for layer, x, ids, w, ref in cases:
+            rid += 1
+            conn.sendall(frame(MSG_FORWARD, rid, forward_payload(layer, x.tobytes(), ids, w)))
+            check_forward_reply(conn, {rid: ref})
+    wants = []
+    for conn in conns if burst is None else burst:
+        want, frames = {}, []
+        for layer, x, ids, w, ref in cases:
+            rid += 1
+            want[rid] = ref
+            frames.append(frame(MSG_FORWARD, rid, forward_payload(layer, x.tobytes(), ids, w)))
+        conn.sendall(b"".join(frames))
+        wants.append((conn, want))
+    for conn, want in wants:
+        while want:
+            check_forward_reply(conn, want)
+    return rid
+
+
 # ---- reference outputs ----------------------------------------------------------
 # The float64 numpy reference and bf16 helpers are conftest's (shared with the
 # codec and reference tests): F64Reference reads the checkpoint's safetensors

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import daemon_util as du
-from daemon_util import E, MSG_FORWARD, REPLY
+from daemon_util import E, MSG_FORWARD
 
 STAGES = ["recv", "submit", "backend", "reply", "write", "total", "added"]
 PARTS = ["recv", "submit", "backend", "reply", "write"]
@@ -154,29 +154,7 @@ def test_in_place_and_copied_requests_agree(daemon, dims, cases):
     a, b = daemon.connect(), daemon.connect()
     rid = 0
     for rnd in range(3):
-        for conn in (a, b):
-            for layer, x, ids, w, ref in cases:  # lone: one in flight
-                rid += 1
-                conn.sendall(du.frame(MSG_FORWARD, rid, du.forward_payload(layer, x.tobytes(),
-                                                                           ids, w)))
-                mtype, r, p = du.read_frame(conn)
-                assert (mtype, r) == (MSG_FORWARD | REPLY, rid), du.parse_error(p)
-                y = np.frombuffer(du.forward_reply(p)[2], np.uint16).reshape(ref.shape)
-                assert du.rel_l2(y, ref) < 1e-2
-        # a burst on one connection: all frames in one write
-        want = {}
-        burst = []
-        for i, (layer, x, ids, w, ref) in enumerate(cases):
-            rid += 1
-            want[rid] = ref
-            burst.append(du.frame(MSG_FORWARD, rid, du.forward_payload(layer, x.tobytes(), ids, w)))
-        a.sendall(b"".join(burst))
-        for _ in range(len(want)):
-            mtype, r, p = du.read_frame(a)
-            assert mtype == MSG_FORWARD | REPLY, du.parse_error(p)
-            ref = want.pop(r)
-            y = np.frombuffer(du.forward_reply(p)[2], np.uint16).reshape(ref.shape)
-            assert du.rel_l2(y, ref) < 1e-2
+        rid = du.forward_lone_and_burst((a, b), cases, rid, burst=(a,))
     a.close()
     b.close()
     assert daemon.alive()
@@ -208,8 +186,9 @@ def test_buffer_settings_serve_correctly(tmp_path_factory, models_dir, keep, soc
 
 
 def test_moectl_bench_prints_stages(daemon, dims):
-    """`moectl bench` ends with the daemon's stage breakdown and what the
-    socket path adds over the backend."""
+    """`moectl bench` ends with the daemon's stage breakdown, what the socket
+    path adds over the backend, the same payload echoed through a bare socket
+    and whether the added latency is within budget of it."""
     import subprocess
     r = subprocess.run([du.MOECTL, "bench", "--socket", daemon.sock_path, "--tokens", "4",
                         "--connections", "1", "--inflight", "1", "--duration", "1"],
@@ -220,3 +199,12 @@ def test_moectl_bench_prints_stages(daemon, dims):
         assert " %s " % name in r.stdout, (name, r.stdout)
     assert "added over backend: in the daemon p50" in r.stdout, r.stdout
     assert "end to end (client mean - daemon backend mean)" in r.stdout, r.stdout
+    lines = r.stdout.splitlines()
+    added = [i for i, ln in enumerate(lines) if ln.startswith("added over backend:")]
+    echo = [ln for ln in lines if ln.startswith("payload through the socket (echo, no processing) p50 ")]
+    assert added and len(echo) == 1, r.stdout
+    assert lines[added[0] + 1] == echo[0], r.stdout  # right after the added line
+    assert float(echo[0].split()[-2]) > 0, echo
+    budget = lines[added[0] + 2]
+    assert budget.startswith("added <= echo + 30 us: met (") or \
+        budget.startswith("added <= echo + 30 us: not met ("), r.stdout

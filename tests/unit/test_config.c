@@ -85,6 +85,7 @@ static void assert_cfg_eq(const struct moed_cfg *a, const struct moed_cfg *b)
     ck_assert_uint_eq(a->max_frame_bytes, b->max_frame_bytes);
     ck_assert_uint_eq(a->max_client_buffer_bytes, b->max_client_buffer_bytes);
     ck_assert_uint_eq(a->frame_timeout_ms, b->frame_timeout_ms);
+    ck_assert_uint_eq(a->pinned_pool_bytes, b->pinned_pool_bytes);
     ck_assert_str_eq(a->status_addr, b->status_addr);
     ck_assert_uint_eq(a->status_port, b->status_port);
     ck_assert_str_eq(a->model, b->model);
@@ -98,6 +99,7 @@ static void assert_cfg_eq(const struct moed_cfg *a, const struct moed_cfg *b)
     ck_assert_uint_eq(a->cpu_threads, b->cpu_threads);
     ck_assert_uint_eq(a->batch_deadline_ms, b->batch_deadline_ms);
     ck_assert_uint_eq(a->idle_exit_ms, b->idle_exit_ms);
+    ck_assert_int_eq(a->cpu_host_alloc, b->cpu_host_alloc);
     ck_assert_int_eq(a->log_level, b->log_level);
     ck_assert(memcmp(a, b, sizeof *a) == 0);
 }
@@ -118,6 +120,7 @@ START_TEST(defaults_valid)
     ck_assert_uint_eq(d.max_frame_bytes, 64u << 20);
     ck_assert_uint_eq(d.max_client_buffer_bytes, 256u << 20);
     ck_assert_uint_eq(d.frame_timeout_ms, 5000);
+    ck_assert_uint_eq(d.pinned_pool_bytes, 256u << 20);
     ck_assert_str_eq(d.status_addr, "127.0.0.1");
     ck_assert_uint_eq(d.status_port, 9464);
     ck_assert_str_eq(d.model, "synthetic:tiny");
@@ -128,6 +131,7 @@ START_TEST(defaults_valid)
     ck_assert_uint_eq(d.max_tokens, 512);
     ck_assert_uint_eq(d.batch_deadline_ms, 10000);
     ck_assert_uint_eq(d.idle_exit_ms, 0);
+    ck_assert(!d.cpu_host_alloc);
     ck_assert_int_eq(d.log_level, MOED_LOG_INFO);
 }
 END_TEST
@@ -138,13 +142,13 @@ static const char full_json[] =
     "   \"socket_group\": \"moed\", \"allowed_uids\": [0, 1000, 4294967294],\n"
     "   \"allowed_gids\": [27], \"max_clients\": 7, \"max_pending_per_client\": 3,\n"
     "   \"max_frame_bytes\": 1048576, \"max_client_buffer_bytes\": 68719476736,\n"
-    "   \"frame_timeout_ms\": 600000},\n"
+    "   \"frame_timeout_ms\": 600000, \"pinned_pool_bytes\": 0},\n"
     " \"status\": {\"address\": \"0.0.0.0\", \"port\": 0},\n"
     " \"model\": {\"path\": \"synthetic:deepseek-v3:layers=3:seed=18446744073709551615\",\n"
     "   \"synthetic_dir\": \"rel/dir\"},\n"
     " \"engine\": {\"backend\": \"cpu\", \"gpus\": [3, 0, 1023], \"sms_free\": 255,\n"
     "   \"max_tokens\": 4096, \"cpu_threads\": 3, \"batch_deadline_ms\": 1,\n"
-    "   \"idle_exit_ms\": 86400000},\n"
+    "   \"idle_exit_ms\": 86400000, \"cpu_host_alloc\": true},\n"
     " \"log\": {\"level\": \"debug\"}\n"
     "}\n";
 
@@ -162,6 +166,8 @@ START_TEST(full_round_trip)
     ck_assert_int_eq(a.gpus[0], 3);
     ck_assert_int_eq(a.gpus[2], 1023);
     ck_assert_int_eq(a.log_level, MOED_LOG_DEBUG);
+    ck_assert_uint_eq(a.pinned_pool_bytes, 0);
+    ck_assert(a.cpu_host_alloc);
     ck_assert_str_eq(moed_cfg_backend_name(a.backend), "cpu");
 
     char *j = moed_cfg_to_json(&a);
@@ -182,11 +188,13 @@ START_TEST(full_round_trip)
         "\"allowed_uids\": []", "\"allowed_gids\": []", "\"max_clients\": 64",
         "\"max_pending_per_client\": 64", "\"max_frame_bytes\": 67108864",
         "\"max_client_buffer_bytes\": 268435456", "\"frame_timeout_ms\": 5000",
+        "\"pinned_pool_bytes\": 268435456",
         "\"status\": {", "\"address\": \"127.0.0.1\"", "\"port\": 9464", "\"model\": {",
         "\"path\": \"synthetic:tiny\"", "\"synthetic_dir\": \"/tmp/moed-models\"",
         "\"engine\": {", "\"backend\": \"auto\"", "\"gpus\": []", "\"sms_free\": 0",
         "\"max_tokens\": 512", "\"cpu_threads\": 0", "\"batch_deadline_ms\": 10000",
-        "\"idle_exit_ms\": 0", "\"log\": {", "\"level\": \"info\""};
+        "\"idle_exit_ms\": 0", "\"cpu_host_alloc\": false", "\"log\": {",
+        "\"level\": \"info\""};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
         ck_assert_msg(strstr(j, all[i]) != NULL, "missing %s in\n%s", all[i], j);
     free(j);
@@ -223,6 +231,8 @@ START_TEST(error_classes)
                "engine.backend: \"gpu\" is not one of \"auto\", \"cuda\", \"cpu\"");
     expect_err("{\"engine\": {\"backend\": 1}}",
                "engine.backend: expected one of \"auto\", \"cuda\", \"cpu\", got number 1");
+    expect_err("{\"engine\": {\"cpu_host_alloc\": 1}}",
+               "engine.cpu_host_alloc: expected true or false, got number 1");
     expect_err("{\"log\": {\"level\": \"verbose\"}}",
                "log.level: \"verbose\" is not one of \"error\", \"warn\", \"info\", \"debug\"");
     expect_err("{\"server\": {\"socket\": \"\"}}", "server.socket: must not be empty");
