@@ -9,7 +9,8 @@
  * random top-k with distinct experts per token, new ids every batch.
  * Each batch is submitted alone and waited for (a decode step's layers are
  * sequential), so the latency is end to end through the backend: host ring,
- * staging of x over PCIe, kernel, completion thread.
+ * x read over PCIe from pinned host memory (the backend's host_alloc, as the
+ * daemon's read buffers), kernel, y written back in place, completion thread.
  * Bytes = distinct experts touched (routed + shared) x bytes per expert
  * (E2M1 codes + E4M3 scales of gate, up, down); TB/s = bytes / median time.
  * A streaming-read kernel over 4 GB in the same run gives the ceiling.
@@ -216,8 +217,18 @@ int main(int argc, char **argv)
         fprintf(stderr, "read probe failed\n");
         return 1;
     }
-    cudaFree(probe);
     double stream_tbs = (double)pb * reps / (ms * 1e-3) / 1e12;
+    /* the same read sustained for ~0.5 s, as long as a batch stream runs: HBM
+     * streams slower once warm (H200: tile_probe 4.27 TB/s over 20 passes,
+     * 3.84 over 2000). Printed for reference; the fractions use the short one. */
+    float ms_s = 0;
+    const int reps_s = 500;
+    if (moe_gpu_read_bw(probe, pb, reps_s, &ms_s) != 0) {
+        fprintf(stderr, "read probe failed\n");
+        return 1;
+    }
+    cudaFree(probe);
+    const double stream_sus = (double)pb * reps_s / (ms_s * 1e-3) / 1e12;
 
     static const int gpu0[1] = {0};
     struct moed_backend_cfg cfg = {0};
@@ -257,7 +268,8 @@ int main(int argc, char **argv)
     cudaGetDeviceProperties(&prop, 0);
     printf("# %s, %s, %u layers of random NVFP4 in device memory%s\n# %s\n", prop.name, preset,
            layers, baselines ? "" : " (no baselines)", desc);
-    printf("# streaming read (4 GB x %d): %.3f TB/s\n", reps, stream_tbs);
+    printf("# streaming read (4 GB x %d): %.3f TB/s; sustained (4 GB x %d): %.3f TB/s\n", reps,
+           stream_tbs, reps_s, stream_sus);
     printf("# clock: globaltimer - CLOCK_REALTIME = %lld ns, +- %lld ns (half the best of 200 "
            "mapped-memory round trips)\n", (long long)clk_off, (long long)clk_half);
     if (baselines)
@@ -294,7 +306,21 @@ int main(int argc, char **argv)
     for (int ti = 0; ti < n_toks; ti++) {
         uint32_t T = toks[ti];
         uint32_t n_it = iters ? iters : (T <= 16 ? 400 : T <= 64 ? 200 : 100);
-        uint16_t *x = malloc((size_t)T * d.hidden * 2), *y = malloc((size_t)T * d.hidden * 2);
+        /* x and y where the daemon has them: pinned host memory from the
+         * backend's host_alloc (its read buffers and reply frames), which the
+         * kernel reads and writes in place; plain memory (staged) without it */
+        const size_t xy_bytes = (size_t)T * d.hidden * 2;
+        uint16_t *x = be->ops->host_alloc ? be->ops->host_alloc(be, xy_bytes) : NULL;
+        uint16_t *y = be->ops->host_alloc ? be->ops->host_alloc(be, xy_bytes) : NULL;
+        const int xy_kind = x && y ? MOED_BUF_PINNED : MOED_BUF_HOST;
+        if (xy_kind == MOED_BUF_HOST) {
+            if (x)
+                be->ops->host_free(be, x);
+            if (y)
+                be->ops->host_free(be, y);
+            x = malloc(xy_bytes);
+            y = malloc(xy_bytes);
+        }
         uint16_t *ym = malloc((size_t)T * d.hidden * 2), *yb = malloc((size_t)T * d.hidden * 2);
         int32_t *ids = malloc((size_t)T * d.top_k * 4);
         float *w = malloc((size_t)T * d.top_k * 4);
@@ -326,7 +352,7 @@ int main(int argc, char **argv)
         for (uint32_t it = 0; it < n_it + 10; it++) {
             uint32_t distinct = gen_routing(&d, T, &s, ids, w, seen);
             double t0 = now_us();
-            if (moed_one(be, it % layers, T, d.top_k, d.hidden, x, ids, w, y, MOED_BUF_HOST)) {
+            if (moed_one(be, it % layers, T, d.top_k, d.hidden, x, ids, w, y, xy_kind)) {
                 fprintf(stderr, "batch failed\n");
                 return 1;
             }
@@ -510,8 +536,13 @@ int main(int argc, char **argv)
                     tbs / stream_tbs, rw->a50, rw->b50, rw->arel, rw->brel, med[8], med[6], med[7],
                     cpy, p50_dev, tbs_k / stream_tbs);
         fflush(stdout);
-        free(x);
-        free(y);
+        if (xy_kind == MOED_BUF_PINNED) { /* queued; freed when the backend closes */
+            be->ops->host_free(be, x);
+            be->ops->host_free(be, y);
+        } else {
+            free(x);
+            free(y);
+        }
         free(ym);
         free(yb);
         free(ids);
@@ -522,8 +553,9 @@ int main(int argc, char **argv)
             free(phs[k]);
     }
     if (bl) {
-        printf("\n# side by side (p50 us; speedup = baseline / moed; moed = x, y in host memory "
-               "through the staging buffers, moed-dev = x, y in device memory like the baselines')\n");
+        printf("\n# side by side (p50 us; speedup = baseline / moed; moed = x, y in pinned host "
+               "memory read and written by the kernel in place, as the daemon's buffers; moed-dev = "
+               "x, y in device memory like the baselines')\n");
         printf("%-14s %5s %10s %10s %10s %10s %8s %8s %10s %10s %10s\n", "model", "T", "moed",
                "moed-dev", "staged", "cublas", "x(a)", "x(b)", "x(b)dev", "disp_us", "compl_us");
         for (int ti = 0; ti < n_toks; ti++) {

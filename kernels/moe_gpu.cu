@@ -938,6 +938,80 @@ __device__ __forceinline__ void task_mma_full(const uint8_t *__restrict__ wtask,
     __syncwarp();
 }
 
+/* The one-tile steady state (small batches: T = 1 takes only these), when
+ * the warp's nuw K units are a multiple of STAGES: unit 4g + j (of the warp's
+ * units w, w + NWARPS, ...) lives in stage j with its activation rows, so,
+ * as in task_mma_full, ring indices and offsets are constants and the copies
+ * need no branch. Same order, same sums as task_mma<1, 1>. */
+__device__ __forceinline__ void task_mma_full1(const uint8_t *__restrict__ wtask, unsigned w,
+                                               unsigned nuw, const xsrc &xs, uint8_t *sw,
+                                               wpipe &pp, float (&acc)[1][MR][1][4])
+{
+    constexpr unsigned WS = STAGES;
+    static_assert(WS >= 2 && WS * STAGE_BYTES <= WARP_SMEM, "stages fit");
+    static_assert(UL >= 16, "lanes >= UL repeat a lane below UL");
+    constexpr unsigned USTEP = NWARPS * MOE_GPU_UNIT_BYTES; /* next unit of this warp */
+    const unsigned long long pol = pp.pol;
+    const unsigned lane = threadIdx.x & 31;
+#pragma unroll
+    for (int m = 0; m < MR; m++)
+#pragma unroll
+        for (int c = 0; c < 4; c++)
+            acc[0][m][0][c] = 0.f;
+    const unsigned lw = (lane < UL ? lane : lane - (32 - UL)) * 16;
+    const uint8_t *wsrc = wtask + (size_t)w * MOE_GPU_UNIT_BYTES + lw; /* unit 4g */
+    uint8_t *const wdst = sw + lw;
+    constexpr int XR = 8 * 8 / 32;
+    const uint16_t *xrow[XR];
+#pragma unroll
+    for (int i = 0; i < XR; i++) {
+        unsigned row = (lane + 32 * i) >> 3;
+        xrow[i] = row < xs.cnt && !MOE_VARIANT_NO_XLOAD
+                      ? xs.base + (size_t)(xs.tok ? xs.tok[xs.p0 + row] : xs.p0 + row) * xs.ld +
+                            (lane & 7) * 8 + (size_t)w * MOE_GPU_UNIT_K
+                      : nullptr;
+    }
+    uint8_t *const xdst =
+        sw + MOE_GPU_UNIT_BYTES + (lane >> 3) * X_ROW_BYTES + (lane & 7) * 16;
+    /* unit 4g + d (d < 2 WS) into stage s: weights and activation rows */
+    auto copy = [&](unsigned d, unsigned slot, unsigned xoff) {
+#pragma unroll
+        for (unsigned k = 0; k < UC / UL; k++)
+            cp_async16(wdst + slot * STAGE_BYTES + k * UL * 16, wsrc + d * USTEP + k * UL * 16,
+                       pol);
+#pragma unroll
+        for (int i = 0; i < XR; i++)
+            if (xrow[i])
+                cp_async16(xdst + slot * STAGE_BYTES + 4 * i * X_ROW_BYTES,
+                           xrow[i] + xoff + d * NWARPS * MOE_GPU_UNIT_K, pol);
+    };
+#pragma unroll
+    for (unsigned j = 0; j + 1 < WS; j++) {
+        copy(j, j, 0);
+        cp_async_commit();
+    }
+    unsigned xoff = 0; /* elements: 4g units of this warp */
+    for (unsigned g = 0; g < nuw; g += WS) {
+        const bool more = g + WS < nuw;
+#pragma unroll
+        for (unsigned j = 0; j < WS; j++) {
+            cp_async_wait<WS - 2>();
+            __syncwarp();
+            /* issue unit 4g + j + WS - 1 into stage (j + WS - 1) % WS */
+            if (j == 0 || more)
+                copy(j + WS - 1, (j + WS - 1) % WS, xoff);
+            cp_async_commit();
+            uint4 xb[1][2];
+            load_b<1>(sw + j * STAGE_BYTES + MOE_GPU_UNIT_BYTES, xs.cnt, xb);
+            unit_mma<1>(sw + j * STAGE_BYTES, xb, acc[0]);
+        }
+        wsrc += WS * USTEP;
+        xoff += WS * NWARPS * MOE_GPU_UNIT_K;
+    }
+    cp_async_wait<0>();
+    __syncwarp();
+}
+
 /* Split-K of a task across the CTA: each tile's K units are dealt to the
  * warps round robin (warp w: units w, w + NWARPS, ...: the CTA's warps move
  * through the weights together, one contiguous window at a time), each warp
@@ -963,7 +1037,12 @@ __device__ __forceinline__ void task_splitk(const uint8_t *wtask, unsigned tile_
         else
             task_mma_il<1, NTILE, STAGES>(wtask, warp, nuw, ntiles, tile_units, xs, sw, pp, acc);
     }
-    else
+    else if constexpr (NTILE == 1 && NT == 1 && MOE_GPU_FULL_PATH && !MOE_GPU_BULK) {
+        if (tile_units % (NWARPS * STAGES) == 0) /* every warp: a multiple of STAGES units */
+            task_mma_full1(wtask, warp, nuw, xs, sw, pp, acc);
+        else
+            task_mma<1, 1>(wtask, warp, nuw, ntiles, tile_units, xs, sw, pp, acc);
+    } else
         task_mma<NT, NTILE>(wtask, warp, nuw, ntiles, tile_units, xs, sw, pp, acc);
     constexpr int PER = MR * NT * 4; /* floats per lane per tile */
 #pragma unroll
