@@ -516,6 +516,24 @@ struct xsrc {
     unsigned p0, ld, cnt;
 };
 
+/* The activation chunks this lane copies into a stage: chunk c = lane + 32 i
+ * is row c / 8 of the task's rows, 16-byte part c % 8; xrow[i] points at it
+ * plus off elements, or is null for a row at or past cnt (and with
+ * MOE_VARIANT_NO_XLOAD). */
+template <int XR>
+__device__ __forceinline__ void x_rows(const xsrc &xs, size_t off, const uint16_t *(&xrow)[XR])
+{
+    const unsigned lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < XR; i++) {
+        const unsigned row = (lane + 32 * i) >> 3;
+        xrow[i] = row < xs.cnt && !MOE_VARIANT_NO_XLOAD
+                      ? xs.base + (size_t)(xs.tok ? xs.tok[xs.p0 + row] : xs.p0 + row) * xs.ld +
+                            (lane & 7) * 8 + off
+                      : nullptr;
+    }
+}
+
 /* acc[j] = src when j == i (i uniform across the warp; unrolled, so the
  * arrays stay in registers). */
 template <int NTILE, int NT>
@@ -634,15 +652,8 @@ __device__ __forceinline__ void task_mma(const uint8_t *__restrict__ wtask, unsi
                 for (int j = 0; j < NTILE; j++)
                     acc[j][m][n][c] = 0.f;
             }
-    /* this lane copies activation chunk c = lane + 32 i: row c / 8, 16-byte part c % 8 */
     const uint16_t *xrow[NT * 8 * 8 / 32];
-#pragma unroll
-    for (int i = 0; i < NT * 8 * 8 / 32; i++) {
-        unsigned row = (lane + 32 * i) >> 3;
-        xrow[i] = row < xs.cnt && !MOE_VARIANT_NO_XLOAD ? xs.base + (size_t)(xs.tok ? xs.tok[xs.p0 + row] : xs.p0 + row) * xs.ld +
-                                     (lane & 7) * 8
-                               : nullptr;
-    }
+    x_rows(xs, 0, xrow);
 #if MOE_GPU_BULK
     /* lane r < cnt copies activation row r of each unit (128 bytes) */
     const uint16_t *brow = lane < xs.cnt && lane < NT * 8 && !MOE_VARIANT_NO_XLOAD
@@ -781,17 +792,9 @@ __device__ __forceinline__ void task_mma_il(const uint8_t *__restrict__ wtask, u
 #pragma unroll
                 for (int c = 0; c < 4; c++)
                     acc[j][m][n][c] = 0.f;
-    /* this lane copies activation chunk c = lane + 32 i: row c / 8, 16-byte part c % 8 */
     constexpr int XR = NT * 8 * 8 / 32;
     const uint16_t *xrow[XR];
-#pragma unroll
-    for (int i = 0; i < XR; i++) {
-        unsigned row = (lane + 32 * i) >> 3;
-        xrow[i] = row < xs.cnt && !MOE_VARIANT_NO_XLOAD
-                      ? xs.base + (size_t)(xs.tok ? xs.tok[xs.p0 + row] : xs.p0 + row) * xs.ld +
-                            (lane & 7) * 8
-                      : nullptr;
-    }
+    x_rows(xs, 0, xrow);
     /* issue position: K unit ux of tile ij, weight slot is, activation slot ixs */
     unsigned ux = w, ij = 0, is = 0, ixs = 0;
     auto issue = [&](unsigned i) {
@@ -882,17 +885,9 @@ __device__ __forceinline__ void task_mma_full(const uint8_t *__restrict__ wtask,
         for (unsigned k = 0; k < UC / UL; k++)
             cp_async16(wdst + slot * MOE_GPU_UNIT_BYTES + k * UL * 16, src + k * UL * 16, pol);
     };
-    /* activations: chunks lane + 32 i (row (lane + 32 i) / 8, 16-byte part lane % 8) */
     constexpr int XR = 8 * 8 / 32;
     const uint16_t *xrow[XR];
-#pragma unroll
-    for (int i = 0; i < XR; i++) {
-        unsigned row = (lane + 32 * i) >> 3;
-        xrow[i] = row < xs.cnt && !MOE_VARIANT_NO_XLOAD
-                      ? xs.base + (size_t)(xs.tok ? xs.tok[xs.p0 + row] : xs.p0 + row) * xs.ld +
-                            (lane & 7) * 8 + (size_t)w * MOE_GPU_UNIT_K
-                      : nullptr;
-    }
+    x_rows(xs, (size_t)w * MOE_GPU_UNIT_K, xrow);
     uint8_t *const xdst = xring + (lane >> 3) * X_ROW_BYTES + (lane & 7) * 16;
     auto copy_x = [&](unsigned slot, unsigned off) {
 #pragma unroll
@@ -963,14 +958,7 @@ __device__ __forceinline__ void task_mma_full1(const uint8_t *__restrict__ wtask
     uint8_t *const wdst = sw + lw;
     constexpr int XR = 8 * 8 / 32;
     const uint16_t *xrow[XR];
-#pragma unroll
-    for (int i = 0; i < XR; i++) {
-        unsigned row = (lane + 32 * i) >> 3;
-        xrow[i] = row < xs.cnt && !MOE_VARIANT_NO_XLOAD
-                      ? xs.base + (size_t)(xs.tok ? xs.tok[xs.p0 + row] : xs.p0 + row) * xs.ld +
-                            (lane & 7) * 8 + (size_t)w * MOE_GPU_UNIT_K
-                      : nullptr;
-    }
+    x_rows(xs, (size_t)w * MOE_GPU_UNIT_K, xrow);
     uint8_t *const xdst =
         sw + MOE_GPU_UNIT_BYTES + (lane >> 3) * X_ROW_BYTES + (lane & 7) * 16;
     /* unit 4g + d (d < 2 WS) into stage s: weights and activation rows */
