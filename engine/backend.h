@@ -54,6 +54,12 @@ struct moed_batch {
     struct moed_buf w;    /* fp32 [T, k] */
     struct moed_buf y;    /* bf16 [T, H] output */
     int status;           /* set by the backend before done(): 0 or MOED_E_* */
+    uint64_t kernel_ns;   /* set by the backend before done() of a batch it completed
+                             (submit it 0): the batch's kernel time in ns, 0 when not
+                             known. CUDA: the persistent kernel's %globaltimer from
+                             seeing the batch to completing it, when still readable
+                             (backend_cuda.c, kernel_time_ns); CPU: always 0, except
+                             with the test switch engine.cpu_kernel_time */
     void *user;           /* engine's */
 };
 
@@ -103,6 +109,7 @@ struct moed_backend_cfg {
     uint32_t batch_deadline_ms; /* CUDA: a batch over this fails the backend */
     uint32_t idle_exit_ms;  /* CUDA: persistent kernel exits after idle (0 = never) */
     int cpu_host_alloc;     /* CPU: offer host_alloc (page-aligned malloc; tests) */
+    int cpu_kernel_time;    /* CPU: report the compute time as kernel_ns (tests) */
     /* Optional: weight placement progress (bytes placed, bytes to place),
      * called from the opening thread during open. */
     moed_progress_fn progress;

@@ -11,11 +11,16 @@
  * engine.cpu_host_alloc, a test switch: then host_alloc hands out
  * page-aligned malloc'd memory, so that the daemon's pinned-buffer path
  * (buffer pool, MOED_BUF_PINNED batches, /status buffers) runs without a GPU.
+ *
+ * A batch's kernel_ns is 0 (not known: there is no kernel to time), except
+ * with engine.cpu_kernel_time, another test switch: then it is the time
+ * moe_ref_forward took, so that the kernel stages of /status run without a GPU.
  */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "backend.h"
@@ -33,6 +38,7 @@ struct cpu_backend {
     struct moed_backend_ops ops; /* cpu_ops, plus host_alloc with cpu_host_alloc */
     struct moed_model *model;
     int n_threads;
+    int kernel_time; /* engine.cpu_kernel_time */
     pthread_t worker;
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -40,6 +46,13 @@ struct cpu_backend {
     int stopping;
     uint64_t done_batches;
 };
+
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
 
 static void *cpu_worker(void *arg)
 {
@@ -60,12 +73,16 @@ static void *cpu_worker(void *arg)
         struct moed_batch *b = n->b;
         free(n);
         const struct moe_layer *layer = moed_model_layer(cb->model, b->layer);
+        uint64_t t0 = cb->kernel_time ? mono_ns() : 0;
+        b->kernel_ns = 0;
         if (!layer || !moed_buf_on_host(&b->x) || !moed_buf_on_host(&b->y) ||
             !moed_buf_on_host(&b->ids) || !moed_buf_on_host(&b->w)) {
             b->status = MOED_E_INVAL;
         } else {
             b->status = moe_ref_forward(layer, b->n_tokens, b->x.ptr, b->ids.ptr, b->w.ptr, b->y.ptr,
                                         cb->n_threads);
+            if (cb->kernel_time)
+                b->kernel_ns = mono_ns() - t0;
         }
         __atomic_add_fetch(&cb->done_batches, 1, __ATOMIC_RELAXED);
         cb->base.done(cb->base.done_ctx, b);
@@ -168,6 +185,7 @@ int moed_backend_cpu_open(struct moed_model *m, const struct moed_backend_cfg *c
     cb->base.done_ctx = done_ctx;
     cb->model = m;
     cb->n_threads = cfg->n_threads;
+    cb->kernel_time = cfg->cpu_kernel_time;
     pthread_mutex_init(&cb->mu, NULL);
     pthread_cond_init(&cb->cv, NULL);
     int rc = pthread_create(&cb->worker, NULL, cpu_worker, cb);
@@ -177,8 +195,10 @@ int moed_backend_cpu_open(struct moed_model *m, const struct moed_backend_cfg *c
         free(cb);
         return moed_seterr(err, errlen, MOED_E_BACKEND, "cpu backend: pthread_create: error %d", rc);
     }
-    LOG_I("cpu backend: worker started (%d compute threads, 0 = all cores)%s", cfg->n_threads,
-          cfg->cpu_host_alloc ? "; host_alloc on (engine.cpu_host_alloc)" : "");
+    LOG_I("cpu backend: worker started (%d compute threads, 0 = all cores)%s%s", cfg->n_threads,
+          cfg->cpu_host_alloc ? "; host_alloc on (engine.cpu_host_alloc)" : "",
+          cfg->cpu_kernel_time ? "; compute time reported as kernel time (engine.cpu_kernel_time)"
+                               : "");
     *out = &cb->base;
     return 0;
 }

@@ -27,7 +27,8 @@
  * frees the queue once the kernel has stopped.
  *
  * Completion thread (one per GPU). Watches ctrl->done_seq (acquire), copies
- * a staged output into the engine's buffer, calls done().
+ * a staged output into the engine's buffer, sets the batch's kernel_ns
+ * (kernel_time_ns) and calls done().
  * It spins briefly after progress and then backs off; idle, it sleeps on a
  * condition variable that submit signals. It also enforces the batch
  * deadline, watches the heartbeat, polls the stream for a sticky CUDA error
@@ -480,6 +481,26 @@ static int stop_kernel(struct cuda_backend *cb, uint32_t timeout_ms)
     return 0;
 }
 
+/* The kernel time of batch `seq`, which the completion thread has just seen
+ * in ctrl->done_seq: phase_ns[5] - phase_ns[0] (%globaltimer, ns). The kernel
+ * keeps only the last batch's stamps and may already have started the next
+ * batch (its dispatcher waits for this batch's completion, not for the host),
+ * overwriting [0]: then [0] is at or past [5] and the figure is dropped (0,
+ * not known); so is it when done_seq has moved on meanwhile ([5] may be the
+ * next batch's). [5] is read before [0] so that a [0] of a later batch can
+ * only pair with an older [5], never a stale [0] with a newer [5] (both of
+ * the next batch, ahead of its done_seq, would take a whole batch run between
+ * two loads). Three loads of mapped host memory, once per completion seen;
+ * acquire keeps their order (plain loads on x86). */
+static uint64_t kernel_time_ns(const struct cuda_backend *cb, uint64_t seq)
+{
+    uint64_t t5 = __atomic_load_n(&cb->ctrl->phase_ns[5], __ATOMIC_ACQUIRE);
+    uint64_t t0 = __atomic_load_n(&cb->ctrl->phase_ns[0], __ATOMIC_ACQUIRE);
+    if (__atomic_load_n(&cb->ctrl->done_seq, __ATOMIC_ACQUIRE) != seq || t0 == 0 || t5 <= t0)
+        return 0;
+    return t5 - t0;
+}
+
 /* now - then as a signed age (negative when `then` was stamped after `now`). */
 static int64_t age_ns(uint64_t now, uint64_t then) { return (int64_t)(now - then); }
 
@@ -497,10 +518,14 @@ static void *completion_thread(void *arg)
         /* ---- deliver completions ---- */
         uint64_t done = __atomic_load_n(&cb->ctrl->done_seq, __ATOMIC_ACQUIRE);
         int progressed = 0;
-        if (done > cb->delivered) /* delivered: written by this thread only */
+        uint64_t done_kernel_ns = 0; /* kernel time of batch `done`, read right away */
+        if (done > cb->delivered) { /* delivered: written by this thread only */
             __atomic_store_n(&cb->seen_rt_ns, rt_ns(), __ATOMIC_RELAXED);
+            done_kernel_ns = kernel_time_ns(cb, done);
+        }
         for (;;) {
             struct moed_batch *b = NULL;
+            uint64_t seq = 0;
             pthread_mutex_lock(&cb->mu);
             if (cb->delivered < done && cb->delivered < cb->next_seq && !cb->failed) {
                 unsigned slot = (unsigned)((cb->delivered + 1) % MOE_GPU_RING);
@@ -509,7 +534,7 @@ static void *completion_thread(void *arg)
                 if (b && !buf_in_place(&b->y))
                     memcpy(b->y.ptr, cb->stage + slot * cb->slot_bytes + cb->off_y,
                            (size_t)b->n_tokens * cb->d.hidden * 2);
-                cb->delivered++;
+                seq = ++cb->delivered;
                 cb->head_start_ns = now;
                 cb->last_active_ns = now;
                 fill_from_pending_locked(cb);
@@ -518,6 +543,8 @@ static void *completion_thread(void *arg)
             if (!b)
                 break;
             b->status = 0;
+            /* only the last batch completed has its phases in ctrl */
+            b->kernel_ns = seq == done ? done_kernel_ns : 0;
             cb->base.done(cb->base.done_ctx, b);
             progressed = 1;
         }

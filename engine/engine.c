@@ -275,6 +275,7 @@ static void batch_complete(struct moed_engine *e, struct eng_batch *eb)
                 memcpy(fr + MOED_PROTO_HDR_SIZE, &rep, sizeof rep);
                 r->t.submit_ns = eb->submit_ns;
                 r->t.done_ns = eb->done_ns;
+                r->t.kernel_ns = b->kernel_ns;
                 moed_server_reply(r->conn, &f, off, MOED_PROTO_HDR_SIZE + plen, &r->t);
                 e->stats.requests++;
                 e->stats.tokens += r->n_tokens;
@@ -594,6 +595,7 @@ static int open_backend(struct moed_engine *e, const struct moed_cfg *cfg,
         .batch_deadline_ms = cfg->batch_deadline_ms,
         .idle_exit_ms = cfg->idle_exit_ms,
         .cpu_host_alloc = cfg->cpu_host_alloc,
+        .cpu_kernel_time = cfg->cpu_kernel_time,
     };
     enum moed_cfg_backend kind = cfg->backend;
     if (kind == MOED_CFG_BACKEND_AUTO)

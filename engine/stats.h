@@ -35,7 +35,14 @@
  *   WRITE    handed to the write -> last byte written into the socket
  *   TOTAL    first byte read -> last byte written
  *   ADDED    TOTAL - BACKEND of the same request: what the daemon adds
- * Only requests answered OK whose reply was written completely are timed. */
+ * and, only for requests whose batch's kernel time the backend reported
+ * (moed_batch.kernel_ns: CUDA; never the CPU backend unless a test asks):
+ *   KERNEL        the GPU kernel's time for the request's batch (inside BACKEND)
+ *   ADDED_KERNEL  TOTAL - KERNEL of the same request: what the socket path
+ *                 and the backend's dispatch and completion add over the kernel
+ * Only requests answered OK whose reply was written completely are timed. The
+ * kernel stages (from MOED_STAGE_KERNEL on) have fewer samples than the
+ * others: they keep their own count (moed_stats_stage_samples). */
 enum moed_stage {
     MOED_STAGE_RECV = 0,
     MOED_STAGE_SUBMIT,
@@ -44,6 +51,8 @@ enum moed_stage {
     MOED_STAGE_WRITE,
     MOED_STAGE_TOTAL,
     MOED_STAGE_ADDED,
+    MOED_STAGE_KERNEL,       /* first stage sampled only with a known kernel time */
+    MOED_STAGE_ADDED_KERNEL,
     MOED_STAGE__COUNT
 };
 
@@ -59,6 +68,8 @@ struct moed_req_times {
     uint64_t submit_ns;   /* batch handed to the backend */
     uint64_t done_ns;     /* backend done callback (backend thread) */
     uint64_t reply_ns;    /* reply handed to the socket write */
+    uint64_t kernel_ns;   /* not a timestamp: the batch's kernel time (ns,
+                             moed_batch.kernel_ns); 0 = not known */
 };
 
 struct moed_stats {
@@ -91,8 +102,10 @@ struct moed_stats {
     /* stage timing (see enum moed_stage): requests timed, per-stage sums
      * since start, and the last MOED_STAGE_WINDOW samples of each stage in ns
      * (saturated at UINT32_MAX, 4.29 s) as a ring written at stage_count %
-     * MOED_STAGE_WINDOW */
+     * MOED_STAGE_WINDOW (the kernel stages: stage_kernel_count %) */
     uint64_t stage_count;
+    uint64_t stage_kernel_count; /* of those, with a known kernel time: the
+                                    samples (and ring index) of the kernel stages */
     uint64_t stage_sum_ns[MOED_STAGE__COUNT];
     uint32_t stage_win[MOED_STAGE__COUNT][MOED_STAGE_WINDOW];
     /* backend busy accounting: ns with at least one batch queued or running */
@@ -117,12 +130,16 @@ double moed_stats_latency_pct(const struct moed_stats *s, double p);
 
 /* Record the stages of one request whose reply's last byte was written at
  * written_ns. Timestamps out of order (never with a monotonic clock) count as
- * 0-length stages. */
+ * 0-length stages. The kernel stages are recorded only when t->kernel_ns > 0
+ * (ADDED_KERNEL is 0 when the kernel time exceeds TOTAL). */
 void moed_stats_record_stages(struct moed_stats *s, const struct moed_req_times *t,
                               uint64_t written_ns);
+/* Samples of a stage since start: stage_count, or stage_kernel_count for the
+ * kernel stages (MOED_STAGE_KERNEL on). */
+uint64_t moed_stats_stage_samples(const struct moed_stats *s, enum moed_stage st);
 /* Percentile p (0..1) of a stage over the window, microseconds: the sample of
- * rank ceil(p * n) among the last n = min(stage_count, MOED_STAGE_WINDOW)
- * timed requests; 0 with no samples. */
+ * rank ceil(p * n) among the stage's last n = min(samples, MOED_STAGE_WINDOW);
+ * 0 with no samples. */
 double moed_stats_stage_pct(const struct moed_stats *s, enum moed_stage st, double p);
 /* The stage's name in /status and /metrics ("recv", "submit", ...). */
 const char *moed_stage_name(enum moed_stage st);

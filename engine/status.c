@@ -91,7 +91,8 @@ static const char *const stage_names[MOED_STAGE__COUNT] = {
     [MOED_STAGE_RECV] = "recv",       [MOED_STAGE_SUBMIT] = "submit",
     [MOED_STAGE_BACKEND] = "backend", [MOED_STAGE_REPLY] = "reply",
     [MOED_STAGE_WRITE] = "write",     [MOED_STAGE_TOTAL] = "total",
-    [MOED_STAGE_ADDED] = "added",
+    [MOED_STAGE_ADDED] = "added",     [MOED_STAGE_KERNEL] = "kernel",
+    [MOED_STAGE_ADDED_KERNEL] = "added_kernel",
 };
 
 const char *moed_stage_name(enum moed_stage st)
@@ -100,6 +101,18 @@ const char *moed_stage_name(enum moed_stage st)
 }
 
 static uint64_t span(uint64_t from, uint64_t to) { return to > from ? to - from : 0; }
+
+uint64_t moed_stats_stage_samples(const struct moed_stats *s, enum moed_stage st)
+{
+    return st >= MOED_STAGE_KERNEL ? s->stage_kernel_count : s->stage_count;
+}
+
+/* Samples in a stage's window: its last min(samples, MOED_STAGE_WINDOW). */
+static size_t stage_window(const struct moed_stats *s, enum moed_stage st)
+{
+    uint64_t n = moed_stats_stage_samples(s, st);
+    return n < MOED_STAGE_WINDOW ? (size_t)n : MOED_STAGE_WINDOW;
+}
 
 void moed_stats_record_stages(struct moed_stats *s, const struct moed_req_times *t,
                               uint64_t written_ns)
@@ -112,12 +125,17 @@ void moed_stats_record_stages(struct moed_stats *s, const struct moed_req_times 
     d[MOED_STAGE_WRITE] = span(t->reply_ns, written_ns);
     d[MOED_STAGE_TOTAL] = span(t->rx_ns, written_ns);
     d[MOED_STAGE_ADDED] = span(d[MOED_STAGE_BACKEND], d[MOED_STAGE_TOTAL]);
-    size_t slot = (size_t)(s->stage_count % MOED_STAGE_WINDOW);
-    for (int i = 0; i < MOED_STAGE__COUNT; i++) {
+    d[MOED_STAGE_KERNEL] = t->kernel_ns;
+    d[MOED_STAGE_ADDED_KERNEL] = span(t->kernel_ns, d[MOED_STAGE_TOTAL]);
+    /* without a kernel time the kernel stages get no sample (not a 0) */
+    int n = t->kernel_ns ? MOED_STAGE__COUNT : MOED_STAGE_KERNEL;
+    for (int i = 0; i < n; i++) {
+        uint64_t slot = moed_stats_stage_samples(s, (enum moed_stage)i) % MOED_STAGE_WINDOW;
         s->stage_sum_ns[i] += d[i];
         s->stage_win[i][slot] = d[i] > UINT32_MAX ? UINT32_MAX : (uint32_t)d[i];
     }
     s->stage_count++;
+    s->stage_kernel_count += t->kernel_ns != 0;
 }
 
 static int cmp_u32(const void *a, const void *b)
@@ -130,7 +148,7 @@ static int cmp_u32(const void *a, const void *b)
 static size_t stage_sorted(const struct moed_stats *s, enum moed_stage st,
                            uint32_t out[MOED_STAGE_WINDOW])
 {
-    size_t n = s->stage_count < MOED_STAGE_WINDOW ? (size_t)s->stage_count : MOED_STAGE_WINDOW;
+    size_t n = stage_window(s, st);
     memcpy(out, s->stage_win[st], n * sizeof *out);
     qsort(out, n, sizeof *out, cmp_u32);
     return n;
@@ -228,20 +246,24 @@ static double pct_json(const struct moed_stats *s, double p)
     return ceil(moed_stats_latency_pct(s, p) * 100.0) / 100.0;
 }
 
-/* stages_us: {count, window, <stage>: {p50, p99, mean}} */
+/* stages_us: {count, window, <stage>: {p50, p99, mean}}; the kernel stages,
+ * sampled only for some requests, carry their own {count, window} too. */
 static int json_stages(cJSON *root, const struct moed_stats *s)
 {
     cJSON *o = cJSON_AddObjectToObject(root, "stages_us");
-    size_t win = s->stage_count < MOED_STAGE_WINDOW ? (size_t)s->stage_count : MOED_STAGE_WINDOW;
-    if (!o || jnum(o, "count", (double)s->stage_count) || jnum(o, "window", (double)win))
+    if (!o || jnum(o, "count", (double)s->stage_count) ||
+        jnum(o, "window", (double)stage_window(s, MOED_STAGE_RECV)))
         return -1;
     for (int i = 0; i < MOED_STAGE__COUNT; i++) {
         uint32_t v[MOED_STAGE_WINDOW];
         size_t n = stage_sorted(s, (enum moed_stage)i, v);
-        double mean = s->stage_count ? (double)s->stage_sum_ns[i] / 1000.0 / (double)s->stage_count
-                                     : 0.0;
+        uint64_t cnt = moed_stats_stage_samples(s, (enum moed_stage)i);
+        double mean = cnt ? (double)s->stage_sum_ns[i] / 1000.0 / (double)cnt : 0.0;
         cJSON *st = cJSON_AddObjectToObject(o, stage_names[i]);
-        if (!st || jnum(st, "p50", sorted_pct_us(v, n, 0.50)) ||
+        if (!st || (i >= MOED_STAGE_KERNEL &&
+                    (jnum(st, "count", (double)cnt) || jnum(st, "window", (double)n))))
+            return -1;
+        if (jnum(st, "p50", sorted_pct_us(v, n, 0.50)) ||
             jnum(st, "p99", sorted_pct_us(v, n, 0.99)) || jnum(st, "mean", mean))
             return -1;
     }
@@ -467,8 +489,12 @@ static void prom_stages(struct sbuf *b, const struct moed_stats *s)
     prom_u64(b, "moed_request_stage_samples_total", "counter",
              "FORWARD requests timed stage by stage (answered OK, reply fully written).",
              s->stage_count);
+    prom_u64(b, "moed_request_stage_kernel_samples_total", "counter",
+             "Of those, requests whose batch's kernel time was known (samples of the kernel "
+             "and added_kernel stages).",
+             s->stage_kernel_count);
     sb_head(b, "moed_request_stage_seconds_total", "counter",
-            "Seconds spent in each stage of a FORWARD request, summed over timed requests.");
+            "Seconds spent in each stage of a FORWARD request, summed over the stage's samples.");
     for (int i = 0; i < MOED_STAGE__COUNT; i++) {
         sb_printf(b, "moed_request_stage_seconds_total{stage=\"%s\"} ", stage_names[i]);
         sb_double(b, (double)s->stage_sum_ns[i] / 1e9);

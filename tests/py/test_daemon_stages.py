@@ -2,7 +2,10 @@
 the /status "stages_us" counters count exactly N, every duration is
 non-negative, the stages add up to the total (which they only do when the
 timestamps were taken in order) and "added" is total - backend; the same
-numbers appear in /metrics. Also the data path behind them: a request whose
+numbers appear in /metrics. The kernel stages ("kernel", "added_kernel") hold
+only requests whose batch's kernel time the backend knew: none on the CPU
+backend, every one with its test switch engine.cpu_kernel_time (the batch's
+compute time, inside the backend stage). Also the data path behind them: a request whose
 frame is all the read buffer holds is computed in place (the buffer is lent to
 the engine and comes back as a spare), pipelined ones are copied and merged;
 both must give the reference output, with the buffer-keeping and socket-buffer
@@ -21,6 +24,7 @@ from daemon_util import E, MSG_FORWARD
 
 STAGES = ["recv", "submit", "backend", "reply", "write", "total", "added"]
 PARTS = ["recv", "submit", "backend", "reply", "write"]
+KERNEL_STAGES = ["kernel", "added_kernel"]  # sampled only with a known kernel time
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +65,21 @@ def wait_count(daemon, n, timeout=5.0):
 
 
 def check_sane(st):
+    assert set(st) == {"count", "window"} | set(STAGES) | set(KERNEL_STAGES), st
     assert st["window"] == min(st["count"], 1024)
     for name in STAGES:
         s = st[name]
         assert set(s) == {"p50", "p99", "mean"}, s
         assert 0 <= s["p50"] <= s["p99"], (name, s)
         assert s["mean"] >= 0, (name, s)
+    for name in KERNEL_STAGES:
+        s = st[name]
+        assert set(s) == {"count", "window", "p50", "p99", "mean"}, s
+        assert s["count"] == st["kernel"]["count"] <= st["count"], (name, s)
+        assert s["window"] == min(s["count"], 1024), (name, s)
+        assert 0 <= s["p50"] <= s["p99"] and s["mean"] >= 0, (name, s)
+        if s["count"] == 0:
+            assert s["p50"] == s["p99"] == s["mean"] == 0, (name, s)
     # The total is at least each of its parts, in every statistic.
     for name in PARTS:
         assert st[name]["p50"] <= st["total"]["p50"] + 1e-6, (name, st)
@@ -124,7 +137,12 @@ def test_status_frame_matches_http_and_metrics(daemon, dims, cases):
     with moed_client.Client(daemon.sock_path) as c:
         frame_st = c.status()["stages_us"]
     assert frame_st["count"] == st["count"]
-    metrics = http_get(daemon, "/metrics")
+    check_metrics(http_get(daemon, "/metrics"), st)
+
+
+def check_metrics(metrics, st):
+    """/metrics carries the same stage figures as /status (taken when no
+    request ran in between)."""
     lines = metrics.splitlines()
 
     def value(prefix):
@@ -133,15 +151,19 @@ def test_status_frame_matches_http_and_metrics(daemon, dims, cases):
         return float(hits[0].rsplit(" ", 1)[1])
 
     assert value("moed_request_stage_samples_total") == st["count"]
-    for name in STAGES:
+    assert value("moed_request_stage_kernel_samples_total") == st["kernel"]["count"]
+    for name in STAGES + KERNEL_STAGES:
+        n = st[name].get("count", st["count"])
         secs = value('moed_request_stage_seconds_total{stage="%s"}' % name)
         assert secs >= 0
-        assert abs(secs / st["count"] * 1e6 - st[name]["mean"]) <= 1e-3 * st[name]["mean"] + 0.01
+        mean = secs / n * 1e6 if n else 0.0
+        assert abs(mean - st[name]["mean"]) <= 1e-3 * st[name]["mean"] + 0.01, (name, secs, st)
         p50 = value('moed_request_stage_p50_seconds{stage="%s"}' % name)
         p99 = value('moed_request_stage_p99_seconds{stage="%s"}' % name)
         assert abs(p50 * 1e6 - st[name]["p50"]) < 0.01 and abs(p99 * 1e6 - st[name]["p99"]) < 0.01
-    for fam in ["moed_request_stage_samples_total", "moed_request_stage_seconds_total",
-                "moed_request_stage_p50_seconds", "moed_request_stage_p99_seconds"]:
+    for fam in ["moed_request_stage_samples_total", "moed_request_stage_kernel_samples_total",
+                "moed_request_stage_seconds_total", "moed_request_stage_p50_seconds",
+                "moed_request_stage_p99_seconds"]:
         assert "# HELP %s " % fam in metrics and "# TYPE %s " % fam in metrics
 
 
@@ -185,10 +207,13 @@ def test_buffer_settings_serve_correctly(tmp_path_factory, models_dir, keep, soc
         assert d.stop() == 0, d.log()[-4000:]
 
 
-def test_moectl_bench_prints_stages(daemon, dims):
-    """`moectl bench` ends with the daemon's stage breakdown, what the socket
-    path adds over the backend, the same payload echoed through a bare socket
-    and whether the added latency is within budget of it."""
+def moectl_bench(daemon):
+    """Run `moectl bench` (one request at a time) and check the lines every
+    run prints: the daemon's stage breakdown, what the socket path adds over
+    the backend, then, if the daemon knew kernel times, over the kernel, the
+    same payload echoed through a bare socket and whether the added latency
+    (end to end over the kernel when known, else over the backend) is within
+    budget of it. Returns (stdout lines, "kernel" or "backend")."""
     import subprocess
     r = subprocess.run([du.MOECTL, "bench", "--socket", daemon.sock_path, "--tokens", "4",
                         "--connections", "1", "--inflight", "1", "--duration", "1"],
@@ -201,10 +226,86 @@ def test_moectl_bench_prints_stages(daemon, dims):
     assert "end to end (client mean - daemon backend mean)" in r.stdout, r.stdout
     lines = r.stdout.splitlines()
     added = [i for i, ln in enumerate(lines) if ln.startswith("added over backend:")]
+    over_k = [i for i, ln in enumerate(lines) if ln.startswith("added over kernel:")]
     echo = [ln for ln in lines if ln.startswith("payload through the socket (echo, no processing) p50 ")]
-    assert added and len(echo) == 1, r.stdout
-    assert lines[added[0] + 1] == echo[0], r.stdout  # right after the added line
+    assert len(added) == 1 and len(over_k) <= 1 and len(echo) == 1, r.stdout
+    over = "kernel" if over_k else "backend"
+    if over_k:
+        assert over_k[0] == added[0] + 1, r.stdout
+        assert lines[over_k[0]].startswith("added over kernel: in the daemon p50 "), r.stdout
+        assert "; end to end (client mean - daemon kernel mean) " in lines[over_k[0]], r.stdout
+        for name in KERNEL_STAGES:
+            assert " %s " % name in r.stdout, (name, r.stdout)
+    last = over_k[0] if over_k else added[0]
+    assert lines[last + 1] == echo[0], r.stdout  # right after the added lines
     assert float(echo[0].split()[-2]) > 0, echo
-    budget = lines[added[0] + 2]
-    assert budget.startswith("added <= echo + 30 us: met (") or \
-        budget.startswith("added <= echo + 30 us: not met ("), r.stdout
+    budget = lines[last + 2]
+    assert budget.startswith("added <= echo + 30 us: met (end to end over %s " % over) or \
+        budget.startswith("added <= echo + 30 us: not met (end to end over %s " % over), r.stdout
+    return lines, over
+
+
+def test_moectl_bench_prints_stages(daemon, dims):
+    lines, over = moectl_bench(daemon)
+    if du.TEST_BACKEND == "cpu":  # no kernel time: the output is as before
+        assert over == "backend", lines
+        assert not any(" kernel " in ln or "added_kernel" in ln for ln in lines), lines
+
+
+@pytest.mark.skipif(du.TEST_BACKEND != "cpu", reason="the CPU backend's behaviour")
+def test_cpu_backend_has_no_kernel_samples(daemon, dims, cases):
+    """The CPU backend knows no kernel time: the kernel stages stay empty
+    (count 0, zeros) however many requests are timed, and the other stages
+    are counted as ever."""
+    import moed_client
+    before = wait_count(daemon, 0)
+    with moed_client.Client(daemon.sock_path) as c:
+        for layer, x, ids, w, ref in cases:
+            c.forward(layer, x, ids, w)
+    st = wait_count(daemon, before["count"] + len(cases))
+    assert st["count"] == before["count"] + len(cases)
+    check_sane(st)
+    for name in KERNEL_STAGES:
+        assert st[name] == {"count": 0, "window": 0, "p50": 0, "p99": 0, "mean": 0}, st
+    assert st["backend"]["mean"] > 0 and st["added"]["p50"] > 0
+    check_metrics(http_get(daemon, "/metrics"), st)
+
+
+@pytest.mark.skipif(du.TEST_BACKEND != "cpu", reason="engine.cpu_kernel_time is the CPU backend's")
+def test_kernel_stages_with_kernel_time(tmp_path_factory, models_dir):
+    """With engine.cpu_kernel_time every batch has a kernel time (its compute
+    time, inside the backend stage): every timed request is a kernel sample,
+    kernel <= backend in every statistic (per request, so also per order
+    statistic over the same window), added_kernel = total - kernel summed over
+    the requests (and >= added), /metrics agrees, and moectl bench prints the
+    latency added over the kernel and budgets that figure."""
+    import moed_client
+    tmp = tmp_path_factory.mktemp("stages-kernel")
+    cfg = du.base_config(str(tmp), models_dir, status__port=du.free_port(),
+                         engine__cpu_kernel_time=True)
+    with du.Daemon(tmp, cfg) as d:
+        s = d.connect()
+        info = du.hello(s)
+        s.close()
+        cs = du.reference_cases(d, info, n=4, max_t=info["max_tokens"], seed=13)
+        with moed_client.Client(d.sock_path) as c:
+            for layer, x, ids, w, ref in cs * 3:
+                assert du.rel_l2(c.forward(layer, x, ids, w), ref) < 1e-2
+        st = wait_count(d, 12)
+        assert st["count"] == 12
+        check_sane(st)
+        k, ak = st["kernel"], st["added_kernel"]
+        assert k["count"] == ak["count"] == 12 and k["window"] == 12, st
+        assert 0 < k["p50"] and k["mean"] > 0, st
+        for q in ("p50", "p99", "mean"):
+            assert k[q] <= st["backend"][q] + 1e-6, (q, st)
+            assert ak[q] + 1e-6 >= st["added"][q], (q, st)
+        n = st["count"]
+        assert abs(ak["mean"] * n - (st["total"]["mean"] - k["mean"]) * n) <= \
+            1e-6 * st["total"]["mean"] * n + 0.01, st
+        check_metrics(http_get(d, "/metrics"), st)
+        lines, over = moectl_bench(d)
+        assert over == "kernel", lines
+        st2 = wait_count(d, 0)
+        assert st2["kernel"]["count"] == st2["count"], st2
+        assert d.stop() == 0, d.log()[-4000:]

@@ -100,6 +100,7 @@ static void assert_cfg_eq(const struct moed_cfg *a, const struct moed_cfg *b)
     ck_assert_uint_eq(a->batch_deadline_ms, b->batch_deadline_ms);
     ck_assert_uint_eq(a->idle_exit_ms, b->idle_exit_ms);
     ck_assert_int_eq(a->cpu_host_alloc, b->cpu_host_alloc);
+    ck_assert_int_eq(a->cpu_kernel_time, b->cpu_kernel_time);
     ck_assert_int_eq(a->log_level, b->log_level);
     ck_assert(memcmp(a, b, sizeof *a) == 0);
 }
@@ -132,6 +133,7 @@ START_TEST(defaults_valid)
     ck_assert_uint_eq(d.batch_deadline_ms, 10000);
     ck_assert_uint_eq(d.idle_exit_ms, 0);
     ck_assert(!d.cpu_host_alloc);
+    ck_assert(!d.cpu_kernel_time);
     ck_assert_int_eq(d.log_level, MOED_LOG_INFO);
 }
 END_TEST
@@ -148,7 +150,8 @@ static const char full_json[] =
     "   \"synthetic_dir\": \"rel/dir\"},\n"
     " \"engine\": {\"backend\": \"cpu\", \"gpus\": [3, 0, 1023], \"sms_free\": 255,\n"
     "   \"max_tokens\": 4096, \"cpu_threads\": 3, \"batch_deadline_ms\": 1,\n"
-    "   \"idle_exit_ms\": 86400000, \"cpu_host_alloc\": true},\n"
+    "   \"idle_exit_ms\": 86400000, \"cpu_host_alloc\": true,\n"
+    "   \"cpu_kernel_time\": true},\n"
     " \"log\": {\"level\": \"debug\"}\n"
     "}\n";
 
@@ -168,6 +171,7 @@ START_TEST(full_round_trip)
     ck_assert_int_eq(a.log_level, MOED_LOG_DEBUG);
     ck_assert_uint_eq(a.pinned_pool_bytes, 0);
     ck_assert(a.cpu_host_alloc);
+    ck_assert(a.cpu_kernel_time);
     ck_assert_str_eq(moed_cfg_backend_name(a.backend), "cpu");
 
     char *j = moed_cfg_to_json(&a);
@@ -193,7 +197,8 @@ START_TEST(full_round_trip)
         "\"path\": \"synthetic:tiny\"", "\"synthetic_dir\": \"/tmp/moed-models\"",
         "\"engine\": {", "\"backend\": \"auto\"", "\"gpus\": []", "\"sms_free\": 0",
         "\"max_tokens\": 512", "\"cpu_threads\": 0", "\"batch_deadline_ms\": 10000",
-        "\"idle_exit_ms\": 0", "\"cpu_host_alloc\": false", "\"log\": {",
+        "\"idle_exit_ms\": 0", "\"cpu_host_alloc\": false", "\"cpu_kernel_time\": false",
+        "\"log\": {",
         "\"level\": \"info\""};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
         ck_assert_msg(strstr(j, all[i]) != NULL, "missing %s in\n%s", all[i], j);

@@ -5,8 +5,11 @@
  * References are computed here from the documented definitions: each stage
  * is the span between two consecutive timestamps (0 when out of order),
  * "total" runs from the first to the last, "added" is total - backend;
- * percentiles are the exact order statistic of rank ceil(p * n) over the last
- * min(count, MOED_STAGE_WINDOW) requests; means are over every request.
+ * "kernel" is the batch's kernel time and "added_kernel" total - kernel, both
+ * sampled only for requests with a known kernel time (their own count);
+ * percentiles are the exact order statistic of rank ceil(p * n) over the
+ * stage's last min(samples, MOED_STAGE_WINDOW) samples; means are over every
+ * sample.
  */
 #include <check.h>
 #include <math.h>
@@ -19,8 +22,8 @@
 
 #include "stats.h"
 
-static const char *const names[MOED_STAGE__COUNT] = {"recv",  "submit", "backend", "reply",
-                                                     "write", "total",  "added"};
+static const char *const names[MOED_STAGE__COUNT] = {
+    "recv", "submit", "backend", "reply", "write", "total", "added", "kernel", "added_kernel"};
 
 static struct moed_stats *new_stats(void)
 {
@@ -31,9 +34,10 @@ static struct moed_stats *new_stats(void)
     return s;
 }
 
-/* One request with stages of the given lengths (ns), starting at t0. */
-static void record(struct moed_stats *s, uint64_t t0, uint64_t recv, uint64_t submit,
-                   uint64_t backend, uint64_t reply, uint64_t write)
+/* One request with stages of the given lengths (ns), starting at t0, whose
+ * batch's kernel time was `kernel` (0: not known). */
+static void record_k(struct moed_stats *s, uint64_t t0, uint64_t recv, uint64_t submit,
+                     uint64_t backend, uint64_t reply, uint64_t write, uint64_t kernel)
 {
     struct moed_req_times t;
     t.rx_ns = t0;
@@ -41,7 +45,14 @@ static void record(struct moed_stats *s, uint64_t t0, uint64_t recv, uint64_t su
     t.submit_ns = t.complete_ns + submit;
     t.done_ns = t.submit_ns + backend;
     t.reply_ns = t.done_ns + reply;
+    t.kernel_ns = kernel;
     moed_stats_record_stages(s, &t, t.reply_ns + write);
+}
+
+static void record(struct moed_stats *s, uint64_t t0, uint64_t recv, uint64_t submit,
+                   uint64_t backend, uint64_t reply, uint64_t write)
+{
+    record_k(s, t0, recv, submit, backend, reply, write, 0);
 }
 
 static int cmp_u64(const void *a, const void *b)
@@ -168,6 +179,10 @@ START_TEST(json_and_metrics)
         ck_assert_double_eq(jnum(st, names[i], "p50"), 0);
         ck_assert_double_eq(jnum(st, names[i], "p99"), 0);
         ck_assert_double_eq(jnum(st, names[i], "mean"), 0);
+        if (i >= MOED_STAGE_KERNEL) { /* their own sample count */
+            ck_assert_double_eq(jnum(st, names[i], "count"), 0);
+            ck_assert_double_eq(jnum(st, names[i], "window"), 0);
+        }
     }
     cJSON_Delete(j);
     free(txt);
@@ -214,6 +229,127 @@ START_TEST(json_and_metrics)
 }
 END_TEST
 
+/* The kernel stages get a sample only from requests with a known kernel
+ * time: the others leave their sums, windows and count alone. */
+START_TEST(kernel_stages_only_with_kernel_time)
+{
+    struct moed_stats *s = new_stats();
+    record(s, 1000, 1000, 2000, 100000, 3000, 4000);                  /* total 110 us */
+    ck_assert_uint_eq(s->stage_count, 1);
+    ck_assert_uint_eq(s->stage_kernel_count, 0);
+    ck_assert_uint_eq(moed_stats_stage_samples(s, MOED_STAGE_TOTAL), 1);
+    ck_assert_uint_eq(moed_stats_stage_samples(s, MOED_STAGE_KERNEL), 0);
+    ck_assert_uint_eq(moed_stats_stage_samples(s, MOED_STAGE_ADDED_KERNEL), 0);
+    ck_assert_uint_eq(s->stage_sum_ns[MOED_STAGE_KERNEL], 0);
+    ck_assert_uint_eq(s->stage_sum_ns[MOED_STAGE_ADDED_KERNEL], 0);
+    ck_assert_double_eq(moed_stats_stage_pct(s, MOED_STAGE_KERNEL, 0.5), 0.0);
+    ck_assert_double_eq(moed_stats_stage_pct(s, MOED_STAGE_ADDED_KERNEL, 0.99), 0.0);
+
+    record_k(s, 2000000, 3000, 2000, 300000, 5000, 6000, 250000);     /* total 316 us */
+    record_k(s, 5000000, 1000, 1000, 50000, 1000, 1000, 20000);       /* total 54 us */
+    ck_assert_uint_eq(s->stage_count, 3);
+    ck_assert_uint_eq(s->stage_kernel_count, 2);
+    ck_assert_uint_eq(moed_stats_stage_samples(s, MOED_STAGE_ADDED), 3);
+    ck_assert_uint_eq(moed_stats_stage_samples(s, MOED_STAGE_ADDED_KERNEL), 2);
+    ck_assert_uint_eq(s->stage_sum_ns[MOED_STAGE_KERNEL], 270000);
+    ck_assert_uint_eq(s->stage_sum_ns[MOED_STAGE_ADDED_KERNEL], 66000 + 34000);
+    ck_assert_uint_eq(s->stage_sum_ns[MOED_STAGE_BACKEND], 450000); /* every request */
+    ck_assert_uint_eq(s->stage_sum_ns[MOED_STAGE_TOTAL], 480000);
+    /* ranks over the 2 kernel samples, not the 3 requests */
+    ck_assert_double_eq_tol(moed_stats_stage_pct(s, MOED_STAGE_KERNEL, 0.5), 20.0, 1e-9);
+    ck_assert_double_eq_tol(moed_stats_stage_pct(s, MOED_STAGE_KERNEL, 0.99), 250.0, 1e-9);
+    ck_assert_double_eq_tol(moed_stats_stage_pct(s, MOED_STAGE_ADDED_KERNEL, 0.5), 34.0, 1e-9);
+    ck_assert_double_eq_tol(moed_stats_stage_pct(s, MOED_STAGE_ADDED_KERNEL, 0.99), 66.0, 1e-9);
+    ck_assert_double_eq_tol(moed_stats_stage_pct(s, MOED_STAGE_TOTAL, 0.5), 110.0, 1e-9);
+
+    /* a kernel time over the total (clocks of two devices): added_kernel 0 */
+    record_k(s, 9000000, 0, 0, 10000, 0, 0, 20000);
+    ck_assert_uint_eq(s->stage_kernel_count, 3);
+    ck_assert_uint_eq(s->stage_sum_ns[MOED_STAGE_ADDED_KERNEL], 100000);
+    ck_assert_double_eq(moed_stats_stage_pct(s, MOED_STAGE_ADDED_KERNEL, 0.0), 0.0);
+
+    /* /status: the kernel stages say how many samples they hold */
+    s->start_ns = 1;
+    char *txt = moed_status_json(s, 1000000001ull);
+    ck_assert_ptr_nonnull(txt);
+    cJSON *j = cJSON_Parse(txt);
+    ck_assert_ptr_nonnull(j);
+    const cJSON *st = cJSON_GetObjectItemCaseSensitive(j, "stages_us");
+    ck_assert_double_eq(jnum(st, "count", NULL), 4);
+    ck_assert_double_eq(jnum(st, "window", NULL), 4);
+    ck_assert_double_eq(jnum(st, "kernel", "count"), 3);
+    ck_assert_double_eq(jnum(st, "kernel", "window"), 3);
+    ck_assert_double_eq_tol(jnum(st, "kernel", "p50"), 20.0, 1e-9);
+    ck_assert_double_eq_tol(jnum(st, "kernel", "p99"), 250.0, 1e-9);
+    ck_assert_double_eq_tol(jnum(st, "kernel", "mean"), 290.0 / 3, 1e-9);
+    ck_assert_double_eq(jnum(st, "added_kernel", "count"), 3);
+    ck_assert_double_eq_tol(jnum(st, "added_kernel", "p50"), 34.0, 1e-9);
+    ck_assert_double_eq_tol(jnum(st, "added_kernel", "p99"), 66.0, 1e-9);
+    ck_assert_double_eq_tol(jnum(st, "added_kernel", "mean"), 100.0 / 3, 1e-9);
+    ck_assert_double_eq_tol(jnum(st, "backend", "mean"), 460.0 / 4, 1e-9);
+    /* the other stages keep their shape */
+    ck_assert_ptr_null(cJSON_GetObjectItemCaseSensitive(
+        cJSON_GetObjectItemCaseSensitive(st, "backend"), "count"));
+    cJSON_Delete(j);
+    free(txt);
+
+    txt = moed_status_prometheus(s, 1000000001ull);
+    ck_assert_ptr_nonnull(txt);
+    const char *want[] = {
+        "moed_request_stage_samples_total 4\n",
+        "# TYPE moed_request_stage_kernel_samples_total counter\n"
+        "moed_request_stage_kernel_samples_total 3\n",
+        "moed_request_stage_seconds_total{stage=\"kernel\"} 0.00029\n",
+        "moed_request_stage_seconds_total{stage=\"added_kernel\"} 0.0001\n",
+        "moed_request_stage_p50_seconds{stage=\"kernel\"} 2e-05\n",
+        "moed_request_stage_p99_seconds{stage=\"added_kernel\"} 6.6e-05\n",
+    };
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
+        ck_assert_msg(strstr(txt, want[i]) != NULL, "metrics lack %s in\n%s", want[i], txt);
+    free(txt);
+    free(s);
+}
+END_TEST
+
+/* The kernel stages' ring advances with their own samples: after more than a
+ * window of requests, some without a kernel time, the percentiles are over
+ * the last MOED_STAGE_WINDOW kernel samples. */
+START_TEST(kernel_window_keeps_the_last_samples)
+{
+    struct moed_stats *s = new_stats();
+    enum { N = 2 * MOED_STAGE_WINDOW + 300 };
+    static uint64_t kern[N], added[N];
+    size_t nk = 0;
+    uint64_t lcg = 11;
+    for (size_t i = 0; i < N; i++) {
+        lcg = lcg * 6364136223846793005ull + 1442695040888963407ull;
+        uint64_t b = 1000000 + (lcg >> 20) % 100000, k = i % 3 ? b - (lcg >> 40) % 50000 : 0;
+        record_k(s, 1000000000ull + i * 10000000ull, 7, 10, b, 20, 30, k);
+        if (k) {
+            kern[nk] = k;
+            added[nk++] = 7 + 10 + b + 20 + 30 - k;
+        }
+    }
+    ck_assert_uint_eq(s->stage_count, N);
+    ck_assert_uint_eq(s->stage_kernel_count, nk);
+    ck_assert_uint_gt(nk, MOED_STAGE_WINDOW);
+    const double ps[] = {0.0, 0.01, 0.5, 0.99, 1.0};
+    for (size_t k = 0; k < sizeof ps / sizeof ps[0]; k++) {
+        ck_assert_double_eq_tol(moed_stats_stage_pct(s, MOED_STAGE_KERNEL, ps[k]),
+                                ref_pct(kern + nk - MOED_STAGE_WINDOW, MOED_STAGE_WINDOW, ps[k]),
+                                1e-9);
+        ck_assert_double_eq_tol(moed_stats_stage_pct(s, MOED_STAGE_ADDED_KERNEL, ps[k]),
+                                ref_pct(added + nk - MOED_STAGE_WINDOW, MOED_STAGE_WINDOW, ps[k]),
+                                1e-9);
+    }
+    uint64_t sum = 0;
+    for (size_t i = 0; i < nk; i++)
+        sum += kern[i];
+    ck_assert_uint_eq(s->stage_sum_ns[MOED_STAGE_KERNEL], sum);
+    free(s);
+}
+END_TEST
+
 static Suite *suite(void)
 {
     Suite *s = suite_create("engine_stages");
@@ -222,6 +358,8 @@ static Suite *suite(void)
     tcase_add_test(tc, out_of_order_is_zero_and_saturates);
     tcase_add_test(tc, window_keeps_the_last_requests);
     tcase_add_test(tc, json_and_metrics);
+    tcase_add_test(tc, kernel_stages_only_with_kernel_time);
+    tcase_add_test(tc, kernel_window_keeps_the_last_samples);
     suite_add_tcase(s, tc);
     return s;
 }
