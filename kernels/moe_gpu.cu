@@ -534,6 +534,27 @@ __device__ __forceinline__ void x_rows(const xsrc &xs, size_t off, const uint16_
     }
 }
 
+/* Zero a warp's accumulators: one tile's [MR][NT][4], or NTILE tiles' (unrolled,
+ * constant indices: they stay in registers). */
+template <int NT>
+__device__ __forceinline__ void zero_acc(float (&a)[MR][NT][4])
+{
+#pragma unroll
+    for (int m = 0; m < MR; m++)
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                a[m][n][c] = 0.f;
+}
+template <int NTILE, int NT>
+__device__ __forceinline__ void zero_acc(float (&a)[NTILE][MR][NT][4])
+{
+#pragma unroll
+    for (int j = 0; j < NTILE; j++)
+        zero_acc<NT>(a[j]);
+}
+
 /* acc[j] = src when j == i (i uniform across the warp; unrolled, so the
  * arrays stay in registers). */
 template <int NTILE, int NT>
@@ -641,17 +662,8 @@ __device__ __forceinline__ void task_mma(const uint8_t *__restrict__ wtask, unsi
     (void)pol; /* (unused with MOE_GPU_BULK) */
     const unsigned lane = threadIdx.x & 31;
     float cur[MR][NT][4];
-#pragma unroll
-    for (int m = 0; m < MR; m++)
-#pragma unroll
-        for (int n = 0; n < NT; n++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                cur[m][n][c] = 0.f;
-#pragma unroll
-                for (int j = 0; j < NTILE; j++)
-                    acc[j][m][n][c] = 0.f;
-            }
+    zero_acc<NT>(cur);
+    zero_acc<NTILE, NT>(acc);
     const uint16_t *xrow[NT * 8 * 8 / 32];
     x_rows(xs, 0, xrow);
 #if MOE_GPU_BULK
@@ -734,13 +746,7 @@ __device__ __forceinline__ void task_mma(const uint8_t *__restrict__ wtask, unsi
                 const unsigned ti = ti_cur + 1;
                 left = nuw;
                 acc_store<NTILE, NT>(acc, ti_cur, cur);
-#pragma unroll
-                for (int m = 0; m < MR; m++)
-#pragma unroll
-                    for (int n = 0; n < NT; n++)
-#pragma unroll
-                        for (int c = 0; c < 4; c++)
-                            cur[m][n][c] = 0.f;
+                zero_acc<NT>(cur);
                 ti_cur = ti;
             }
             left--;
@@ -783,15 +789,7 @@ __device__ __forceinline__ void task_mma_il(const uint8_t *__restrict__ wtask, u
     const unsigned long long pol = pp.pol;
     const unsigned lane = threadIdx.x & 31;
     uint8_t *const xring = sw + WS * MOE_GPU_UNIT_BYTES;
-#pragma unroll
-    for (int j = 0; j < NTILE; j++)
-#pragma unroll
-        for (int m = 0; m < MR; m++)
-#pragma unroll
-            for (int n = 0; n < NT; n++)
-#pragma unroll
-                for (int c = 0; c < 4; c++)
-                    acc[j][m][n][c] = 0.f;
+    zero_acc<NTILE, NT>(acc);
     constexpr int XR = NT * 8 * 8 / 32;
     const uint16_t *xrow[XR];
     x_rows(xs, 0, xrow);
@@ -868,13 +866,7 @@ __device__ __forceinline__ void task_mma_full(const uint8_t *__restrict__ wtask,
     const unsigned long long pol = pp.pol;
     const unsigned lane = threadIdx.x & 31;
     uint8_t *const xring = sw + WS * MOE_GPU_UNIT_BYTES;
-#pragma unroll
-    for (int j = 0; j < NTILE; j++)
-#pragma unroll
-        for (int m = 0; m < MR; m++)
-#pragma unroll
-            for (int c = 0; c < 4; c++)
-                acc[j][m][0][c] = 0.f;
+    zero_acc<NTILE, 1>(acc);
     /* weights: this lane copies chunks l, l + UL, ... of every unit */
     const unsigned lw = (lane < UL ? lane : lane - (32 - UL)) * 16;
     const uint8_t *wsrc = wtask + (size_t)w * MOE_GPU_UNIT_BYTES + lw; /* unit (v, 0) */
@@ -948,11 +940,7 @@ __device__ __forceinline__ void task_mma_full1(const uint8_t *__restrict__ wtask
     constexpr unsigned USTEP = NWARPS * MOE_GPU_UNIT_BYTES; /* next unit of this warp */
     const unsigned long long pol = pp.pol;
     const unsigned lane = threadIdx.x & 31;
-#pragma unroll
-    for (int m = 0; m < MR; m++)
-#pragma unroll
-        for (int c = 0; c < 4; c++)
-            acc[0][m][0][c] = 0.f;
+    zero_acc<1, 1>(acc);
     const unsigned lw = (lane < UL ? lane : lane - (32 - UL)) * 16;
     const uint8_t *wsrc = wtask + (size_t)w * MOE_GPU_UNIT_BYTES + lw; /* unit 4g */
     uint8_t *const wdst = sw + lw;
@@ -1047,13 +1035,7 @@ __device__ __forceinline__ void task_splitk(const uint8_t *wtask, unsigned tile_
         }
     }
     __syncthreads();
-#pragma unroll
-    for (int m = 0; m < MR; m++)
-#pragma unroll
-        for (int n = 0; n < NT; n++)
-#pragma unroll
-            for (int c = 0; c < 4; c++)
-                out[m][n][c] = 0.f;
+    zero_acc<NT>(out);
     if (warp < ntiles) {
         for (unsigned w = 0; w < NWARPS; w++) {
             const float *part = reinterpret_cast<const float *>(sw_cta + w * WARP_SMEM) +
