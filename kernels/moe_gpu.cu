@@ -65,12 +65,16 @@
  * STAGES-deep ring of shared-memory stages filled with 16-byte cp.async
  * (.cg: L2 only). A stage holds one K unit of weights (MR sub-tiles) and the
  * same K unit of the task's activation rows (x for gate_up, h for down; only
- * the rows in use, 144-byte padded rows for conflict-free fragment reads).
- * Measured on the H200: loading the activations from L2 into registers one
- * unit ahead instead capped the stream at ~2 TB/s; 4-6 stages, 24-32 warps
- * per SM and longer tasks did not raise the stream: the SM's issue slots and
- * integer pipe are what bind (Nsight Compute on bench/probe/tile_probe.cu,
- * bench/NOTES.md).
+ * the rows in use, 144-byte padded rows for conflict-free fragment reads);
+ * a multi-tile task keeps weights and activation rows in two rings, so one
+ * K unit's rows serve all its tiles. In the steady state (task_mma_full,
+ * task_mma_full1) every ring index and offset is a constant and no copy
+ * branches. Measured on the H200: loading the activations from L2 into
+ * registers one unit ahead instead capped the stream at ~2 TB/s; 4-6 stages,
+ * 24-32 warps per SM and longer tasks did not raise the stream: the SM's
+ * issue slots and integer pipe are what bind (Nsight Compute on
+ * bench/probe/tile_probe.cu), and under a sustained batch stream the board's
+ * power limit lowers the SM clock (bench/NOTES.md).
  *
  * QUEUE PROTOCOL. Host: writes ring[seq % RING] (the descriptor and, for
  * small batches, ids and w inline) then st.release of head
@@ -150,7 +154,8 @@ extern "C" {
                                    before K unit v+1 (activations read once per K unit) */
 #define MOE_GPU_TILE_INTERLEAVE 1
 #endif
-#ifndef MOE_GPU_FULL_PATH /* 1: tasks with all their tiles take task_mma_full (constant
+#ifndef MOE_GPU_FULL_PATH /* 1: tasks with all their tiles take task_mma_full, one-tile
+                             tasks with a multiple of 16 K units task_mma_full1 (constant
                              ring offsets, branch-free copies) */
 #define MOE_GPU_FULL_PATH 1
 #endif
