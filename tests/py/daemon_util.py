@@ -50,6 +50,21 @@ def synth_dir(synthetic_dir):
 # same suite with MOED_TEST_BACKEND=cuda on a GPU machine.
 TEST_BACKEND = os.environ.get("MOED_TEST_BACKEND", "cpu")
 
+# Every wait in these tests is for an event (a reply, EOF, an exit, a log
+# line); its limit only bounds a failure, so a generous one costs nothing when
+# the test passes. Sanitizer builds on a loaded 2-core CI machine run many
+# times slower than a plain build on an idle one: every limit goes through
+# wait_s(), scaled by MOED_TEST_TIME_SCALE (default 3, or 10 under
+# MOED_SANITIZE=1). A wait that must NOT see an event (a client timeout
+# test) is not scaled.
+TIME_SCALE = float(os.environ.get("MOED_TEST_TIME_SCALE") or
+                   (10 if os.environ.get("MOED_SANITIZE") == "1" else 3))
+
+
+def wait_s(seconds):
+    """`seconds` scaled for the build and the machine (see TIME_SCALE)."""
+    return seconds * TIME_SCALE
+
 
 def free_port():
     """A TCP port on 127.0.0.1 that was free a moment ago (for status.port)."""
@@ -82,7 +97,9 @@ def base_config(tmpdir, synthetic_dir, **over):
             "max_pending_per_client": 32,
             "max_frame_bytes": 1 << 20,
             "max_client_buffer_bytes": 4 << 20,
-            "frame_timeout_ms": 300,
+            # a reply not read for this long drops the client: scaled, so a
+            # test process descheduled on a loaded machine is not dropped
+            "frame_timeout_ms": int(wait_s(0.3) * 1000),
         },
         "status": {"address": "127.0.0.1", "port": 0},
         "model": {"path": SYNTH_SPEC, "synthetic_dir": synthetic_dir},
@@ -118,7 +135,7 @@ class Daemon:
         env.update(self.env or {})
         self.proc = subprocess.Popen([MOED, "--config", self.cfg_path], stdin=subprocess.DEVNULL,
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + self.start_timeout
+        deadline = time.monotonic() + wait_s(self.start_timeout)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError("moed exited with %d during start-up:\n%s"
@@ -149,7 +166,7 @@ class Daemon:
         self.proc.send_signal(sig)
 
     def wait(self, timeout=30.0):
-        self.returncode = self.proc.wait(timeout)
+        self.returncode = self.proc.wait(wait_s(timeout))
         return self.returncode
 
     def stop(self, timeout=30.0):
@@ -198,7 +215,7 @@ class Daemon:
 
 def raw_connect(path, timeout=10.0):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(timeout)
+    s.settimeout(wait_s(timeout))
     s.connect(path)
     return s
 
@@ -247,9 +264,9 @@ def expect_error(s, code, substr, rid=None):
     return msg
 
 
-def expect_closed(s, timeout=5.0):
+def expect_closed(s, timeout=10.0):
     """The daemon closed the connection (EOF or reset), nothing more to read."""
-    s.settimeout(timeout)
+    s.settimeout(wait_s(timeout))
     try:
         data = s.recv(65536)
     except ConnectionResetError:

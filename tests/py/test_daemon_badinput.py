@@ -49,7 +49,7 @@ def good_client(daemon, dims):
     def run():
         import moed_client
         try:
-            c = moed_client.Client(daemon.sock_path, timeout=30)
+            c = moed_client.Client(daemon.sock_path, timeout=du.wait_s(30))
             c.hello()
             i = 0
             while not state["stop"]:

@@ -48,7 +48,7 @@ def cases(daemon, dims):
 
 def buffers(daemon):
     url = "http://127.0.0.1:%d/status" % daemon.http_port()
-    with urllib.request.urlopen(url, timeout=5) as r:
+    with urllib.request.urlopen(url, timeout=du.wait_s(5)) as r:
         return json.loads(r.read().decode())["buffers"]
 
 

@@ -61,7 +61,7 @@ def test_32_clients_1000_requests_pipelined(daemon, dims, expected):
     def client(ci):
         rng = np.random.default_rng(ci)
         try:
-            with moed_client.Client(daemon.sock_path, timeout=60) as c:
+            with moed_client.Client(daemon.sock_path, timeout=du.wait_s(60)) as c:
                 c.hello()
                 pending = {}
                 sent = 0
