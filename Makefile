@@ -139,7 +139,7 @@ $(BUILD)/bench/%: bench/%.c $(BUILD)/libmoed.a $(BENCH_CU_OBJ)
 
 # Python virtual environment for the test helpers (numpy, ml_dtypes, safetensors).
 venv: $(VENV)/.stamp
-$(VENV)/.stamp: tests/requirements.txt
+$(VENV)/.stamp: tests/requirements.txt $(wildcard ipc/python/moed_client/*.py)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -r tests/requirements.txt

@@ -105,8 +105,9 @@ static const struct cfg_key keys[] = {
      .doc = "Connections served at once; further connections get a busy error and are closed."},
     {.path = "server.max_pending_per_client", .type = T_UINT, .min = 1, .max = 4096,
      .def = "64", FIELD(max_pending_per_client),
-     .doc = "Requests one client may have in flight; over it the daemon stops reading that "
-            "client until replies drain (back-pressure)."},
+     .doc = "Requests one client may have in flight, of every kind (FORWARD, STATUS, PING, "
+            "HELLO), counted until the reply is written to its socket; over it the daemon "
+            "stops reading that client until replies drain (back-pressure)."},
     {.path = "server.max_frame_bytes", .type = T_UINT, .min = 65536, .max = 4294967296LL,
      .def = "67108864", FIELD(max_frame_bytes), .bytes = true,
      .doc = "Largest request payload accepted; a larger frame is answered with a too-big "
@@ -114,8 +115,10 @@ static const struct cfg_key keys[] = {
     {.path = "server.max_client_buffer_bytes", .type = T_UINT, .min = 65536,
      .max = 68719476736LL, .def = "268435456", FIELD(max_client_buffer_bytes), .bytes = true,
      .allowed = "at least server.max_frame_bytes",
-     .doc = "Reply bytes queued for one client before the daemon stops reading its requests "
-            "(back-pressure for a slow reader)."},
+     .doc = "Reply memory queued for one client (frames plus their allocation overhead) "
+            "before the daemon stops reading its requests (back-pressure for a slow reader); "
+            "a client that does not read them within server.frame_timeout_ms is "
+            "disconnected."},
     {.path = "server.frame_timeout_ms", .type = T_UINT, .min = 1, .max = 600000,
      .def = "5000", FIELD(frame_timeout_ms),
      .doc = "Once a frame's first byte has arrived, the whole frame must arrive within this "
@@ -144,6 +147,19 @@ static const struct cfg_key keys[] = {
             "(freeing pinned memory waits for the resident kernel to exit); beyond it, buffers "
             "are ordinary memory and go through the backend's staging copies. 0: never. No "
             "effect on a backend without such an allocator (CPU)."},
+    {.path = "server.idle_timeout_ms", .type = T_UINT, .min = 0, .max = 86400000, .def = "0",
+     FIELD(idle_timeout_ms),
+     .doc = "A client with nothing in progress (no partial frame, no request unanswered) for "
+            "this many milliseconds gets a timeout error and is closed, so idle connections "
+            "cannot hold every server.max_clients slot. 0 (the default): never, because an "
+            "LLM server keeps one connection per worker open through quiet hours; set it when "
+            "clients reconnect on their own."},
+    {.path = "server.max_reply_bytes", .type = T_UINT, .min = 65536, .max = 1099511627776LL,
+     .def = "1073741824", FIELD(max_reply_bytes), .bytes = true,
+     .allowed = "at least server.max_client_buffer_bytes",
+     .doc = "Memory that queued replies (frames and their bookkeeping) may hold for all "
+            "clients together; past it the client holding the most is disconnected. Each "
+            "client is also held to server.max_client_buffer_bytes."},
     /* status */
     {.path = "status.address", .type = T_STRING, .min = 1, .max = 15, .def = "127.0.0.1",
      FIELD(status_addr), .check = check_ipv4, .allowed = "an IPv4 literal",
@@ -183,6 +199,12 @@ static const struct cfg_key keys[] = {
      FIELD(idle_exit_ms),
      .doc = "Idle milliseconds after which the persistent kernel exits, to be relaunched "
             "by the next batch; 0: never."},
+    {.path = "engine.drain_stall_ms", .type = T_UINT, .min = 1, .max = 600000, .def = "10000",
+     FIELD(drain_stall_ms),
+     .doc = "On SIGTERM the daemon answers every request it took before it exits; it gives up "
+            "(exit 4, the rest unanswered) only when no batch has completed for "
+            "engine.batch_deadline_ms plus this many milliseconds (a hung backend). Every "
+            "completed batch restarts the wait, so a long queue drains completely."},
     {.path = "engine.cpu_host_alloc", .type = T_BOOL, .def = "false", FIELD(cpu_host_alloc),
      .doc = "For tests: the CPU backend offers a host allocator (page-aligned ordinary "
             "memory, reported as pinned) the way the CUDA backend offers pinned memory, so "
@@ -764,6 +786,12 @@ static void check_cross(const struct moed_cfg *c, struct errs *e)
                 "(%llu); a client must be able to queue at least one full frame",
                 (unsigned long long)c->max_client_buffer_bytes,
                 (unsigned long long)c->max_frame_bytes);
+    if (c->max_reply_bytes < c->max_client_buffer_bytes)
+        err_add(e,
+                "server.max_reply_bytes: %llu is less than server.max_client_buffer_bytes "
+                "(%llu); the cap for all clients must hold one client's queue",
+                (unsigned long long)c->max_reply_bytes,
+                (unsigned long long)c->max_client_buffer_bytes);
 }
 
 /* ------------------------------------------------------------------------ */

@@ -35,6 +35,8 @@ struct moed_cfg {
     uint64_t read_buffer_keep_bytes;  /* read buffer a connection keeps between frames */
     uint64_t socket_buffer_bytes;     /* SO_SNDBUF of client sockets; 0 = kernel default */
     uint64_t pinned_pool_bytes;       /* cap on buffers from the backend's host allocator */
+    uint32_t idle_timeout_ms;         /* close a client idle this long; 0 = never */
+    uint64_t max_reply_bytes;         /* reply memory queued for all clients together */
     /* status */
     char status_addr[64];             /* "127.0.0.1" */
     uint32_t status_port;             /* 0 = off */
@@ -49,6 +51,7 @@ struct moed_cfg {
     uint32_t cpu_threads;             /* 0 = all cores */
     uint32_t batch_deadline_ms;
     uint32_t idle_exit_ms;
+    uint32_t drain_stall_ms;          /* drain gives up after batch_deadline_ms + this without progress */
     bool cpu_host_alloc;              /* CPU backend offers host_alloc (tests) */
     bool cpu_kernel_time;             /* CPU backend reports compute time as kernel_ns (tests) */
     /* log */

@@ -88,7 +88,9 @@ struct moed_engine {
     int failed;
     int selfcheck_done;
     void (*drain_cb)(void *);
+    void (*drain_progress)(void *);
     void *drain_arg;
+    struct moed_status_cache status_cache; /* STATUS frames (moed_status_json_cached) */
     void (*fail_cb)(void *);
     void *fail_arg;
     /* health watch: a backend can fail while idle (stalled kernel, sticky
@@ -101,6 +103,7 @@ struct moed_engine {
 };
 
 #define HEALTH_POLL_MS 250
+#define STATUS_CACHE_MS 100 /* a STATUS frame body is at most this old (same counters) */
 
 /* y's offset in a FORWARD reply frame (frame header, then the reply head). */
 #define REPLY_Y_OFF (MOED_PROTO_HDR_SIZE + sizeof(struct moed_forward_rep))
@@ -325,25 +328,51 @@ static void on_async(uv_async_t *h)
     pthread_mutex_lock(&e->done_mu);
     struct eng_batch *list = e->done_head;
     e->done_head = e->done_tail = NULL;
+    int completed = 0;
     pthread_mutex_unlock(&e->done_mu);
     for (struct eng_batch *eb = list, *nx; eb; eb = nx) {
         nx = eb->next;
         batch_complete(e, eb);
+        completed = 1;
     }
     dispatch(e);
+    if (completed && e->draining && e->drain_progress && e->drain_cb)
+        e->drain_progress(e->drain_arg);
     maybe_drained(e);
 }
 
 /* ---- batching ----------------------------------------------------------------- */
 
+/* Release a waiting request whose client is gone, without computing it. */
+static void req_skip(struct moed_engine *e, struct eng_req *r)
+{
+    moed_server_reply(r->conn, NULL, 0, 0, NULL);
+    e->stats.in_flight--;
+    req_free(e, r);
+}
+
 /* Take the oldest waiting request's layer; merge every waiting request of
- * that layer that still fits. Returns the batch's requests in FIFO order. */
-static struct eng_req *take_batch(struct moed_engine *e, uint32_t *layer, uint32_t *n_tokens)
+ * that layer that still fits. Returns the batch's requests in FIFO order.
+ * Requests of clients that have gone (closed their socket) are taken off the
+ * list on the way into *gone, not computed. NULL if only those were left. */
+static struct eng_req *take_batch(struct moed_engine *e, uint32_t *layer, uint32_t *n_tokens,
+                                  struct eng_req **gone)
 {
     struct eng_req *head = NULL, *tail = NULL, **pp = &e->wait_head, *prev = NULL;
-    uint32_t L = e->wait_head->layer, T = 0;
+    uint32_t L = 0, T = 0;
     while (*pp) {
         struct eng_req *r = *pp;
+        if (moed_server_conn_gone(r->conn)) {
+            *pp = r->next;
+            if (e->wait_tail == r)
+                e->wait_tail = prev;
+            r->next = *gone;
+            *gone = r;
+            e->n_waiting--;
+            continue;
+        }
+        if (!head)
+            L = r->layer;
         if (r->layer == L && T + r->n_tokens <= e->max_tokens) {
             *pp = r->next;
             if (e->wait_tail == r)
@@ -447,7 +476,15 @@ static void dispatch(struct moed_engine *e)
 {
     while (!e->failed && e->wait_head && e->outstanding < MOED_ENGINE_MAX_OUTSTANDING) {
         uint32_t layer, T;
-        struct eng_req *reqs = take_batch(e, &layer, &T);
+        struct eng_req *gone = NULL;
+        struct eng_req *reqs = take_batch(e, &layer, &T, &gone);
+        while (gone) {
+            struct eng_req *r = gone;
+            gone = r->next;
+            req_skip(e, r);
+        }
+        if (!reqs)
+            continue;
         struct eng_batch *eb = reqs->next ? NULL : batch_alloc_direct(e, reqs);
         if (!eb)
             eb = batch_alloc(e, layer, T);
@@ -563,10 +600,11 @@ static void eng_hello(void *ctx, struct moed_hello_rep *rep)
     snprintf(rep->backend, sizeof rep->backend, "%s", e->be->ops->name);
 }
 
-static char *eng_status_json(void *ctx)
+static const char *eng_status_json(void *ctx, size_t *len)
 {
     struct moed_engine *e = ctx;
-    return moed_status_json(moed_engine_stats(e), now_ns());
+    return moed_status_json_cached(&e->status_cache, moed_engine_stats(e), now_ns(),
+                                   STATUS_CACHE_MS * 1000000ull, len);
 }
 
 static const struct moed_server_ops engine_ops = {
@@ -821,10 +859,12 @@ void moed_engine_on_failure(struct moed_engine *e, void (*cb)(void *arg), void *
     e->fail_arg = arg;
 }
 
-void moed_engine_drain(struct moed_engine *e, void (*done)(void *arg), void *arg)
+void moed_engine_drain(struct moed_engine *e, void (*done)(void *arg), void (*progress)(void *arg),
+                       void *arg)
 {
     e->draining = 1;
     e->drain_cb = done;
+    e->drain_progress = progress;
     e->drain_arg = arg;
     LOG_I("draining: %llu requests in flight (%llu waiting, %u batches at the backend)",
           (unsigned long long)e->stats.in_flight, (unsigned long long)e->n_waiting, e->outstanding);
@@ -839,6 +879,7 @@ static void on_async_closed(uv_handle_t *h)
     if (--e->closes_pending > 0)
         return;
     free(e->stats.expert_hits);
+    moed_status_cache_free(&e->status_cache);
     pthread_mutex_destroy(&e->done_mu);
     free(e);
 }
@@ -868,6 +909,7 @@ void moed_engine_close(struct moed_engine *e)
     e->model = NULL;
     if (!e->attached) { /* no handles on the loop: free now */
         free(e->stats.expert_hits);
+        moed_status_cache_free(&e->status_cache);
         pthread_mutex_destroy(&e->done_mu);
         free(e);
         return;

@@ -69,8 +69,11 @@ void moed_engine_on_failure(struct moed_engine *e, void (*cb)(void *arg), void *
 
 /* Stop taking FORWARD requests (new ones get MOED_E_SHUTDOWN), let every
  * request in flight finish and be answered, then call done(arg) (at once if
- * nothing is in flight). */
-void moed_engine_drain(struct moed_engine *e, void (*done)(void *arg), void *arg);
+ * nothing is in flight). Until then progress(arg) (may be NULL) is called
+ * after each loop pass that completed batches, so that the caller's drain
+ * deadline can follow progress instead of the clock. */
+void moed_engine_drain(struct moed_engine *e, void (*done)(void *arg), void (*progress)(void *arg),
+                       void *arg);
 
 /* 1 once the backend has failed. */
 int moed_engine_failed(const struct moed_engine *e);

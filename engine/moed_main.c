@@ -39,7 +39,6 @@
 #define SYNTH_DEFAULT_LAYERS 2u
 #define SYNTH_DEFAULT_SEED 1u
 #define EXTEND_TIMEOUT_US 60000000ull        /* per EXTEND_TIMEOUT_USEC during loads */
-#define DRAIN_SLACK_MS 10000u                /* drain deadline beyond batch_deadline_ms */
 #define MALLOC_MMAP_THRESHOLD (32u << 20)    /* glibc's largest allowed value (64-bit) */
 #define MALLOC_TRIM_THRESHOLD (64u << 20)
 
@@ -219,7 +218,8 @@ struct daemon {
     pthread_t loop_thread;
     int loop_thread_on;
     uv_signal_t sigterm, sigint;
-    uv_timer_t drain_timer;    /* bounds the drain if the backend hangs */
+    uv_timer_t drain_timer;    /* bounds the drain if the backend hangs: restarted by
+                                  every completed batch */
     uv_timer_t watchdog;       /* WATCHDOG=1 pings when systemd asks for them */
     uint32_t drain_ms;
     int abandoned;             /* drain gave up: skip the orderly teardown */
@@ -251,14 +251,23 @@ static void on_drained(void *arg)
 }
 
 /* A backend that never completes its batches (hung device) would block the
- * drain forever: give up, and leave without joining the backend's threads. */
+ * drain forever: give up, and leave without joining the backend's threads.
+ * The deadline follows progress (on_drain_progress), so a long queue that
+ * keeps completing batches drains completely. */
 static void on_drain_timeout(uv_timer_t *t)
 {
     struct daemon *d = t->data;
-    LOG_E("requests still in flight %u ms after the stop; giving up on them", d->drain_ms);
+    LOG_E("requests still in flight and no batch completed for %u ms "
+          "(engine.batch_deadline_ms + engine.drain_stall_ms); giving up on them", d->drain_ms);
     d->exit_code = EXIT_BACKEND;
     d->abandoned = 1;
     uv_stop(t->loop);
+}
+
+static void on_drain_progress(void *arg)
+{
+    struct daemon *d = arg;
+    uv_timer_start(&d->drain_timer, on_drain_timeout, d->drain_ms, 0);
 }
 
 static void daemon_stop(struct daemon *d, const char *why)
@@ -274,7 +283,7 @@ static void daemon_stop(struct daemon *d, const char *why)
     }
     moed_server_stop_listening(d->server);
     uv_timer_start(&d->drain_timer, on_drain_timeout, d->drain_ms, 0);
-    moed_engine_drain(d->engine, on_drained, d);
+    moed_engine_drain(d->engine, on_drained, on_drain_progress, d);
 }
 
 static void on_signal(uv_signal_t *h, int signum)
@@ -522,7 +531,7 @@ static int run_daemon(const struct moed_cfg *cfg)
     uv_signal_start(&d.sigint, on_signal, SIGINT);
     uv_timer_init(&d.loop, &d.drain_timer);
     d.drain_timer.data = &d;
-    d.drain_ms = cfg->batch_deadline_ms + DRAIN_SLACK_MS;
+    d.drain_ms = cfg->batch_deadline_ms + cfg->drain_stall_ms;
 
     uv_timer_init(&d.loop, &d.watchdog);
     d.watchdog.data = &d;

@@ -148,4 +148,18 @@ const char *moed_stage_name(enum moed_stage st);
 char *moed_status_json(const struct moed_stats *s, uint64_t now_ns);
 char *moed_status_prometheus(const struct moed_stats *s, uint64_t now_ns);
 
+/* The STATUS frame's body, rendered at most once per max_age_ns while the
+ * visible counters (requests, clients, errors, ...) stay the same, so that a
+ * client flooding STATUS costs a copy per request, not a rendering (~0.5 ms).
+ * The cache owns the body: valid until the next call or
+ * moed_status_cache_free. NULL on allocation failure. */
+struct moed_status_cache {
+    char *body;
+    size_t len;
+    uint64_t at_ns, key;
+};
+const char *moed_status_json_cached(struct moed_status_cache *sc, const struct moed_stats *s,
+                                    uint64_t now_ns, uint64_t max_age_ns, size_t *len);
+void moed_status_cache_free(struct moed_status_cache *sc);
+
 #endif

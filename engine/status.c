@@ -374,6 +374,50 @@ out:
     return out;
 }
 
+/* ------------------------------------------------ STATUS frame, cached */
+
+/* The counters a client can see move (a request served, a client come or
+ * gone, an error): a cached body whose key differs is rendered again, so a
+ * client reads its own effect at once; only a flood that changes nothing is
+ * served from the cache, for up to max_age_ns. */
+static uint64_t status_key(const struct moed_stats *s)
+{
+    uint64_t k = s->requests * 31 + s->in_flight;
+    k = k * 31 + s->batches;
+    k = k * 31 + s->stage_count;
+    k = k * 31 + s->clients;
+    k = k * 31 + s->clients_total;
+    k = k * 31 + s->clients_refused;
+    k = k * 31 + (uint64_t)s->loaded * 2 + (uint64_t)s->healthy;
+    for (int i = 0; i < MOED_E__COUNT; i++)
+        k = k * 31 + s->errors[i];
+    return k;
+}
+
+const char *moed_status_json_cached(struct moed_status_cache *sc, const struct moed_stats *s,
+                                    uint64_t now_ns, uint64_t max_age_ns, size_t *len)
+{
+    uint64_t key = status_key(s);
+    if (!sc->body || key != sc->key || now_ns - sc->at_ns > max_age_ns) {
+        char *js = moed_status_json(s, now_ns);
+        if (!js)
+            return NULL;
+        free(sc->body);
+        sc->body = js;
+        sc->len = strlen(js);
+        sc->at_ns = now_ns;
+        sc->key = key;
+    }
+    *len = sc->len;
+    return sc->body;
+}
+
+void moed_status_cache_free(struct moed_status_cache *sc)
+{
+    free(sc->body);
+    sc->body = NULL;
+}
+
 /* ---------------------------------------------------------- Prometheus */
 
 /* A growing string; `failed` sticks after the first allocation failure so

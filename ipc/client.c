@@ -35,6 +35,10 @@
  * net.core.wmem_max; a failure leaves the default (it only costs speed). */
 #define MOEDC_SNDBUF_BYTES (1 << 20)
 
+/* After a failed write, how long to wait for the daemon's ERROR frame that
+ * says why it closed (it is normally in the receive queue already). */
+#define PENDING_ERROR_WAIT_MS 100
+
 /* Sanity caps on a HELLO reply (far above any real model). */
 #define MOEDC_MAX_HIDDEN (1u << 20)
 #define MOEDC_MAX_TOKENS (1u << 24)
@@ -110,6 +114,26 @@ static int64_t deadline_of(const struct moedc *c)
     return c->timeout_ms > 0 ? now_ms() + c->timeout_ms : -1;
 }
 
+static int read_frame(struct moedc *c, int64_t deadline, struct moed_frame_hdr *h, char *err,
+                      size_t errlen);
+
+/* A write failed with EPIPE or ECONNRESET: the daemon closed the connection,
+ * usually after an ERROR saying why (busy, peer not allowed, a framing
+ * error). That frame may still be unread in our receive queue: report it
+ * rather than the bare write error. */
+static int write_failed(struct moedc *c, int e, char *err, size_t errlen)
+{
+    if (e == EPIPE || e == ECONNRESET) {
+        struct moed_frame_hdr h;
+        char msg[MOED_ERRLEN];
+        memset(&h, 0, sizeof h);
+        int rc = read_frame(c, now_ms() + PENDING_ERROR_WAIT_MS, &h, msg, sizeof msg);
+        if (rc < 0 && h.type == (MOED_MSG_ERROR | MOED_PROTO_REPLY))
+            return fail(c, rc, err, errlen, "%s", msg);
+    }
+    return fail(c, MOED_E_CONN, err, errlen, "write to the daemon: %s", strerror(e));
+}
+
 /* Write every byte of the iovecs (modified in place). */
 static int write_all(struct moedc *c, struct iovec *iov, int n, int64_t deadline, char *err,
                      size_t errlen)
@@ -127,7 +151,7 @@ static int write_all(struct moedc *c, struct iovec *iov, int n, int64_t deadline
                     return rc;
                 continue;
             }
-            return fail(c, MOED_E_CONN, err, errlen, "write to the daemon: %s", strerror(errno));
+            return write_failed(c, errno, err, errlen);
         }
         size_t left = (size_t)w;
         while (n > 0 && left >= iov->iov_len) {

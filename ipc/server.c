@@ -14,25 +14,47 @@
  *     puts the lent one back into the pool when done;
  *   - `skip`: bytes of a rejected frame (unknown type, valid header) still to
  *     discard, so the stream stays in sync;
- *   - `pending`: FORWARD requests handed to the engine and not yet answered;
- *     at max_pending_per_client we stop parsing and reading until replies
- *     drain (TCP-style backpressure onto the client);
- *   - the write queue (uv_stream_get_write_queue_size): over
- *     max_client_buffer_bytes we stop reading; if it does not drain within
- *     frame_timeout_ms the client is disconnected;
+ *   - `pending`: FORWARD requests handed to the engine and not yet answered,
+ *     and `unwritten`: replies of every kind (HELLO, PING, STATUS, ERROR,
+ *     FORWARD) queued for the wire and not yet written; at
+ *     pending + unwritten == max_pending_per_client we stop parsing and
+ *     reading until replies drain (TCP-style backpressure onto the client),
+ *     so a client that pipelines PINGs and never reads holds at most that
+ *     many replies;
+ *   - `wq_cost`: the memory its queued replies hold, allocation overhead
+ *     included (a 32-byte PING reply costs a write request and a malloc
+ *     chunk too); over max_client_buffer_bytes we stop reading; if it does
+ *     not drain within frame_timeout_ms the client is disconnected. The sum
+ *     over all clients is capped at max_reply_bytes: past it the client
+ *     holding the most is dropped;
+ *   - fairness: one pass handles at most CONN_FRAMES_PER_PASS frames of a
+ *     client; a client with more buffered stops reading and waits on the
+ *     `runner` idle handle for a later loop pass, so other clients, the
+ *     status port and the timers are served in between (a write of 65,536
+ *     pipelined STATUS frames used to hold the loop for 43 s);
  *   - one timer: the frame deadline (runs only while we read and a frame is
- *     incomplete: started at the frame's first byte) or the drain deadline.
+ *     incomplete: started at the frame's first byte), the drain deadline,
+ *     the idle deadline (idle_timeout_ms: nothing in progress), or a
+ *     closing connection's grace / linger.
  *
  * Closing is Redis-style: conn_close() only marks the connection and queues
  * it; an idle handle closes it on a later loop pass, so no callback ever sees
  * its own connection freed under it. Memory is freed when both handles are
  * closed and the engine has answered every FORWARD it took (pending == 0).
+ * A client that fully closed its socket (POLLHUP at EOF; a half-close keeps
+ * reading its replies) is closed at once, so its slot is free while the
+ * engine finishes or skips (engine.c) what it took from it. A connection
+ * closed with an error (refusal, framing error) lingers: after the ERROR
+ * frame and a write shutdown it reads and discards until the client's EOF or
+ * LINGER_MS, so the client's next write does not fail with EPIPE before it
+ * has read why.
  */
 #include "server.h"
 
 #include <errno.h>
 #include <grp.h>
 #include <limits.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -54,9 +76,23 @@ _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "moed's daemon needs a
 
 #define CONN_BUF_INITIAL (64u * 1024u) /* first read buffer; grows to 32 + max_frame_bytes */
 #define CLOSE_GRACE_MS 2000u           /* max wait for queued replies when closing */
+#define LINGER_MS 500u                 /* read-and-discard after an error close */
 #define LISTEN_BACKLOG 128
+/* Frames of one client handled in one loop pass: a STATUS reply costs a few
+ * microseconds (the body is cached), a FORWARD its validation and maybe a
+ * copy, so a pass stays well under a millisecond per client. */
+#define CONN_FRAMES_PER_PASS 32u
+#define DISCARD_BYTES 4096u            /* read buffer of lingering connections */
 
-enum timer_mode { TIMER_NONE = 0, TIMER_FRAME, TIMER_DRAIN, TIMER_CLOSE };
+/* What a malloc'd block of n bytes costs (glibc: an 8-byte header, 16-byte
+ * granules, 32 bytes at least), for the reply-memory accounting. */
+static size_t alloc_cost(size_t n)
+{
+    size_t c = (n + 8 + 15) & ~(size_t)15;
+    return c < 32 ? 32 : c;
+}
+
+enum timer_mode { TIMER_NONE = 0, TIMER_FRAME, TIMER_DRAIN, TIMER_IDLE, TIMER_CLOSE };
 
 struct moed_conn {
     uv_pipe_t pipe;
@@ -71,6 +107,11 @@ struct moed_conn {
     uint64_t rx_ns;       /* start of the read that brought the current frame's first byte */
     uint64_t read_start_ns; /* start of the latest read (taken in on_alloc) */
     uint32_t pending;
+    uint32_t unwritten;   /* replies queued, their write not completed */
+    uint64_t wq_cost;     /* memory those hold (alloc_cost of each allocation) */
+    int fatal_code;       /* framing error to send once pending == 0 (fatal) */
+    uint64_t fatal_rid;
+    char *fatal_msg;      /* malloc'd; NULL: moed_strerror(fatal_code) */
     int handles_open;     /* pipe + timer still not closed */
     enum timer_mode tmode;
     unsigned reading : 1;
@@ -83,8 +124,12 @@ struct moed_conn {
     unsigned wpaused : 1; /* write queue over the limit */
     unsigned counted : 1; /* counted in srv->n_clients */
     unsigned processing : 1; /* inside conn_process (guards re-entry) */
+    unsigned deferred : 1; /* on srv->ready: frames left for a later pass */
+    unsigned fatal : 1;   /* framing error: answer what was taken, then the error */
+    unsigned linger : 1;  /* error close: read and discard after the shutdown */
     struct moed_conn *prev, *next;   /* srv->conns */
     struct moed_conn *close_next;    /* srv->close_list */
+    struct moed_conn *ready_next;    /* srv->ready list */
 };
 
 struct moed_server {
@@ -95,8 +140,10 @@ struct moed_server {
     struct moed_stats *stats;
     uv_pipe_t listener;
     uv_idle_t closer;
+    uv_idle_t runner;     /* serves deferred clients on later loop passes */
     int listening;
     int closer_active;
+    int runner_active;
     int sndbuf_logged; /* the effective SO_SNDBUF was reported once */
     struct moed_bufpool *pool; /* read buffers and reply frames (the engine's) */
     int n_handles; /* listener + closer still open */
@@ -104,6 +151,9 @@ struct moed_server {
     uint64_t next_id;
     struct moed_conn *conns;
     struct moed_conn *close_list;
+    struct moed_conn *ready_head, *ready_tail; /* deferred clients, FIFO */
+    uint64_t reply_cost;  /* wq_cost of every client not closing */
+    uint8_t discard[DISCARD_BYTES]; /* lingering connections read into this */
     int closing;
     void (*done)(void *arg);
     void *done_arg;
@@ -111,48 +161,50 @@ struct moed_server {
 
 struct write_req {
     uv_write_t req;
-    struct moed_hbuf buf; /* holds the frame; back to the pool once written */
+    struct moed_hbuf buf; /* a pool frame (FORWARD reply), back to the pool once
+                             written; base NULL: the frame is in data[] */
     struct moed_conn *c;
+    size_t cost;              /* charged to c->wq_cost while queued */
     int timed;                /* a FORWARD reply: record its stages when written */
     struct moed_req_times t;
+    uint8_t data[];           /* small frames (HELLO, PING, STATUS, ERROR): one
+                                 allocation with the request */
 };
 
 static void conn_process(struct moed_conn *c);
 static void conn_update(struct moed_conn *c);
 static void conn_close(struct moed_conn *c, int graceful);
 static void on_close_grace(uv_timer_t *t);
+static void on_conn_timer(uv_timer_t *t);
 static uint64_t close_grace_ms(const struct moed_conn *c);
 static void server_maybe_done(struct moed_server *srv);
 
 /* ---- frames and writes ------------------------------------------------ */
 
-uint8_t *moed_server_error_frame(uint64_t request_id, int code, const char *msg, size_t *len)
+static int conn_blocked(const struct moed_conn *c)
 {
-    size_t mlen = msg ? strlen(msg) : 0;
-    if (mlen > MOED_PROTO_MAX_ERRMSG)
-        mlen = MOED_PROTO_MAX_ERRMSG;
-    size_t n = MOED_PROTO_HDR_SIZE + sizeof(struct moed_error_rep) + mlen;
-    uint8_t *f = malloc(n);
-    if (!f)
-        return NULL;
-    moed_frame_encode(f, MOED_MSG_ERROR | MOED_PROTO_REPLY, request_id,
-                      sizeof(struct moed_error_rep) + mlen);
-    struct moed_error_rep er = {.code = code, .msg_len = (uint32_t)mlen};
-    memcpy(f + MOED_PROTO_HDR_SIZE, &er, sizeof er);
-    if (mlen)
-        memcpy(f + MOED_PROTO_HDR_SIZE + sizeof er, msg, mlen);
-    *len = n;
-    return f;
+    return c->pending + c->unwritten >= c->srv->cfg.max_pending_per_client || c->wpaused;
+}
+
+static void wr_free(struct moed_server *srv, struct write_req *wr)
+{
+    moed_bufpool_put(srv->pool, &wr->buf);
+    free(wr);
 }
 
 static void on_write(uv_write_t *req, int status)
 {
     struct write_req *wr = (struct write_req *)req;
     struct moed_conn *c = wr->c;
+    struct moed_server *srv = c->srv;
     if (status >= 0 && wr->timed)
-        moed_stats_record_stages(c->srv->stats, &wr->t, uv_hrtime());
-    moed_bufpool_put(c->srv->pool, &wr->buf);
-    free(wr);
+        moed_stats_record_stages(srv->stats, &wr->t, uv_hrtime());
+    int was_blocked = conn_blocked(c);
+    c->unwritten--;
+    c->wq_cost -= wr->cost;
+    if (!c->closing)
+        srv->reply_cost -= wr->cost;
+    wr_free(srv, wr);
     if (status < 0 && status != UV_ECANCELED && !c->closing) {
         LOG_D("client %llu: write failed: %s", (unsigned long long)c->id, uv_strerror(status));
         conn_close(c, 0);
@@ -160,15 +212,74 @@ static void on_write(uv_write_t *req, int status)
     }
     if (status >= 0 && c->drain_on_close && c->tmode == TIMER_CLOSE && !c->closed)
         uv_timer_start(&c->timer, on_close_grace, close_grace_ms(c), 0); /* progress */
-    if (c->wpaused && !c->closing &&
-        uv_stream_get_write_queue_size((uv_stream_t *)&c->pipe) <= c->srv->cfg.max_client_buffer_bytes) {
+    if (c->closing)
+        return;
+    if (c->wpaused && c->wq_cost <= srv->cfg.max_client_buffer_bytes)
         c->wpaused = 0;
-        if (c->tmode == TIMER_DRAIN) {
-            uv_timer_stop(&c->timer);
-            c->tmode = TIMER_NONE;
-        }
+    if (status >= 0 && c->tmode == TIMER_DRAIN)
+        uv_timer_start(&c->timer, on_conn_timer, srv->cfg.frame_timeout_ms, 0); /* progress */
+    /* Parse on only where this write lifted a limit (and not for a deferred
+     * client: the runner has its turn), else every completed write of a pass
+     * would handle another batch of frames. */
+    if (was_blocked && !conn_blocked(c) && !c->deferred)
         conn_process(c);
+    else
+        conn_update(c);
+}
+
+/* The client holding the most reply memory, over the global cap: drop it
+ * (Redis drops a client over its output-buffer limit the same way). */
+static void server_shed(struct moed_server *srv)
+{
+    while (srv->reply_cost > srv->cfg.max_reply_bytes) {
+        struct moed_conn *worst = NULL;
+        for (struct moed_conn *c = srv->conns; c; c = c->next)
+            if (!c->closing && (!worst || c->wq_cost > worst->wq_cost))
+                worst = c;
+        if (!worst)
+            return;
+        LOG_W("client %llu: dropped: its %llu bytes of unread replies put the daemon over "
+              "server.max_reply_bytes (%llu)", (unsigned long long)worst->id,
+              (unsigned long long)worst->wq_cost, (unsigned long long)srv->cfg.max_reply_bytes);
+        conn_close(worst, 0);
     }
+}
+
+/* Queue wr (its frame: len bytes at p) and charge it; takes ownership. */
+static void conn_queue(struct moed_conn *c, struct write_req *wr, const uint8_t *p, size_t len,
+                       const struct moed_req_times *t)
+{
+    struct moed_server *srv = c->srv;
+    wr->c = c;
+    wr->timed = t != NULL;
+    if (t) {
+        wr->t = *t;
+        wr->t.reply_ns = uv_hrtime();
+    }
+    uv_buf_t b = uv_buf_init((char *)(uintptr_t)p, (unsigned)len);
+    int rc = uv_write(&wr->req, (uv_stream_t *)&c->pipe, &b, 1, on_write);
+    if (rc < 0) {
+        wr_free(srv, wr);
+        if (!c->closing)
+            conn_close(c, 0);
+        return;
+    }
+    c->unwritten++;
+    c->wq_cost += wr->cost;
+    if (c->closing)
+        return;
+    srv->reply_cost += wr->cost;
+    if (c->wq_cost > srv->cfg.max_client_buffer_bytes && !c->wpaused) {
+        c->wpaused = 1;
+        conn_update(c);
+    }
+    if (srv->reply_cost > srv->cfg.max_reply_bytes)
+        server_shed(srv);
+}
+
+static int conn_writable(const struct moed_conn *c)
+{
+    return !c->closed && !(c->closing && !c->graceful);
 }
 
 /* Queue a whole frame of `len` bytes at buf->base + off; takes ownership of
@@ -178,7 +289,7 @@ static void conn_write(struct moed_conn *c, struct moed_hbuf *buf, size_t off, s
                        const struct moed_req_times *t)
 {
     struct moed_server *srv = c->srv;
-    if (c->closed || (c->closing && !c->graceful)) {
+    if (!conn_writable(c)) {
         moed_bufpool_put(srv->pool, buf);
         return;
     }
@@ -190,27 +301,47 @@ static void conn_write(struct moed_conn *c, struct moed_hbuf *buf, size_t off, s
     }
     wr->buf = *buf;
     buf->base = NULL;
-    wr->c = c;
-    wr->timed = t != NULL;
-    if (t) {
-        wr->t = *t;
-        wr->t.reply_ns = uv_hrtime();
+    wr->cost = alloc_cost(sizeof *wr) + alloc_cost(wr->buf.cap);
+    conn_queue(c, wr, wr->buf.base + off, len, t);
+}
+
+/* A write request with room for a small frame of n bytes in data[]. */
+static struct write_req *wr_small(size_t n)
+{
+    struct write_req *wr = malloc(sizeof *wr + n);
+    if (wr) {
+        wr->buf = (struct moed_hbuf){0};
+        wr->cost = alloc_cost(sizeof *wr + n);
     }
-    uv_buf_t b = uv_buf_init((char *)wr->buf.base + off, (unsigned)len);
-    int rc = uv_write(&wr->req, (uv_stream_t *)&c->pipe, &b, 1, on_write);
-    if (rc < 0) {
-        moed_bufpool_put(srv->pool, &wr->buf);
-        free(wr);
-        if (!c->closing)
-            conn_close(c, 0);
-        return;
-    }
-    if (!c->closing &&
-        uv_stream_get_write_queue_size((uv_stream_t *)&c->pipe) > srv->cfg.max_client_buffer_bytes &&
-        !c->wpaused) {
-        c->wpaused = 1;
-        conn_update(c);
-    }
+    return wr;
+}
+
+static size_t error_frame_encode(uint8_t *f, uint64_t request_id, int code, const char *msg,
+                                 size_t mlen)
+{
+    moed_frame_encode(f, MOED_MSG_ERROR | MOED_PROTO_REPLY, request_id,
+                      sizeof(struct moed_error_rep) + mlen);
+    struct moed_error_rep er = {.code = code, .msg_len = (uint32_t)mlen};
+    memcpy(f + MOED_PROTO_HDR_SIZE, &er, sizeof er);
+    if (mlen)
+        memcpy(f + MOED_PROTO_HDR_SIZE + sizeof er, msg, mlen);
+    return MOED_PROTO_HDR_SIZE + sizeof er + mlen;
+}
+
+static size_t error_msg_len(const char *msg)
+{
+    size_t mlen = msg ? strlen(msg) : 0;
+    return mlen > MOED_PROTO_MAX_ERRMSG ? MOED_PROTO_MAX_ERRMSG : mlen;
+}
+
+uint8_t *moed_server_error_frame(uint64_t request_id, int code, const char *msg, size_t *len)
+{
+    size_t mlen = error_msg_len(msg);
+    uint8_t *f = malloc(MOED_PROTO_HDR_SIZE + sizeof(struct moed_error_rep) + mlen);
+    if (!f)
+        return NULL;
+    *len = error_frame_encode(f, request_id, code, msg, mlen);
+    return f;
 }
 
 static void conn_send_error(struct moed_conn *c, uint64_t request_id, int code, const char *msg)
@@ -220,33 +351,37 @@ static void conn_send_error(struct moed_conn *c, uint64_t request_id, int code, 
         srv->stats->errors[-code]++;
     LOG_D("client %llu: error %s (request %llu): %s", (unsigned long long)c->id,
           moed_errname(code), (unsigned long long)request_id, msg);
-    size_t len;
-    struct moed_hbuf f = {moed_server_error_frame(request_id, code, msg, &len), 0, 0};
-    if (f.base) {
-        f.cap = len;
-        conn_write(c, &f, 0, len, NULL);
-    }
+    if (!conn_writable(c))
+        return;
+    size_t mlen = error_msg_len(msg);
+    struct write_req *wr = wr_small(MOED_PROTO_HDR_SIZE + sizeof(struct moed_error_rep) + mlen);
+    if (!wr)
+        return;
+    size_t n = error_frame_encode(wr->data, request_id, code, msg, mlen);
+    conn_queue(c, wr, wr->data, n, NULL);
 }
 
 static void conn_send(struct moed_conn *c, uint16_t type, uint64_t request_id, const void *payload,
                       size_t plen)
 {
-    struct moed_hbuf f = {malloc(MOED_PROTO_HDR_SIZE + plen), MOED_PROTO_HDR_SIZE + plen, 0};
-    if (!f.base) {
+    if (!conn_writable(c))
+        return;
+    struct write_req *wr = wr_small(MOED_PROTO_HDR_SIZE + plen);
+    if (!wr) {
         conn_close(c, 0);
         return;
     }
-    moed_frame_encode(f.base, type | MOED_PROTO_REPLY, request_id, plen);
+    moed_frame_encode(wr->data, type | MOED_PROTO_REPLY, request_id, plen);
     if (plen)
-        memcpy(f.base + MOED_PROTO_HDR_SIZE, payload, plen);
-    conn_write(c, &f, 0, f.cap, NULL);
+        memcpy(wr->data + MOED_PROTO_HDR_SIZE, payload, plen);
+    conn_queue(c, wr, wr->data, MOED_PROTO_HDR_SIZE + plen, NULL);
 }
 
 /* ---- closing ------------------------------------------------------------ */
 
 static void conn_free_if_done(struct moed_conn *c)
 {
-    if (c->handles_open > 0 || c->pending > 0 || !c->closed)
+    if (c->handles_open > 0 || c->pending > 0 || !c->closed || c->deferred)
         return;
     struct moed_server *srv = c->srv;
     if (c->prev)
@@ -256,6 +391,7 @@ static void conn_free_if_done(struct moed_conn *c)
     if (c->next)
         c->next->prev = c->prev;
     moed_bufpool_put(srv->pool, &c->buf);
+    free(c->fatal_msg);
     free(c);
     server_maybe_done(srv);
 }
@@ -276,10 +412,36 @@ static void conn_close_now(struct moed_conn *c)
     uv_close((uv_handle_t *)&c->timer, on_conn_handle_closed);
 }
 
+static void on_linger_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *out)
+{
+    (void)suggested;
+    struct moed_conn *c = h->data;
+    *out = uv_buf_init((char *)c->srv->discard, sizeof c->srv->discard);
+}
+
+/* A lingering connection: whatever the client still sends is dropped; its
+ * EOF (or an error) ends the linger. */
+static void on_linger_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *b)
+{
+    (void)b;
+    if (nread < 0)
+        conn_close_now(s->data);
+}
+
 static void on_shutdown(uv_shutdown_t *req, int status)
 {
-    (void)status;
-    conn_close_now(req->data);
+    struct moed_conn *c = req->data;
+    if (c->closed)
+        return;
+    /* After an error close the client may still be writing (a refused
+     * client sends its HELLO): read and drop it for a moment, so that its
+     * write does not fail with EPIPE before it has read our ERROR. */
+    if (status == 0 && c->linger &&
+        uv_read_start((uv_stream_t *)&c->pipe, on_linger_alloc, on_linger_read) == 0) {
+        uv_timer_start(&c->timer, on_close_grace, LINGER_MS, 0);
+        return;
+    }
+    conn_close_now(c);
 }
 
 /* How long a closing connection may go without write progress: a client
@@ -310,7 +472,8 @@ static void on_closer(uv_idle_t *h)
         c->queued = 0;
         if (c->closed)
             continue;
-        if (c->graceful && uv_stream_get_write_queue_size((uv_stream_t *)&c->pipe) > 0) {
+        if (c->graceful &&
+            (c->linger || uv_stream_get_write_queue_size((uv_stream_t *)&c->pipe) > 0)) {
             /* Let the queued replies (often the ERROR frame explaining the
              * close) reach the client, but never wait more than the grace. */
             c->shutdown_req.data = c;
@@ -335,6 +498,7 @@ static void conn_close(struct moed_conn *c, int graceful)
     }
     c->closing = 1;
     c->graceful = graceful ? 1 : 0;
+    srv->reply_cost -= c->wq_cost; /* no longer counted against the cap */
     if (c->reading) {
         uv_read_stop((uv_stream_t *)&c->pipe);
         c->reading = 0;
@@ -382,6 +546,13 @@ static void on_conn_timer(uv_timer_t *t)
               (unsigned long long)c->id, uv_stream_get_write_queue_size((uv_stream_t *)&c->pipe),
               c->srv->cfg.frame_timeout_ms);
         conn_close(c, 0);
+    } else if (m == TIMER_IDLE) {
+        snprintf(msg, sizeof msg, "idle for %u ms (server.idle_timeout_ms); closing",
+                 c->srv->cfg.idle_timeout_ms);
+        LOG_I("client %llu: %s", (unsigned long long)c->id, msg);
+        conn_send_error(c, 0, MOED_E_TIMEOUT, msg);
+        c->linger = 1;
+        conn_close(c, 1);
     }
 }
 
@@ -403,7 +574,17 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *out)
             want = limit;
         (void)moed_bufpool_get(c->srv->pool, want, 1, &c->buf);
     } else if (c->len == c->buf.cap && c->buf.cap < limit) {
+        /* Grow as bytes arrive, never to more than the frame being read
+         * needs: a header alone (its length says up to max_frame_bytes)
+         * costs no more than the buffer it came in. Doubling keeps the
+         * copies of a large frame under one frame's size in all. */
         size_t ncap = c->buf.cap * 2;
+        if (c->len - c->off >= MOED_PROTO_HDR_SIZE && c->skip == 0) {
+            uint64_t plen = le_get64(c->buf.base + c->off + 24);
+            size_t need = c->off + MOED_PROTO_HDR_SIZE + (size_t)plen;
+            if (plen <= c->srv->cfg.max_frame_bytes && need > c->buf.cap && need < ncap)
+                ncap = need;
+        }
         if (ncap > limit)
             ncap = limit;
         (void)moed_bufpool_grow(c->srv->pool, &c->buf, ncap, c->len);
@@ -414,6 +595,18 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *out)
     if (room > UINT_MAX)
         room = UINT_MAX;
     *out = uv_buf_init((char *)c->buf.base + c->len, (unsigned)room);
+}
+
+/* At EOF: did the client close its socket (POLLHUP: both directions shut,
+ * AF_UNIX sets it when the peer's socket is released) or only its write side
+ * (shutdown(SHUT_WR): it still reads its replies)? */
+static int peer_gone(const struct moed_conn *c)
+{
+    uv_os_fd_t fd;
+    if (uv_fileno((const uv_handle_t *)&c->pipe, &fd) < 0)
+        return 0;
+    struct pollfd p = {.fd = fd, .events = POLLOUT};
+    return poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLERR)) != 0;
 }
 
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *b)
@@ -432,6 +625,14 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *b)
             if (c->reading) {
                 uv_read_stop(s);
                 c->reading = 0;
+            }
+            if (peer_gone(c)) {
+                /* Closed both ways: nobody reads the replies. Free the slot
+                 * now; the engine skips what it has not started. */
+                LOG_D("client %llu: closed its socket with %u requests in flight",
+                      (unsigned long long)c->id, c->pending);
+                conn_close(c, 0);
+                return;
             }
             conn_process(c);
             return;
@@ -457,7 +658,7 @@ static void conn_update(struct moed_conn *c)
     if (c->closing)
         return;
     struct moed_server *srv = c->srv;
-    int want = !c->eof && !c->wpaused && c->pending < srv->cfg.max_pending_per_client;
+    int want = !c->eof && !c->fatal && !c->deferred && !conn_blocked(c);
     if (want && !c->reading) {
         if (uv_read_start((uv_stream_t *)&c->pipe, on_alloc, on_read) == 0)
             c->reading = 1;
@@ -466,16 +667,26 @@ static void conn_update(struct moed_conn *c)
         c->reading = 0;
     }
     enum timer_mode m = TIMER_NONE;
-    if (c->wpaused)
+    uint32_t ms = srv->cfg.frame_timeout_ms;
+    /* Replies not leaving (over the memory limit, or at the request limit
+     * with bytes stuck in the queue): the drain deadline, restarted by every
+     * completed write (on_write), so only a client that reads nothing for
+     * frame_timeout_ms is dropped. */
+    if (c->wpaused ||
+        (conn_blocked(c) && uv_stream_get_write_queue_size((uv_stream_t *)&c->pipe) > 0))
         m = TIMER_DRAIN;
     else if (c->reading && (c->len > c->off || c->skip > 0))
         m = TIMER_FRAME;
+    else if (c->reading && c->pending == 0 && c->unwritten == 0 && srv->cfg.idle_timeout_ms) {
+        m = TIMER_IDLE;
+        ms = srv->cfg.idle_timeout_ms;
+    }
     if (m == c->tmode)
         return;
     uv_timer_stop(&c->timer);
     c->tmode = m;
     if (m != TIMER_NONE)
-        uv_timer_start(&c->timer, on_conn_timer, srv->cfg.frame_timeout_ms, 0);
+        uv_timer_start(&c->timer, on_conn_timer, ms, 0);
 }
 
 /* ---- frame handling ------------------------------------------------------ */
@@ -527,13 +738,13 @@ static int handle_frame(struct moed_conn *c, const struct moed_frame_hdr *h, con
         conn_send(c, MOED_MSG_PING, h->request_id, p, (size_t)h->payload_len);
         return 0;
     case MOED_MSG_STATUS: {
-        char *js = srv->ops->status_json(srv->ctx);
+        size_t jlen = 0;
+        const char *js = srv->ops->status_json(srv->ctx, &jlen);
         if (!js) {
             conn_send_error(c, h->request_id, MOED_E_NOMEM, "out of memory rendering the status");
             return 0;
         }
-        conn_send(c, MOED_MSG_STATUS, h->request_id, js, strlen(js));
-        free(js);
+        conn_send(c, MOED_MSG_STATUS, h->request_id, js, jlen);
         return 0;
     }
     case MOED_MSG_FORWARD: {
@@ -591,8 +802,73 @@ static void framing_message(const struct moed_conn *c, int rc, const struct moed
     }
 }
 
-/* Parse and handle every complete frame in the buffer, as far as the limits
- * allow; then compact the buffer and update the read state. */
+/* Runs on a later loop pass than the one that deferred the clients: each
+ * gets another CONN_FRAMES_PER_PASS frames (and may defer itself again, to
+ * the end of the list). */
+static void on_runner(uv_idle_t *h)
+{
+    struct moed_server *srv = h->data;
+    struct moed_conn *list = srv->ready_head;
+    srv->ready_head = srv->ready_tail = NULL;
+    for (struct moed_conn *c = list, *nx; c; c = nx) {
+        nx = c->ready_next;
+        c->ready_next = NULL;
+        c->deferred = 0;
+        if (c->closing)
+            conn_free_if_done(c);
+        else
+            conn_process(c);
+    }
+    if (!srv->ready_head) {
+        uv_idle_stop(&srv->runner);
+        srv->runner_active = 0;
+    }
+}
+
+/* Frames are left in the buffer for a later pass: stop reading until then
+ * (conn_update), so a flood waits in the client's socket, not here. */
+static void conn_defer(struct moed_conn *c)
+{
+    struct moed_server *srv = c->srv;
+    if (c->deferred || srv->closing)
+        return;
+    c->deferred = 1;
+    c->ready_next = NULL;
+    if (srv->ready_tail)
+        srv->ready_tail->ready_next = c;
+    else
+        srv->ready_head = c;
+    srv->ready_tail = c;
+    if (!srv->runner_active) {
+        srv->runner_active = 1;
+        uv_idle_start(&srv->runner, on_runner);
+    }
+}
+
+/* A framing error: the stream is lost. Requests taken before it are still
+ * answered (their replies first, on the wire), then the error, then the
+ * close; nothing more is read. */
+static void conn_fail(struct moed_conn *c, uint64_t request_id, int code, const char *msg)
+{
+    c->len = c->off; /* drop what is left of the stream */
+    c->skip = 0;
+    if (c->pending == 0) {
+        conn_send_error(c, request_id, code, msg);
+        c->linger = 1;
+        conn_close(c, 1);
+        return;
+    }
+    c->fatal = 1;
+    c->fatal_code = code;
+    c->fatal_rid = request_id;
+    c->fatal_msg = strdup(msg);
+    LOG_D("client %llu: framing error with %u requests in flight; answering them first",
+          (unsigned long long)c->id, c->pending);
+}
+
+/* Parse and handle complete frames in the buffer, as far as the limits and
+ * the per-pass bound allow; then compact the buffer and update the read
+ * state. */
 static void conn_process(struct moed_conn *c)
 {
     struct moed_server *srv = c->srv;
@@ -602,7 +878,8 @@ static void conn_process(struct moed_conn *c)
     if (c->processing)
         return;
     c->processing = 1;
-    while (!c->closing) {
+    uint32_t handled = 0;
+    while (!c->closing && !c->fatal) {
         size_t have = c->len - c->off;
         if (c->skip > 0) {
             size_t n = have < c->skip ? have : (size_t)c->skip;
@@ -614,8 +891,12 @@ static void conn_process(struct moed_conn *c)
             c->tmode = TIMER_NONE;
             continue;
         }
-        if (have == 0 || c->pending >= srv->cfg.max_pending_per_client || c->wpaused)
+        if (have == 0 || conn_blocked(c))
             break;
+        if (handled == CONN_FRAMES_PER_PASS) {
+            conn_defer(c); /* the rest on a later loop pass */
+            break;
+        }
         struct moed_frame_hdr h;
         memset(&h, 0, sizeof h);
         int rc = moed_frame_parse(c->buf.base + c->off, have, srv->cfg.max_frame_bytes, &h);
@@ -633,15 +914,16 @@ static void conn_process(struct moed_conn *c)
                 c->skip = MOED_PROTO_HDR_SIZE + h.payload_len;
                 continue;
             }
-            /* The stream cannot be resynchronised: answer and close. */
+            /* The stream cannot be resynchronised: answer every request
+             * taken before it, then the error, then close. */
             if (rc == MOED_E_TYPE)
                 rc = MOED_E_PROTO;
             framing_message(c, rc, &h, have, msg, sizeof msg);
-            conn_send_error(c, full ? h.request_id : 0, rc, msg);
-            conn_close(c, 1);
+            conn_fail(c, full ? h.request_id : 0, rc, msg);
             break;
         }
         /* Complete frame. */
+        handled++;
         uv_timer_stop(&c->timer);
         c->tmode = TIMER_NONE;
         size_t flen = MOED_PROTO_HDR_SIZE + (size_t)h.payload_len;
@@ -677,20 +959,11 @@ static void conn_process(struct moed_conn *c)
     }
     if (c->closing)
         return;
-    /* A known header: make room for the whole frame now, so the next reads
-     * fill it without repeated doubling. */
-    size_t have = c->len;
-    if (have >= MOED_PROTO_HDR_SIZE && c->skip == 0) {
-        uint64_t plen = le_get64(c->buf.base + 24);
-        size_t need = MOED_PROTO_HDR_SIZE + (size_t)plen;
-        if (plen <= srv->cfg.max_frame_bytes && need > c->buf.cap)
-            (void)moed_bufpool_grow(srv->pool, &c->buf, need, c->len);
-    }
-    if (c->eof) {
+    if (c->eof && !c->fatal) {
         /* No more bytes will come. Bytes left that the loop could not parse
          * (it was not blocked by a limit) are a truncated frame. */
         size_t rest = c->len - c->off;
-        int blocked = c->pending >= srv->cfg.max_pending_per_client || c->wpaused;
+        int blocked = conn_blocked(c) || c->deferred;
         if ((rest > 0 || c->skip > 0) && !blocked) {
             char msg[160];
             snprintf(msg, sizeof msg, "connection closed mid-frame (%zu bytes of a frame received)",
@@ -717,15 +990,28 @@ static void conn_process(struct moed_conn *c)
 
 static void conn_request_done(struct moed_conn *c)
 {
+    int was_blocked = conn_blocked(c);
     c->pending--;
     if (c->closing) {
         conn_free_if_done(c);
         return;
     }
+    if (c->fatal) {
+        if (c->pending == 0) {
+            c->fatal = 0;
+            conn_send_error(c, c->fatal_rid, c->fatal_code,
+                            c->fatal_msg ? c->fatal_msg : moed_strerror(c->fatal_code));
+            c->linger = 1;
+            conn_close(c, 1);
+        }
+        return;
+    }
     /* Below the pending limit again (frames already buffered come first),
      * or a half-closed client that may now be done. */
-    if (c->eof || c->pending + 1 == c->srv->cfg.max_pending_per_client)
+    if (!c->deferred && (c->eof || (was_blocked && !conn_blocked(c))))
         conn_process(c);
+    else
+        conn_update(c); /* its reply may be stuck in the queue: the drain deadline */
 }
 
 void moed_server_reply(struct moed_conn *c, struct moed_hbuf *frame, size_t off, size_t len,
@@ -846,6 +1132,7 @@ static void on_connection(uv_stream_t *ls, int status)
                  (unsigned)cred.uid, (unsigned)cred.gid);
         LOG_W("client %llu (pid %d): %s", (unsigned long long)c->id, (int)cred.pid, msg);
         conn_send_error(c, 0, MOED_E_PERM, msg);
+        c->linger = 1;
         conn_close(c, 1);
         return;
     }
@@ -854,6 +1141,7 @@ static void on_connection(uv_stream_t *ls, int status)
         snprintf(msg, sizeof msg, "too many clients (limit %u)", srv->cfg.max_clients);
         LOG_W("client %llu (pid %d): %s", (unsigned long long)c->id, (int)cred.pid, msg);
         conn_send_error(c, 0, MOED_E_BUSY, msg);
+        c->linger = 1;
         conn_close(c, 1);
         return;
     }
@@ -967,7 +1255,9 @@ int moed_server_open(uv_loop_t *loop, const struct moed_cfg *cfg, const struct m
     srv->listener.data = srv;
     uv_idle_init(loop, &srv->closer);
     srv->closer.data = srv;
-    srv->n_handles = 2;
+    uv_idle_init(loop, &srv->runner);
+    srv->runner.data = srv;
+    srv->n_handles = 3;
     /* The socket is created with the configured mode (umask), then chmod'ed
      * in case the umask was not enough (e.g. 0666 under a 022 umask). */
     mode_t old = umask((mode_t)(~cfg->socket_mode & 0777));
@@ -1004,9 +1294,10 @@ fail_handles:
     /* The handles were initialised on the loop: close them, free after. */
     srv->closing = 1;
     srv->done = NULL;
-    srv->n_handles = 2;
+    srv->n_handles = 3;
     uv_close((uv_handle_t *)&srv->listener, on_server_handle_closed);
     uv_close((uv_handle_t *)&srv->closer, on_server_handle_closed);
+    uv_close((uv_handle_t *)&srv->runner, on_server_handle_closed);
     return rc;
 }
 
@@ -1038,9 +1329,17 @@ void moed_server_close(struct moed_server *srv, void (*done)(void *arg), void *a
     srv->done_arg = arg;
     for (struct moed_conn *c = srv->conns; c; c = c->next)
         conn_close(c, 1);
-    /* The closer handle is closed only after it ran for the marked clients. */
+    /* The closer handle is closed only after it ran for the marked clients;
+     * deferred clients are all closing now: the runner has nothing to do. */
     srv->closing = 1;
+    for (struct moed_conn *c = srv->ready_head, *nx; c; c = nx) {
+        nx = c->ready_next;
+        c->ready_next = NULL;
+        c->deferred = 0;
+    }
+    srv->ready_head = srv->ready_tail = NULL;
     if (srv->close_list)
         on_closer(&srv->closer);
     uv_close((uv_handle_t *)&srv->closer, on_server_handle_closed);
+    uv_close((uv_handle_t *)&srv->runner, on_server_handle_closed);
 }

@@ -9,7 +9,10 @@
  * Lifetime of a connection: a client that disconnects (or is disconnected)
  * is closed at once on the wire, but its memory lives until both its libuv
  * handles are closed AND the engine has answered (and so released) every
- * FORWARD it took from it. Replies to a closed connection are dropped.
+ * FORWARD it took from it. Replies to a closed connection are dropped. A
+ * client that closed its socket outright (not just its write side) is closed
+ * at EOF: its slot is free at once, and the engine may skip its requests
+ * that have not started (moed_server_conn_gone).
  *
  * Everything here runs on the loop thread.
  */
@@ -47,9 +50,11 @@ struct moed_server_ops {
                    char *err, size_t errlen);
     /* Fill the HELLO reply (everything but `version`). */
     void (*hello)(void *ctx, struct moed_hello_rep *rep);
-    /* Status JSON for a STATUS request (malloc'd; the server frees); NULL on
+    /* Status JSON for a STATUS request: `*len` bytes the engine keeps (valid
+     * until the next call; the server copies them into the reply), so that a
+     * flood of STATUS requests is served from one rendering; NULL on
      * allocation failure. */
-    char *(*status_json)(void *ctx);
+    const char *(*status_json)(void *ctx, size_t *len);
 };
 
 /* Open the listening socket described by cfg (server.* keys): checks the path

@@ -79,6 +79,11 @@ ERROR_NAMES = {
 E_PROTO, E_VERSION, E_TOOBIG, E_INVAL, E_TIMEOUT, E_CONN = -8, -9, -11, -12, -14, -20
 
 
+# After a failed write, how long to wait for the daemon's ERROR frame that
+# says why it closed (normally in the receive queue already).
+PENDING_ERROR_WAIT_S = 0.1
+
+
 class MoedError(Exception):
     """An error reply from the daemon, or a local failure.
 
@@ -335,8 +340,25 @@ class Client:
                 self._sock.sendall(payload)
         except socket.timeout:
             self._fail(E_TIMEOUT, "write to the daemon timed out after %s s" % self.timeout)
+        except (BrokenPipeError, ConnectionResetError) as e:
+            # The daemon closed the connection, usually after an ERROR saying
+            # why (busy, peer not allowed): report that, not the bare EPIPE.
+            self._raise_pending_error()
+            self._fail(E_CONN, "write to the daemon: %s" % e)
         except OSError as e:
             self._fail(E_CONN, "write to the daemon: %s" % e)
+
+    def _raise_pending_error(self):
+        """Raise the daemon's ERROR if one is waiting in the receive queue."""
+        try:
+            self._sock.settimeout(PENDING_ERROR_WAIT_S)
+            self._read_frame()
+        except MoedError as e:
+            if e.request_id is not None:  # an ERROR frame from the daemon
+                self.close()
+                raise
+        except OSError:
+            pass
 
     def _recv_exact(self, n):
         buf = bytearray(n)
