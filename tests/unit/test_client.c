@@ -26,6 +26,7 @@ enum mode {
     MODE_WRONG_ID,   /* a reply with request_id + 1 */
     MODE_SILENT,     /* never answers */
     MODE_BAD_FWD,    /* FORWARD reply with the wrong T */
+    MODE_REFUSE,     /* an ERROR busy at accept, then close without reading */
 };
 
 struct fake {
@@ -110,6 +111,11 @@ static void *fake_main(void *arg)
 {
     struct fake *f = arg;
     int fd = accept(f->lfd, NULL, NULL);
+    if (f->mode == MODE_REFUSE) {
+        send_error(fd, 0, MOED_E_BUSY, "too many clients (limit 1)");
+        close(fd);
+        return NULL;
+    }
     uint8_t *p = malloc(1 << 20);
     uint8_t *queued[3];
     size_t qlen[3];
@@ -402,6 +408,32 @@ START_TEST(test_bad_forward_reply)
 }
 END_TEST
 
+/* A daemon that refuses a client writes its ERROR and closes: the client's
+ * next write fails with EPIPE, and the client reports the daemon's error
+ * that is waiting in its receive queue, not the broken pipe. */
+START_TEST(test_refused_error_after_epipe)
+{
+    struct fake f;
+    struct moedc *c;
+    char err[MOED_ERRLEN];
+    fake_start(&f, MODE_REFUSE);
+    ck_assert_int_eq(moedc_connect(f.path, 5000, &c, err, sizeof err), 0);
+    pthread_join(f.tid, NULL); /* the fake has written and closed */
+    uint16_t x[MAX_T * H], y[MAX_T * H];
+    int32_t ids[MAX_T * K];
+    float w[MAX_T * K];
+    batch(MAX_T, x, ids, w, 0);
+    /* moedc_forward sends HELLO first: the write that fails */
+    int rc = moedc_forward(c, 1, MAX_T, K, x, ids, w, y, err, sizeof err);
+    ck_assert_int_eq(rc, MOED_E_BUSY);
+    ck_assert_str_eq(err, "too many clients (limit 1)");
+    moedc_close(c);
+    close(f.lfd);
+    unlink(f.path);
+    rmdir(f.dir);
+}
+END_TEST
+
 START_TEST(test_connect_errors)
 {
     struct moedc *c = (struct moedc *)1;
@@ -468,6 +500,7 @@ static Suite *client_suite(void)
     tcase_add_test(tc, test_pipelined_error);
     tcase_add_test(tc, test_bad_replies);
     tcase_add_test(tc, test_bad_forward_reply);
+    tcase_add_test(tc, test_refused_error_after_epipe);
     tcase_add_test(tc, test_connect_errors);
     tcase_add_test(tc, test_connect_backlog_full);
     suite_add_tcase(s, tc);
