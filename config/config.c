@@ -156,10 +156,9 @@ static const struct cfg_key keys[] = {
             "clients reconnect on their own."},
     {.path = "server.max_reply_bytes", .type = T_UINT, .min = 65536, .max = 1099511627776LL,
      .def = "1073741824", FIELD(max_reply_bytes), .bytes = true,
-     .allowed = "at least server.max_client_buffer_bytes",
      .doc = "Memory that queued replies (frames and their bookkeeping) may hold for all "
             "clients together; past it the client holding the most is disconnected. Each "
-            "client is also held to server.max_client_buffer_bytes."},
+            "client is also held to server.max_client_buffer_bytes (to this, if smaller)."},
     /* status */
     {.path = "status.address", .type = T_STRING, .min = 1, .max = 15, .def = "127.0.0.1",
      FIELD(status_addr), .check = check_ipv4, .allowed = "an IPv4 literal",
@@ -786,12 +785,6 @@ static void check_cross(const struct moed_cfg *c, struct errs *e)
                 "(%llu); a client must be able to queue at least one full frame",
                 (unsigned long long)c->max_client_buffer_bytes,
                 (unsigned long long)c->max_frame_bytes);
-    if (c->max_reply_bytes < c->max_client_buffer_bytes)
-        err_add(e,
-                "server.max_reply_bytes: %llu is less than server.max_client_buffer_bytes "
-                "(%llu); the cap for all clients must hold one client's queue",
-                (unsigned long long)c->max_reply_bytes,
-                (unsigned long long)c->max_client_buffer_bytes);
 }
 
 /* ------------------------------------------------------------------------ */

@@ -236,7 +236,7 @@ static void server_shed(struct moed_server *srv)
         for (struct moed_conn *c = srv->conns; c; c = c->next)
             if (!c->closing && (!worst || c->wq_cost > worst->wq_cost))
                 worst = c;
-        if (!worst)
+        if (!worst || worst->wq_cost == 0)
             return;
         LOG_W("client %llu: dropped: its %llu bytes of unread replies put the daemon over "
               "server.max_reply_bytes (%llu)", (unsigned long long)worst->id,
@@ -1247,6 +1247,8 @@ int moed_server_open(uv_loop_t *loop, const struct moed_cfg *cfg, const struct m
         return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
     srv->loop = loop;
     srv->cfg = *cfg;
+    if (srv->cfg.max_client_buffer_bytes > srv->cfg.max_reply_bytes)
+        srv->cfg.max_client_buffer_bytes = srv->cfg.max_reply_bytes; /* one client under the cap */
     srv->ops = ops;
     srv->ctx = ctx;
     srv->pool = pool;

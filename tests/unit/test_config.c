@@ -519,6 +519,28 @@ START_TEST(load_files)
 }
 END_TEST
 
+/* The limits of issue 10: defaults, values and bounds. */
+START_TEST(abuse_limits)
+{
+    static struct moed_cfg c;
+    moed_cfg_defaults(&c);
+    ck_assert_uint_eq(c.idle_timeout_ms, 0);
+    ck_assert_uint_eq(c.max_reply_bytes, 1ull << 30);
+    ck_assert_uint_eq(c.drain_stall_ms, 10000);
+    ck_assert_msg(parse("{\"server\": {\"idle_timeout_ms\": 30000, \"max_reply_bytes\": 65536},"
+                        " \"engine\": {\"drain_stall_ms\": 1}}", &c) == 0, "%s", err);
+    ck_assert_uint_eq(c.idle_timeout_ms, 30000);
+    ck_assert_uint_eq(c.max_reply_bytes, 65536);
+    ck_assert_uint_eq(c.drain_stall_ms, 1);
+    expect_err("{\"engine\": {\"drain_stall_ms\": 0}}",
+               "engine.drain_stall_ms: 0 is out of range [1, 600000]");
+    expect_err("{\"server\": {\"max_reply_bytes\": 1024}}",
+               "server.max_reply_bytes: 1024 is out of range [65536, 1099511627776]");
+    expect_err("{\"server\": {\"idle_timeout_ms\": 86400001}}",
+               "server.idle_timeout_ms: 86400001 is out of range [0, 86400000]");
+}
+END_TEST
+
 START_TEST(example_json_parses)
 {
     static struct moed_cfg c, d;
@@ -591,6 +613,7 @@ static Suite *config_suite(void)
     tcase_set_timeout(tc, 30);
     tcase_add_test(tc, defaults_valid);
     tcase_add_test(tc, full_round_trip);
+    tcase_add_test(tc, abuse_limits);
     tcase_add_test(tc, error_classes);
     tcase_add_test(tc, integers_and_2p53);
     tcase_add_test(tc, arrays);

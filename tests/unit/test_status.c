@@ -481,6 +481,52 @@ START_TEST(prometheus_grammar_and_values)
 }
 END_TEST
 
+/* The STATUS frame cache: a flood that changes nothing is served the same
+ * body; a visible counter moving, or the age passing, renders anew, and the
+ * new body says so. */
+START_TEST(status_cache)
+{
+    static struct moed_stats s;
+    fill(&s);
+    struct moed_status_cache sc = {0};
+    const uint64_t age = 100 * 1000000ull;
+    size_t len = 0, len2 = 0;
+    const char *a = moed_status_json_cached(&sc, &s, 11 * NS, age, &len);
+    ck_assert_ptr_nonnull(a);
+    ck_assert_uint_eq(len, strlen(a));
+    char *first = strdup(a);
+    /* nothing visible changed, 50 ms later: the same rendering */
+    ck_assert_ptr_eq(moed_status_json_cached(&sc, &s, 11 * NS + age / 2, age, &len2), a);
+    ck_assert_uint_eq(len2, len);
+    /* a request served: rendered again, with the new count */
+    s.requests = 7;
+    const char *b = moed_status_json_cached(&sc, &s, 11 * NS + age / 2, age, &len2);
+    ck_assert_ptr_nonnull(b);
+    ck_assert_str_ne(b, first);
+    cJSON *j = cJSON_Parse(b);
+    ck_assert_double_eq(cJSON_GetObjectItemCaseSensitive(
+                            cJSON_GetObjectItemCaseSensitive(j, "requests"), "served")->valuedouble,
+                        7);
+    cJSON_Delete(j);
+    char *second = strdup(b);
+    /* an error counted, then a client refused: each renders again */
+    s.errors[1]++;
+    ck_assert_str_ne(moed_status_json_cached(&sc, &s, 11 * NS + age / 2, age, &len2), second);
+    free(second);
+    second = strdup(sc.body);
+    s.clients_refused++;
+    ck_assert_str_ne(moed_status_json_cached(&sc, &s, 11 * NS + age / 2, age, &len2), second);
+    /* only the clock moved, past the age: rendered anew (uptime differs) */
+    free(second);
+    second = strdup(sc.body);
+    ck_assert_str_ne(moed_status_json_cached(&sc, &s, 13 * NS, age, &len2), second);
+    free(second);
+    free(first);
+    moed_status_cache_free(&sc);
+    ck_assert_ptr_null(sc.body);
+}
+END_TEST
+
 int main(void)
 {
     Suite *su = suite_create("status");
@@ -490,6 +536,7 @@ int main(void)
     tcase_add_test(tc, bucket_bounds);
     tcase_add_test(tc, percentiles_within_one_bucket);
     tcase_add_test(tc, prometheus_grammar_and_values);
+    tcase_add_test(tc, status_cache);
     suite_add_tcase(su, tc);
     SRunner *sr = srunner_create(su);
     srunner_run_all(sr, CK_NORMAL);
