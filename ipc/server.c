@@ -564,8 +564,13 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *out)
     /* libuv reads right after this: the stage timing of a frame starts here,
      * so that its first read's copy counts too */
     c->read_start_ns = uv_hrtime();
-    if (c->off > 0 && c->off == c->len)
+    if (c->off > 0 && c->off == c->len) {
         c->off = c->len = 0;
+    } else if (c->off > 0) {
+        memmove(c->buf.base, c->buf.base + c->off, c->len - c->off);
+        c->len -= c->off;
+        c->off = 0;
+    }
     if (!c->buf.base) {
         /* after a lend, a buffer like the one lent: a steady client's next
          * frame then fits without growing */
@@ -912,6 +917,7 @@ static void conn_process(struct moed_conn *c)
                 framing_message(c, rc, &h, have, msg, sizeof msg);
                 conn_send_error(c, h.request_id, MOED_E_TYPE, msg);
                 c->skip = MOED_PROTO_HDR_SIZE + h.payload_len;
+                handled++;
                 continue;
             }
             /* The stream cannot be resynchronised: answer every request
@@ -952,11 +958,11 @@ static void conn_process(struct moed_conn *c)
             moed_bufpool_put(srv->pool, &c->buf);
             c->lent_cap = 0;
         }
-    } else if (c->off > 0 && !c->closing) {
-        memmove(c->buf.base, c->buf.base + c->off, c->len - c->off);
-        c->len -= c->off;
-        c->off = 0;
     }
+    /* Bytes left after off (a partial frame, or frames of a deferred or
+     * blocked client) move to the front only before the next read
+     * (on_alloc): a client served one frame per write completion would
+     * otherwise have the rest of its buffer moved once per frame. */
     if (c->closing)
         return;
     if (c->eof && !c->fatal) {
@@ -1329,8 +1335,13 @@ void moed_server_close(struct moed_server *srv, void (*done)(void *arg), void *a
     moed_server_stop_listening(srv);
     srv->done = done;
     srv->done_arg = arg;
-    for (struct moed_conn *c = srv->conns; c; c = c->next)
+    /* Every request was answered (the engine drained first): the replies
+     * still queued are owed, so each client gets as long as an open one to
+     * read them (frame_timeout_ms per stall), not CLOSE_GRACE_MS in all. */
+    for (struct moed_conn *c = srv->conns; c; c = c->next) {
         conn_close(c, 1);
+        c->drain_on_close = 1;
+    }
     /* The closer handle is closed only after it ran for the marked clients;
      * deferred clients are all closing now: the runner has nothing to do. */
     srv->closing = 1;
