@@ -156,7 +156,11 @@ static const struct cfg_key keys[] = {
      .def = "synthetic:tiny", FIELD(model), .check = check_model,
      .allowed = "a directory, or synthetic:PRESET[:layers=N][:seed=S] with N in 1 .. 1024",
      .doc = "NVFP4 checkpoint directory (ModelOpt layout), or a synthetic model generated "
-            "on first use into model.synthetic_dir."},
+            "on first use into model.synthetic_dir. The checkpoint's hidden_size and "
+            "moe_intermediate_size must be multiples of 16 (whole E4M3 scale blocks; enough "
+            "for the CPU backend); the CUDA backend needs multiples of 64 (its kernel streams "
+            "K in 64-weight units). A NaN block scale (E4M3 0x7f or 0xff) is refused at "
+            "load (exit code 3)."},
     {.path = "model.synthetic_dir", .type = T_PATH, .min = 1, .max = MOED_CFG_PATH_MAX - 1,
      .def = "/tmp/moed-models", FIELD(synthetic_dir),
      .doc = "Directory where synthetic models are generated and reused."},
@@ -792,19 +796,24 @@ static const struct cfg_key *key_find(const char *path)
     return NULL;
 }
 
-/* Levenshtein distance, for "did you mean"; strings longer than 63 bytes are
- * never close to a key. */
-static size_t edit_distance(const char *a, const char *b)
+/* Levenshtein distance, for "did you mean", or `limit` when it is at least
+ * `limit` (the length difference and each row's minimum bound it from below,
+ * so most keys are ruled out without filling the table); strings longer than
+ * 63 bytes are never close to a key. */
+static size_t edit_distance(const char *a, const char *b, size_t limit)
 {
     size_t la = strlen(a), lb = strlen(b);
     if (la > 63 || lb > 63)
-        return SIZE_MAX;
+        return limit;
+    if ((la > lb ? la - lb : lb - la) >= limit)
+        return limit;
     size_t row[64];
     for (size_t j = 0; j <= lb; j++)
         row[j] = j;
     for (size_t i = 1; i <= la; i++) {
         size_t diag = row[0];
         row[0] = i;
+        size_t lo = row[0];
         for (size_t j = 1; j <= lb; j++) {
             size_t up = row[j];
             size_t best = diag + (a[i - 1] != b[j - 1]);
@@ -814,9 +823,13 @@ static size_t edit_distance(const char *a, const char *b)
                 best = row[j - 1] + 1;
             row[j] = best;
             diag = up;
+            if (best < lo)
+                lo = best;
         }
+        if (lo >= limit)
+            return limit;
     }
-    return row[lb];
+    return row[lb] < limit ? row[lb] : limit;
 }
 
 /* "unknown key 'server.sockett' (did you mean 'server.socket'?)" */
@@ -824,6 +837,10 @@ static void report_unknown(const char *path, bool top_level, struct errs *e)
 {
     /* The key as a JSON string, its double quotes turned into single ones. */
     char q[CFG_SHOW_BUF];
+    if (e->count >= CFG_MAX_ERRORS) { /* the line is not kept: skip the search */
+        e->count++;
+        return;
+    }
     show_str(path, q, sizeof q);
     char *close = strrchr(q, '"');
     q[0] = '\'';
@@ -839,7 +856,7 @@ static void report_unknown(const char *path, bool top_level, struct errs *e)
         const char *cand = i < N_KEYS ? keys[i].path : sections[i - N_KEYS];
         if (top_level != (i >= N_KEYS))
             continue;
-        size_t d = edit_distance(path, cand);
+        size_t d = edit_distance(path, cand, bestd);
         if (d < bestd) {
             bestd = d;
             best = cand;
