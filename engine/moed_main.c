@@ -407,6 +407,38 @@ static void tune_malloc(void)
 #endif
 }
 
+/* The directory server.socket is created in must exist and be writable:
+ * checked before the (possibly long) model load, and named plainly (binding
+ * a socket in a missing directory reports "permission denied"). */
+static int check_socket_dir(const char *sock, char *err, size_t errlen)
+{
+    char dir[MOED_CFG_PATH_MAX];
+    const char *slash = strrchr(sock, '/');
+    if (!slash)
+        snprintf(dir, sizeof dir, ".");
+    else if (slash == sock)
+        snprintf(dir, sizeof dir, "/");
+    else
+        snprintf(dir, sizeof dir, "%.*s", (int)(slash - sock), sock);
+    struct stat sb;
+    if (stat(dir, &sb) != 0) {
+        if (errno == ENOENT)
+            return moed_seterr(err, errlen, MOED_E_IO,
+                               "server.socket %s: socket directory %s does not exist", sock,
+                               dir);
+        return moed_seterr(err, errlen, MOED_E_IO, "server.socket %s: socket directory %s: %s",
+                           sock, dir, strerror(errno));
+    }
+    if (!S_ISDIR(sb.st_mode))
+        return moed_seterr(err, errlen, MOED_E_IO,
+                           "server.socket %s: %s is not a directory", sock, dir);
+    if (access(dir, W_OK | X_OK) != 0)
+        return moed_seterr(err, errlen, MOED_E_IO,
+                           "server.socket %s: no permission to create the socket in %s (%s)",
+                           sock, dir, strerror(errno));
+    return 0;
+}
+
 static int run_daemon(const struct moed_cfg *cfg)
 {
     char err[MOED_ERRLEN * 4] = "";
@@ -421,6 +453,13 @@ static int run_daemon(const struct moed_cfg *cfg)
     d.boot.start_ns = uv_hrtime();
     d.boot.model_path = cfg->model;
     d.boot.backend = "";
+
+    rc = check_socket_dir(cfg->socket_path, err, sizeof err);
+    if (rc < 0) {
+        LOG_E("%s", err);
+        d.exit_code = EXIT_RUNTIME; /* as a failed bind */
+        goto out_loop;
+    }
 
     /* status first: it reports the load */
     if (cfg->status_port != 0) {
