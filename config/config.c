@@ -663,6 +663,7 @@ static void set_array(const struct cfg_key *k, struct moed_cfg *c, const cJSON *
         ok = false;
     }
     int64_t vals[MOED_CFG_MAX_IDS];
+    bool have[MOED_CFG_MAX_IDS] = {0}; /* vals[j] set: element j passed its checks */
     const char *noun = k->type == T_UINT_ARRAY ? "an unsigned integer" : "an integer";
     size_t i = 0;
     for (const cJSON *it = arr->child; it; it = it->next, i++) {
@@ -682,9 +683,10 @@ static void set_array(const struct cfg_key *k, struct moed_cfg *c, const cJSON *
         if (i >= cap)
             continue;
         vals[i] = v;
+        have[i] = true;
         /* A repeat is harmless for ids but a real mistake for GPUs; refuse both. */
         for (size_t j = 0; j < i; j++) {
-            if (vals[j] == v) {
+            if (have[j] && vals[j] == v) {
                 err_add(e, "%s: %lld is already listed at index %zu", path, (long long)v, j);
                 ok = false;
                 break;
