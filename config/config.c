@@ -151,6 +151,18 @@ static const struct cfg_key keys[] = {
             "loopback unless the port is firewalled."},
     {.path = "status.port", .type = T_UINT, .min = 0, .max = 65535, .def = "9464",
      FIELD(status_port), .doc = "TCP port of the HTTP status server; 0 turns it off."},
+    {.path = "status.header_timeout_ms", .type = T_UINT, .min = 100, .max = 60000,
+     .def = "2000", FIELD(status_header_timeout_ms),
+     .doc = "A status connection must send its whole request head within this many "
+            "milliseconds of connecting, or it is answered 408 and closed, so a slow sender "
+            "(slowloris) holds one of the 64 connection slots only this long."},
+    {.path = "status.max_conns_per_addr", .type = T_UINT, .min = 1, .max = 64, .def = "16",
+     FIELD(status_max_conns_per_addr),
+     .doc = "Status connections one client address may hold of the 64 served at once; more "
+            "are answered 503. When all 64 are taken, a client from an address holding fewer "
+            "takes the slot of the oldest unfinished request of the address holding the most, "
+            "so one address's slow connections cannot keep probes and scrapes from others "
+            "out. Every refusal is an answer followed by a clean close (no reset)."},
     /* model */
     {.path = "model.path", .type = T_PATH, .min = 1, .max = MOED_CFG_PATH_MAX - 1,
      .def = "synthetic:tiny", FIELD(model), .check = check_model,

@@ -368,6 +368,8 @@ static int start_status(struct daemon *d, const struct moed_cfg *cfg, char *err,
                              d, &d->http, err, errlen);
     if (rc < 0)
         return rc;
+    moed_http_set_client_limits(d->http, cfg->status_header_timeout_ms,
+                                cfg->status_max_conns_per_addr);
     LOG_I("status on http://%s:%u/status", cfg->status_addr, moed_http_port(d->http));
     if (uv_async_init(&d->loop, &d->boot_stop, on_boot_stop) != 0)
         return 0; /* no loop thread: /status answers once loaded */
