@@ -269,6 +269,16 @@ class Soak:
 
     # ---- daemon state
 
+    def cpu_s(self):
+        """The daemon's user + system CPU seconds so far."""
+        with open("/proc/%d/stat" % self.d.pid) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def served(self):
+        with self.mc.Client(self.d.sock_path, timeout=30) as c:
+            return int(c.status()["requests"]["served"])
+
     def rss_mb(self):
         return self.d.rss_kb() / 1024.0
 
@@ -363,9 +373,11 @@ def run(args, duration, d, mc, np):
     t0 = time.monotonic()
     print("baseline after %.0f s warm-up: RSS %.1f MB, %d fds (no client connected)"
           % (t0 - t_start, rss0, fd0), flush=True)
-    print("%8s %8s %8s %8s %9s %5s  %s" % ("t_s", "probes", "p50_ms", "p99_ms", "rss_mb",
-                                          "fds", "events (cumulative)"), flush=True)
+    print("%8s %8s %8s %8s %9s %5s %8s %6s  %s"
+          % ("t_s", "probes", "p50_ms", "p99_ms", "rss_mb", "fds", "cpu_us/r", "load",
+             "events (cumulative)"), flush=True)
     windows = []
+    cpu_prev, req_prev = s.cpu_s(), s.served()
     t_end = t_start + duration
     next_row = t0 + args.window
     while True:
@@ -376,11 +388,17 @@ def run(args, duration, d, mc, np):
             with s.lock:
                 lat = [dt for (t, dt) in s.lat if next_row - args.window <= t < next_row]
                 ev = dict(s.counts)
-            w = dict(t=now - t0, lat=lat, rss=s.rss_mb(), fds=s.fds())
+            cpu, req = s.cpu_s(), s.served()
+            with open("/proc/loadavg") as f:
+                load = float(f.read().split()[0])
+            w = dict(t=now - t0, lat=lat, rss=s.rss_mb(), fds=s.fds(), load=load,
+                     cpu=cpu - cpu_prev, req=req - req_prev)
+            cpu_prev, req_prev = cpu, req
             windows.append(w)
-            print("%8.0f %8d %8.2f %8.2f %9.1f %5d  %s"
+            print("%8.0f %8d %8.2f %8.2f %9.1f %5d %8.0f %6.2f  %s"
                   % (w["t"], len(lat), 1e3 * pct(lat, 0.5), 1e3 * pct(lat, 0.99), w["rss"],
-                     w["fds"], " ".join("%s=%d" % kv for kv in sorted(ev.items()))),
+                     w["fds"], 1e6 * w["cpu"] / max(1, w["req"]), load,
+                     " ".join("%s=%d" % kv for kv in sorted(ev.items()))),
                   flush=True)
             next_row += args.window
             if now >= t_end:
@@ -424,6 +442,17 @@ def run(args, duration, d, mc, np):
             ("RSS, idle (MB)", "%.1f" % rss0, "%.1f" % rss1, "%+.1f MB" % rss_drift,
              "< %d MB" % RSS_DRIFT_MAX_MB, rss_drift < RSS_DRIFT_MAX_MB),
             ("open fds, idle", "%d" % fd0, "%d" % fd1, "%+d" % (fd1 - fd0), "0", fd1 == fd0)]
+    # Not targets: what the daemon spends per request (does not depend on how
+    # busy the machine is) and the machine's load, to tell a daemon that
+    # slows down from a machine that got busier.
+    cpu_a = sum(w["cpu"] for w in windows[:k]) / max(1, sum(w["req"] for w in windows[:k]))
+    cpu_b = sum(w["cpu"] for w in windows[-k:]) / max(1, sum(w["req"] for w in windows[-k:]))
+    load_a = sum(w["load"] for w in windows[:k]) / k
+    load_b = sum(w["load"] for w in windows[-k:]) / k
+    rows += [("CPU/request (us)", "%.0f" % (1e6 * cpu_a), "%.0f" % (1e6 * cpu_b),
+              "%+.1f%%" % (100 * (cpu_b / cpu_a - 1) if cpu_a else 0), "-", None),
+             ("load average", "%.2f" % load_a, "%.2f" % load_b, "%+.2f" % (load_b - load_a), "-",
+              None)]
     print("| %-16s | %10s | %10s | %10s | %8s | %4s |" % ("metric", "start", "end", "drift",
                                                           "target", "ok"))
     print("|%s|%s|%s|%s|%s|%s|" % ("-" * 18, "-" * 12, "-" * 12, "-" * 12, "-" * 10, "-" * 6))
