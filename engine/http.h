@@ -39,7 +39,7 @@
 #define MOED_HTTP_MAX_PER_ADDR 16  /* default: of them from one peer address */
 #define MOED_HTTP_HEADER_TIMEOUT_MS 2000 /* default: accept -> whole request head */
 #define MOED_HTTP_TIMEOUT_MS 5000  /* head complete -> answer written */
-#define MOED_HTTP_LINGER_MS 1000   /* after an answer: read to the client's EOF */
+#define MOED_HTTP_LINGER_MS 2000   /* after an answer: read to the client's EOF */
 #define MOED_HTTP_MAX_LINGER 128   /* connections lingering at once */
 
 /* moed_http_parse_request results: COMPLETE, NEED_MORE, or the HTTP status
