@@ -11,18 +11,19 @@
  * (not holding a slot: read to EOF, linger deadline) -> close. A refused or
  * pushed-out connection goes straight to the answer (503) and the linger.
  * The per-address counts are linear scans of the live list (at most
- * MOED_HTTP_MAX_CONNS + MOED_HTTP_MAX_LINGER entries). Every handle's memory is freed only in
- * its close callback (libuv rule); the server itself is freed when the
- * listener and the last connection have closed after moed_http_stop.
+ * MOED_HTTP_MAX_CONNS + MOED_HTTP_MAX_LINGER entries). Every handle's memory
+ * is freed only in its close callback (libuv rule); the server itself is
+ * freed when the listener and the last connection have closed after
+ * moed_http_stop.
  */
 #include "http.h"
 
 #include <inttypes.h>
 #include <stdarg.h>
-#include <sys/socket.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 
 #include "moed_err.h"
@@ -308,10 +309,17 @@ static void conn_close(struct moed_http_conn *c)
     uv_close((uv_handle_t *)&c->timer, conn_on_close);
 }
 
+static void conn_on_timeout(uv_timer_t *t);
+
+/* The header deadline: the answer deadline when that is shorter (tests). */
+static uint32_t head_deadline_ms(const struct moed_http *h)
+{
+    return h->header_timeout_ms < h->timeout_ms ? h->header_timeout_ms : h->timeout_ms;
+}
+
 /* Move to C_LINGER (not counted, reading to EOF for at most
  * MOED_HTTP_LINGER_MS); 0, or -1 when MOED_HTTP_MAX_LINGER are lingering
  * already (the caller closes at once then). */
-static void conn_on_timeout(uv_timer_t *t);
 static int conn_linger(struct moed_http_conn *c)
 {
     struct moed_http *h = c->h;
@@ -334,8 +342,7 @@ static void conn_on_timeout(uv_timer_t *t)
     struct moed_http *h = c->h;
     if (c->state == C_READING) { /* the head did not arrive in time: say so */
         LOG_D("http: request head not complete after %" PRIu32 " ms (%zu bytes read)",
-              h->header_timeout_ms < h->timeout_ms ? h->header_timeout_ms : h->timeout_ms,
-              c->len);
+              head_deadline_ms(h), c->len);
         h->head_timeouts++;
         conn_answer_linger(c, 408, "408 request head not complete in time\n");
         return;
@@ -721,8 +728,7 @@ static void http_on_connection(uv_stream_t *srv, int status)
     c->counted = 1;
     c->state = C_READING;
     h->n_conns++;
-    uint32_t head_ms = h->header_timeout_ms < h->timeout_ms ? h->header_timeout_ms : h->timeout_ms;
-    rc = uv_timer_start(&c->timer, conn_on_timeout, head_ms, 0);
+    rc = uv_timer_start(&c->timer, conn_on_timeout, head_deadline_ms(h), 0);
     if (rc == 0)
         rc = uv_read_start((uv_stream_t *)&c->tcp, conn_alloc, conn_on_read);
     if (rc < 0) {
