@@ -7,6 +7,8 @@
 #   make test-gpu   GPU correctness tests (needs an NVIDIA GPU)
 #   make bench      GPU benchmark table (needs an NVIDIA GPU)
 #   make fuzz       build libFuzzer targets (clang)
+#   make fuzz-run   run each fuzz target FUZZ_RUNS times (CI: a short pass)
+#   make soak       DURATION=30m mixed-load soak on the CPU backend (not in CI)
 #   make install    PREFIX=/usr/local DESTDIR=
 #
 # Knobs (override on the command line):
@@ -88,8 +90,8 @@ BENCH_BIN := $(patsubst bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 BENCH_CU_OBJ := $(patsubst %.cu,$(BUILD)/%.o,$(wildcard bench/*.cu))
 BENCH_LIBS ?= -L$(CUDA_HOME)/lib64 -lcublas
 
-.PHONY: all run test unit-test py-test asan test-gpu bench fuzz install clean venv \
-        config-doc check-cuda-compile
+.PHONY: all run test unit-test py-test asan test-gpu bench fuzz fuzz-run soak install clean \
+        venv config-doc check-cuda-compile
 all: $(BUILD)/moed $(BUILD)/moectl $(BUILD)/libmoedclient.so $(BUILD)/moed-client.pc
 
 $(BUILD)/%.o: %.c
@@ -164,13 +166,34 @@ bench: all $(BENCH_BIN)
 # The CUDA sources compile for every arch in CUDA_ARCHS (CI has nvcc, no GPU).
 check-cuda-compile: $(CU_OBJ)
 
+# libFuzzer targets (clang): the host library built once with the fuzzer's
+# coverage and ASan/UBSan, then one binary per tests/fuzz/fuzz_*.c.
 FUZZ_SRC := $(wildcard tests/fuzz/fuzz_*.c)
-fuzz:
-	@mkdir -p $(BUILD)/fuzz
-	for f in $(FUZZ_SRC); do \
-	  clang -std=c11 -D_GNU_SOURCE -DMOED_VERSION='"$(VERSION)"' -g -O1 -fsanitize=fuzzer,address,undefined $(INCS) $(PKG_CFLAGS) \
-	    -o $(BUILD)/fuzz/$$(basename $$f .c) $$f $(filter-out %_cuda.c,$(filter-out $(MAINS),$(ALL_C))) \
-	    $(PKG_LIBS) -lm || exit 1; done
+FUZZ_BIN := $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
+FUZZ_LIB_OBJ := $(patsubst %.c,$(BUILD)/fuzz/obj/%.o,$(filter-out %_cuda.c,$(filter-out $(MAINS),$(ALL_C))))
+FUZZ_CFLAGS := -std=c11 -D_GNU_SOURCE -DMOED_VERSION='"$(VERSION)"' -g -O1 \
+               -fsanitize=fuzzer-no-link,address,undefined $(INCS) $(PKG_CFLAGS)
+FUZZ_RUNS ?= 100000
+fuzz: $(FUZZ_BIN)
+.SECONDARY: $(FUZZ_LIB_OBJ)
+
+$(BUILD)/fuzz/obj/%.o: %.c
+	@mkdir -p $(dir $@)
+	clang $(FUZZ_CFLAGS) -MMD -MP -c $< -o $@
+
+$(BUILD)/fuzz/%: tests/fuzz/%.c $(FUZZ_LIB_OBJ)
+	@mkdir -p $(dir $@)
+	clang $(FUZZ_CFLAGS) -fsanitize=fuzzer -o $@ $< $(FUZZ_LIB_OBJ) $(PKG_LIBS) -lm
+
+# Every target for FUZZ_RUNS executions (CI: 100k each); FUZZ_TARGETS="a b" picks.
+fuzz-run: fuzz
+	BUILD=$(BUILD) RUNS=$(FUZZ_RUNS) tests/fuzz/run.sh $(FUZZ_TARGETS)
+
+# Mixed load (restarts, kill -9, slow readers) against a CPU-backend daemon;
+# prints p99 / RSS / fd drift from start to end (tests/soak/soak.py).
+DURATION ?= 30m
+soak: all venv
+	$(VENV)/bin/python tests/soak/soak.py --duration $(DURATION) --build $(BUILD)
 
 config-doc: $(BUILD)/moed
 	$(BUILD)/moed --config-reference > config/README.md

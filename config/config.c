@@ -166,12 +166,28 @@ static const struct cfg_key keys[] = {
             "loopback unless the port is firewalled."},
     {.path = "status.port", .type = T_UINT, .min = 0, .max = 65535, .def = "9464",
      FIELD(status_port), .doc = "TCP port of the HTTP status server; 0 turns it off."},
+    {.path = "status.header_timeout_ms", .type = T_UINT, .min = 100, .max = 60000,
+     .def = "2000", FIELD(status_header_timeout_ms),
+     .doc = "A status connection must send its whole request head within this many "
+            "milliseconds of connecting, or it is answered 408 and closed, so a slow sender "
+            "(slowloris) holds one of the 64 connection slots only this long."},
+    {.path = "status.max_conns_per_addr", .type = T_UINT, .min = 1, .max = 64, .def = "16",
+     FIELD(status_max_conns_per_addr),
+     .doc = "Status connections one client address may hold of the 64 served at once; more "
+            "are answered 503. When all 64 are taken, a client from an address holding fewer "
+            "takes the slot of the oldest unfinished request of the address holding the most, "
+            "so one address's slow connections cannot keep probes and scrapes from others "
+            "out. Every refusal is an answer followed by a clean close (no reset)."},
     /* model */
     {.path = "model.path", .type = T_PATH, .min = 1, .max = MOED_CFG_PATH_MAX - 1,
      .def = "synthetic:tiny", FIELD(model), .check = check_model,
      .allowed = "a directory, or synthetic:PRESET[:layers=N][:seed=S] with N in 1 .. 1024",
      .doc = "NVFP4 checkpoint directory (ModelOpt layout), or a synthetic model generated "
-            "on first use into model.synthetic_dir."},
+            "on first use into model.synthetic_dir. The checkpoint's hidden_size and "
+            "moe_intermediate_size must be multiples of 16 (whole E4M3 scale blocks; enough "
+            "for the CPU backend); the CUDA backend needs multiples of 64 (its kernel streams "
+            "K in 64-weight units). A NaN block scale (E4M3 0x7f or 0xff) is refused at "
+            "load (exit code 3)."},
     {.path = "model.synthetic_dir", .type = T_PATH, .min = 1, .max = MOED_CFG_PATH_MAX - 1,
      .def = "/tmp/moed-models", FIELD(synthetic_dir),
      .doc = "Directory where synthetic models are generated and reused."},
@@ -680,6 +696,7 @@ static void set_array(const struct cfg_key *k, struct moed_cfg *c, const cJSON *
         ok = false;
     }
     int64_t vals[MOED_CFG_MAX_IDS];
+    bool have[MOED_CFG_MAX_IDS] = {0}; /* vals[j] set: element j passed its checks */
     const char *noun = k->type == T_UINT_ARRAY ? "an unsigned integer" : "an integer";
     size_t i = 0;
     for (const cJSON *it = arr->child; it; it = it->next, i++) {
@@ -699,9 +716,10 @@ static void set_array(const struct cfg_key *k, struct moed_cfg *c, const cJSON *
         if (i >= cap)
             continue;
         vals[i] = v;
+        have[i] = true;
         /* A repeat is harmless for ids but a real mistake for GPUs; refuse both. */
         for (size_t j = 0; j < i; j++) {
-            if (vals[j] == v) {
+            if (have[j] && vals[j] == v) {
                 err_add(e, "%s: %lld is already listed at index %zu", path, (long long)v, j);
                 ok = false;
                 break;
@@ -813,19 +831,24 @@ static const struct cfg_key *key_find(const char *path)
     return NULL;
 }
 
-/* Levenshtein distance, for "did you mean"; strings longer than 63 bytes are
- * never close to a key. */
-static size_t edit_distance(const char *a, const char *b)
+/* Levenshtein distance, for "did you mean", or `limit` when it is at least
+ * `limit` (the length difference and each row's minimum bound it from below,
+ * so most keys are ruled out without filling the table); strings longer than
+ * 63 bytes are never close to a key. */
+static size_t edit_distance(const char *a, const char *b, size_t limit)
 {
     size_t la = strlen(a), lb = strlen(b);
     if (la > 63 || lb > 63)
-        return SIZE_MAX;
+        return limit;
+    if ((la > lb ? la - lb : lb - la) >= limit)
+        return limit;
     size_t row[64];
     for (size_t j = 0; j <= lb; j++)
         row[j] = j;
     for (size_t i = 1; i <= la; i++) {
         size_t diag = row[0];
         row[0] = i;
+        size_t lo = row[0];
         for (size_t j = 1; j <= lb; j++) {
             size_t up = row[j];
             size_t best = diag + (a[i - 1] != b[j - 1]);
@@ -835,9 +858,13 @@ static size_t edit_distance(const char *a, const char *b)
                 best = row[j - 1] + 1;
             row[j] = best;
             diag = up;
+            if (best < lo)
+                lo = best;
         }
+        if (lo >= limit)
+            return limit;
     }
-    return row[lb];
+    return row[lb] < limit ? row[lb] : limit;
 }
 
 /* "unknown key 'server.sockett' (did you mean 'server.socket'?)" */
@@ -845,6 +872,10 @@ static void report_unknown(const char *path, bool top_level, struct errs *e)
 {
     /* The key as a JSON string, its double quotes turned into single ones. */
     char q[CFG_SHOW_BUF];
+    if (e->count >= CFG_MAX_ERRORS) { /* the line is not kept: skip the search */
+        e->count++;
+        return;
+    }
     show_str(path, q, sizeof q);
     char *close = strrchr(q, '"');
     q[0] = '\'';
@@ -860,7 +891,7 @@ static void report_unknown(const char *path, bool top_level, struct errs *e)
         const char *cand = i < N_KEYS ? keys[i].path : sections[i - N_KEYS];
         if (top_level != (i >= N_KEYS))
             continue;
-        size_t d = edit_distance(path, cand);
+        size_t d = edit_distance(path, cand, bestd);
         if (d < bestd) {
             bestd = d;
             best = cand;

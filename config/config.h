@@ -40,6 +40,8 @@ struct moed_cfg {
     /* status */
     char status_addr[64];             /* "127.0.0.1" */
     uint32_t status_port;             /* 0 = off */
+    uint32_t status_header_timeout_ms; /* accept -> whole request head, else 408 */
+    uint32_t status_max_conns_per_addr; /* status connections from one address */
     /* model */
     char model[MOED_CFG_PATH_MAX];    /* checkpoint dir, or "synthetic:PRESET[:layers=N][:seed=S]" */
     char synthetic_dir[MOED_CFG_PATH_MAX]; /* where synthetic models are generated */

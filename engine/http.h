@@ -3,10 +3,22 @@
  *
  * One request per connection, answered with `Connection: close`. Every input
  * is bounded: the request head (request line + headers through CRLFCRLF) is at
- * most MOED_HTTP_MAX_REQUEST bytes, the path at most MOED_HTTP_MAX_PATH bytes,
- * a connection lives at most MOED_HTTP_TIMEOUT_MS, and at most
- * MOED_HTTP_MAX_CONNS connections are served at once (more are answered 503
- * and closed). Nothing here blocks the loop.
+ * most MOED_HTTP_MAX_REQUEST bytes and must arrive within the header deadline
+ * (MOED_HTTP_HEADER_TIMEOUT_MS, else 408), the path is at most
+ * MOED_HTTP_MAX_PATH bytes, the answer must be written within
+ * MOED_HTTP_TIMEOUT_MS, and at most MOED_HTTP_MAX_CONNS connections are served
+ * at once, at most MOED_HTTP_MAX_PER_ADDR of them from one peer address.
+ *
+ * Slow clients cannot starve the rest: a connection from an address over its
+ * share is answered 503; when every slot is taken, a newcomer from an address
+ * holding fewer slots than the biggest takes the slot of that address's
+ * oldest connection still sending its head (which is answered 503), else it
+ * is answered 503 itself. Every answer (503, 408 included) is followed by a
+ * clean close: FIN, then the input read to EOF for at most
+ * MOED_HTTP_LINGER_MS without holding a slot, so the client reads the answer
+ * instead of a reset (at most MOED_HTTP_MAX_LINGER connections linger; past
+ * that the answer is written at once, the input there is read, and the
+ * connection closed). Nothing here blocks the loop.
  *
  * All calls on the loop thread.
  */
@@ -24,7 +36,11 @@
 #define MOED_HTTP_MAX_PATH 256     /* request-target bytes (query included); over -> 414 */
 #define MOED_HTTP_MAX_METHOD 16    /* method token bytes; longer is malformed -> 400 */
 #define MOED_HTTP_MAX_CONNS 64     /* concurrent connections; more get 503 */
-#define MOED_HTTP_TIMEOUT_MS 5000  /* whole-connection deadline (read + answer) */
+#define MOED_HTTP_MAX_PER_ADDR 16  /* default: of them from one peer address */
+#define MOED_HTTP_HEADER_TIMEOUT_MS 2000 /* default: accept -> whole request head */
+#define MOED_HTTP_TIMEOUT_MS 5000  /* head complete -> answer written */
+#define MOED_HTTP_LINGER_MS 2000   /* after an answer: read to the client's EOF */
+#define MOED_HTTP_MAX_LINGER 128   /* connections lingering at once */
 
 /* moed_http_parse_request results: COMPLETE, NEED_MORE, or the HTTP status
  * to answer (>= 400). */
@@ -83,12 +99,22 @@ int moed_http_start(uv_loop_t *loop, const char *addr, uint16_t port, moed_http_
 /* The bound port (useful after binding port 0); 0 if unknown. */
 uint16_t moed_http_port(const struct moed_http *h);
 
-/* Override the connection limits (tests); 0 keeps a value unchanged. */
+/* Override the connection cap and the answer deadline (tests); 0 keeps a
+ * value unchanged. */
 void moed_http_set_limits(struct moed_http *h, uint32_t max_conns, uint32_t timeout_ms);
 
-/* Connections answered so far (any status) and refused for the cap. */
+/* status.header_timeout_ms and status.max_conns_per_addr; 0 keeps a value
+ * unchanged. */
+void moed_http_set_client_limits(struct moed_http *h, uint32_t header_timeout_ms,
+                                 uint32_t max_per_addr);
+
+/* Connections answered so far (any status but a refusal), refused for the
+ * caps (503), pushed out of their slot by a newcomer from another address
+ * (503), and answered 408 at the header deadline. */
 uint64_t moed_http_served(const struct moed_http *h);
 uint64_t moed_http_refused(const struct moed_http *h);
+uint64_t moed_http_evicted(const struct moed_http *h);
+uint64_t moed_http_head_timeouts(const struct moed_http *h);
 
 /* Close the listener and every connection. `h` must not be used afterwards;
  * its memory is freed in the last close callback (run the loop to finish). */

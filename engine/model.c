@@ -8,8 +8,9 @@
  *   4. every expert tensor looked up and its dtype/shape checked, and the bytes
  *      of all weights + block scales summed from the headers alone;
  *   5. budget check (MOED_E_NOFIT) before any tensor byte is read;
- *   6. scalars read and checked, then every page of every expert matrix
- *      touched so the load cost is paid at start, not on the first request.
+ *   6. scalars read and checked, every block scale checked (no NaN), then
+ *      every page of every expert matrix touched so the load cost is paid at
+ *      start, not on the first request.
  */
 #include "model.h"
 
@@ -127,6 +128,25 @@ out:
     return rc;
 }
 
+/* JSON text[0..len) that must be one object; `name` labels messages. */
+static int parse_json(const char *name, const char *text, size_t len, cJSON **out, char *err,
+                      size_t errlen)
+{
+    *out = cJSON_ParseWithLength(text, len);
+    if (!*out) {
+        const char *at = cJSON_GetErrorPtr();
+        size_t pos = (at && at >= text && at <= text + len) ? (size_t)(at - text) : 0;
+        return moed_seterr(err, errlen, MOED_E_MODEL, "%s: malformed JSON near byte %zu", name,
+                           pos);
+    }
+    if (!cJSON_IsObject(*out)) {
+        cJSON_Delete(*out);
+        *out = NULL;
+        return moed_seterr(err, errlen, MOED_E_MODEL, "%s: not a JSON object", name);
+    }
+    return 0;
+}
+
 static int read_json(const char *dir, const char *name, size_t cap, cJSON **out, int *missing,
                      char *err, size_t errlen)
 {
@@ -139,17 +159,7 @@ static int read_json(const char *dir, const char *name, size_t cap, cJSON **out,
     rc = read_small(path, name, cap, &text, missing, err, errlen);
     if (rc || !text)
         return rc;
-    *out = cJSON_Parse(text);
-    if (!*out) {
-        const char *at = cJSON_GetErrorPtr();
-        size_t pos = (at && at >= text) ? (size_t)(at - text) : 0;
-        rc = moed_seterr(err, errlen, MOED_E_MODEL, "%s: malformed JSON near byte %zu", name,
-                         pos);
-    } else if (!cJSON_IsObject(*out)) {
-        rc = moed_seterr(err, errlen, MOED_E_MODEL, "%s: not a JSON object", name);
-        cJSON_Delete(*out);
-        *out = NULL;
-    }
+    rc = parse_json(name, text, strlen(text), out, err, errlen);
     free(text);
     return rc;
 }
@@ -165,8 +175,8 @@ static const struct cfg_alias {
     int required;         /* else `dflt` when absent */
     uint32_t dflt, min, max;
 } cfg_aliases[C__COUNT] = {
-    [C_HIDDEN] = {"hidden size", {"hidden_size"}, 1, 0, 32, MOED_MAX_HIDDEN},
-    [C_INTER] = {"expert intermediate size", {"moe_intermediate_size"}, 1, 0, 32,
+    [C_HIDDEN] = {"hidden size", {"hidden_size"}, 1, 0, NVFP4_GROUP, MOED_MAX_HIDDEN},
+    [C_INTER] = {"expert intermediate size", {"moe_intermediate_size"}, 1, 0, NVFP4_GROUP,
                  MOED_MAX_INTER},
     [C_EXPERTS] = {"routed experts", {"n_routed_experts", "num_experts"}, 1, 0, 1,
                    MOED_MAX_EXPERTS},
@@ -315,15 +325,20 @@ static int cfg_parse(const cJSON *root, struct moed_dims *d, uint8_t *is_moe, ch
     for (int c = 0; c < C__COUNT; c++)
         if ((rc = cfg_read_concept(root, (enum cfg_concept)c, &v[c], err, errlen)) != 0)
             return rc;
-    if (v[C_HIDDEN] % 32 != 0)
+    /* The format's own unit: one E4M3 scale per NVFP4_GROUP (16) weights of a
+     * row, two weights a byte. Backends may need more (CUDA: 64, checked when
+     * it starts); the CPU backend takes any multiple of 16. */
+    if (v[C_HIDDEN] % NVFP4_GROUP != 0)
         return moed_seterr(err, errlen, MOED_E_MODEL,
-                           "config.json: hidden_size %u is not a multiple of 32 (NVFP4 rows "
-                           "need whole bytes and scale blocks)",
-                           v[C_HIDDEN]);
-    if (v[C_INTER] % 32 != 0)
+                           "config.json: hidden_size %u is not a multiple of %d (an NVFP4 row "
+                           "is whole %d-weight scale blocks: one E4M3 scale per %d weights)",
+                           v[C_HIDDEN], NVFP4_GROUP, NVFP4_GROUP, NVFP4_GROUP);
+    if (v[C_INTER] % NVFP4_GROUP != 0)
         return moed_seterr(err, errlen, MOED_E_MODEL,
-                           "config.json: moe_intermediate_size %u is not a multiple of 32",
-                           v[C_INTER]);
+                           "config.json: moe_intermediate_size %u is not a multiple of %d (an "
+                           "NVFP4 row is whole %d-weight scale blocks: one E4M3 scale per %d "
+                           "weights)",
+                           v[C_INTER], NVFP4_GROUP, NVFP4_GROUP, NVFP4_GROUP);
     if (v[C_TOPK] > v[C_EXPERTS])
         return moed_seterr(err, errlen, MOED_E_MODEL,
                            "config.json: num_experts_per_tok %u is over the %u routed experts",
@@ -388,26 +403,18 @@ static int quant_check_fields(const char *label, const cJSON *algo, const cJSON 
     return 0;
 }
 
-static int quant_check(const char *dir, const cJSON *config, char *err, size_t errlen)
+/* hq: hf_quant_config.json, or NULL when the checkpoint has none (then
+ * config.json's quantization_config must say NVFP4). */
+static int quant_check(const cJSON *hq, const cJSON *config, char *err, size_t errlen)
 {
-    cJSON *hq = NULL;
-    int missing = 0;
-    int rc = read_json(dir, "hf_quant_config.json", MODEL_MAX_CONFIG_BYTES, &hq, &missing, err,
-                       errlen);
-    if (rc)
-        return rc;
-    if (!missing) {
+    if (hq) {
         const cJSON *q = cJSON_GetObjectItemCaseSensitive(hq, "quantization");
         if (!cJSON_IsObject(q))
-            rc = moed_seterr(err, errlen, MOED_E_MODEL,
-                             "hf_quant_config.json: missing 'quantization' object");
-        else
-            rc = quant_check_fields("hf_quant_config.json",
-                                    cJSON_GetObjectItemCaseSensitive(q, "quant_algo"),
-                                    cJSON_GetObjectItemCaseSensitive(q, "group_size"), err,
-                                    errlen);
-        cJSON_Delete(hq);
-        return rc;
+            return moed_seterr(err, errlen, MOED_E_MODEL,
+                               "hf_quant_config.json: missing 'quantization' object");
+        return quant_check_fields("hf_quant_config.json",
+                                  cJSON_GetObjectItemCaseSensitive(q, "quant_algo"),
+                                  cJSON_GetObjectItemCaseSensitive(q, "group_size"), err, errlen);
     }
     const cJSON *qc = cfg_get(config, "quantization_config");
     if (!cJSON_IsObject(qc))
@@ -429,6 +436,47 @@ static int quant_check(const char *dir, const cJSON *config, char *err, size_t e
     return quant_check_fields("config.json: quantization_config",
                               cJSON_GetObjectItemCaseSensitive(qc, "quant_algo"), gs, err,
                               errlen);
+}
+
+/* config.json and hf_quant_config.json (NULL if absent) of `dir`. */
+static int read_configs(const char *dir, cJSON **config, cJSON **hq, char *err, size_t errlen)
+{
+    int missing = 0;
+    int rc = read_json(dir, "config.json", MODEL_MAX_CONFIG_BYTES, config, NULL, err, errlen);
+    if (rc == 0)
+        rc = read_json(dir, "hf_quant_config.json", MODEL_MAX_CONFIG_BYTES, hq, &missing, err,
+                       errlen);
+    return rc;
+}
+
+int moed_model_parse_config(const char *config_json, size_t config_len, const char *quant_json,
+                            size_t quant_len, struct moed_dims *dims, char *err, size_t errlen)
+{
+    cJSON *config = NULL, *hq = NULL;
+    uint8_t *is_moe = malloc(MOED_MAX_LAYERS);
+    int rc;
+    if (!is_moe)
+        return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
+    if (config_len > MODEL_MAX_CONFIG_BYTES || quant_len > MODEL_MAX_CONFIG_BYTES) {
+        rc = moed_seterr(err, errlen, MOED_E_MODEL, "%s: %zu bytes, over the %u-byte cap",
+                         config_len > MODEL_MAX_CONFIG_BYTES ? "config.json"
+                                                             : "hf_quant_config.json",
+                         config_len > MODEL_MAX_CONFIG_BYTES ? config_len : quant_len,
+                         MODEL_MAX_CONFIG_BYTES);
+        goto out;
+    }
+    rc = parse_json("config.json", config_json, config_len, &config, err, errlen);
+    if (rc == 0 && quant_json)
+        rc = parse_json("hf_quant_config.json", quant_json, quant_len, &hq, err, errlen);
+    if (rc == 0)
+        rc = cfg_parse(config, dims, is_moe, err, errlen);
+    if (rc == 0)
+        rc = quant_check(hq, config, err, errlen);
+out:
+    cJSON_Delete(config);
+    cJSON_Delete(hq);
+    free(is_moe);
+    return rc;
 }
 
 /* ------------------------------------------------------------------ shards */
@@ -693,6 +741,27 @@ static uint64_t touch(const uint8_t *p, uint64_t n, long page)
     return sum;
 }
 
+/* Every E4M3 block scale of `mat` must be a number: a NaN scale (0x7f or
+ * 0xff) would make every output that its 16 weights reach NaN. s2_name is
+ * the matrix's weight_scale_2 tensor name, so the scale tensor's name is it
+ * without the "_2". */
+static int check_scales(const struct nvfp4_mat *mat, const char *s2_name, char *err,
+                        size_t errlen)
+{
+    size_t blocks = mat->k / NVFP4_GROUP, n = (size_t)mat->n * blocks;
+    size_t at = nvfp4_e4m3_find_nan(mat->scale, n);
+    if (at == n)
+        return 0;
+    size_t row = at / blocks, blk = at % blocks;
+    size_t nl = strlen(s2_name);
+    int base = nl > 2 && !strcmp(s2_name + nl - 2, "_2") ? (int)(nl - 2) : (int)nl;
+    return moed_seterr(err, errlen, MOED_E_MODEL,
+                       "tensor '%.*s': block scale at row %zu, block %zu (weights %zu..%zu of "
+                       "the row) is NaN (E4M3 byte 0x%02x); a block scale must be a number",
+                       base, s2_name, row, blk, blk * NVFP4_GROUP, blk * NVFP4_GROUP + 15,
+                       mat->scale[at]);
+}
+
 /* Matrix i of the flat order (expert i / 3, projection i % 3). */
 static struct nvfp4_mat *mat_at(struct moe_expert *experts, size_t i)
 {
@@ -706,7 +775,7 @@ int moed_model_open(const char *dir, uint64_t budget_bytes, moed_progress_fn pro
                     void *progress_ctx, struct moed_model **out, char *err, size_t errlen)
 {
     int rc;
-    cJSON *config = NULL;
+    cJSON *config = NULL, *hq = NULL;
     struct mat_scalars *sc = NULL;
     struct moed_model *m = calloc(1, sizeof *m);
     *out = NULL;
@@ -714,13 +783,13 @@ int moed_model_open(const char *dir, uint64_t budget_bytes, moed_progress_fn pro
         rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
         goto fail;
     }
-    rc = read_json(dir, "config.json", MODEL_MAX_CONFIG_BYTES, &config, NULL, err, errlen);
+    rc = read_configs(dir, &config, &hq, err, errlen);
     if (rc)
         goto fail;
     rc = cfg_parse(config, &m->dims, m->is_moe, err, errlen);
     if (rc)
         goto fail;
-    rc = quant_check(dir, config, err, errlen);
+    rc = quant_check(hq, config, err, errlen);
     if (rc)
         goto fail;
     rc = shards_open(m, err, errlen);
@@ -785,7 +854,7 @@ int moed_model_open(const char *dir, uint64_t budget_bytes, moed_progress_fn pro
         goto fail;
     }
 
-    /* Pass 2: scalars, then the pages of every matrix. */
+    /* Pass 2: scalars, then the block scales and pages of every matrix. */
     for (size_t i = 0; i < n_mats; i++) {
         struct nvfp4_mat *mat = mat_at(m->experts, i);
         float s2 = read_f32(sc[i].s2->data);
@@ -809,6 +878,9 @@ int moed_model_open(const char *dir, uint64_t budget_bytes, moed_progress_fn pro
     for (size_t i = 0; i < n_mats; i++) {
         const struct nvfp4_mat *mat = mat_at(m->experts, i);
         uint64_t wb = (uint64_t)mat->n * (mat->k / 2), sb = (uint64_t)mat->n * (mat->k / 16);
+        rc = check_scales(mat, sc[i].s2_name, err, errlen);
+        if (rc)
+            goto fail;
         sink += touch(mat->w, wb, page) + touch(mat->scale, sb, page);
         done += wb + sb;
         unsigned pct = need ? (unsigned)(done * 100 / need) : 100;
@@ -828,11 +900,13 @@ int moed_model_open(const char *dir, uint64_t budget_bytes, moed_progress_fn pro
           (unsigned long long)(sink & 0xffff));
     free(sc);
     cJSON_Delete(config);
+    cJSON_Delete(hq);
     *out = m;
     return 0;
 fail:
     free(sc);
     cJSON_Delete(config);
+    cJSON_Delete(hq);
     moed_model_close(m);
     return rc;
 }

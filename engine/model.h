@@ -48,6 +48,14 @@ typedef void (*moed_progress_fn)(void *ctx, uint64_t done, uint64_t total);
  * from `dir`; no tensors touched. */
 int moed_model_read_config(const char *dir, struct moed_dims *dims, char *err, size_t errlen);
 
+/* The checks moed_model_open makes on the two small files, on their text in
+ * memory: config.json (config_json[0..config_len)) and hf_quant_config.json
+ * (NULL when the checkpoint has none: config.json's quantization_config must
+ * then say NVFP4). Fills dims; MOED_E_MODEL with a message on any error. For
+ * tests and the fuzz target. */
+int moed_model_parse_config(const char *config_json, size_t config_len, const char *quant_json,
+                            size_t quant_len, struct moed_dims *dims, char *err, size_t errlen);
+
 /* Open a checkpoint directory: parse configs, open shards (headers only
  * first), check every needed tensor's dtype and shape, compute the bytes the
  * expert weights need, refuse with MOED_E_NOFIT naming both numbers if that is

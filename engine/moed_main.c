@@ -377,6 +377,8 @@ static int start_status(struct daemon *d, const struct moed_cfg *cfg, char *err,
                              d, &d->http, err, errlen);
     if (rc < 0)
         return rc;
+    moed_http_set_client_limits(d->http, cfg->status_header_timeout_ms,
+                                cfg->status_max_conns_per_addr);
     LOG_I("status on http://%s:%u/status", cfg->status_addr, moed_http_port(d->http));
     if (uv_async_init(&d->loop, &d->boot_stop, on_boot_stop) != 0)
         return 0; /* no loop thread: /status answers once loaded */
@@ -416,6 +418,38 @@ static void tune_malloc(void)
 #endif
 }
 
+/* The directory server.socket is created in must exist and be writable:
+ * checked before the (possibly long) model load, and named plainly (binding
+ * a socket in a missing directory reports "permission denied"). */
+static int check_socket_dir(const char *sock, char *err, size_t errlen)
+{
+    char dir[MOED_CFG_PATH_MAX];
+    const char *slash = strrchr(sock, '/');
+    if (!slash)
+        snprintf(dir, sizeof dir, ".");
+    else if (slash == sock)
+        snprintf(dir, sizeof dir, "/");
+    else
+        snprintf(dir, sizeof dir, "%.*s", (int)(slash - sock), sock);
+    struct stat sb;
+    if (stat(dir, &sb) != 0) {
+        if (errno == ENOENT)
+            return moed_seterr(err, errlen, MOED_E_IO,
+                               "server.socket %s: socket directory %s does not exist", sock,
+                               dir);
+        return moed_seterr(err, errlen, MOED_E_IO, "server.socket %s: socket directory %s: %s",
+                           sock, dir, strerror(errno));
+    }
+    if (!S_ISDIR(sb.st_mode))
+        return moed_seterr(err, errlen, MOED_E_IO,
+                           "server.socket %s: %s is not a directory", sock, dir);
+    if (access(dir, W_OK | X_OK) != 0)
+        return moed_seterr(err, errlen, MOED_E_IO,
+                           "server.socket %s: no permission to create the socket in %s (%s)",
+                           sock, dir, strerror(errno));
+    return 0;
+}
+
 static int run_daemon(const struct moed_cfg *cfg)
 {
     char err[MOED_ERRLEN * 4] = "";
@@ -430,6 +464,13 @@ static int run_daemon(const struct moed_cfg *cfg)
     d.boot.start_ns = uv_hrtime();
     d.boot.model_path = cfg->model;
     d.boot.backend = "";
+
+    rc = check_socket_dir(cfg->socket_path, err, sizeof err);
+    if (rc < 0) {
+        LOG_E("%s", err);
+        d.exit_code = EXIT_RUNTIME; /* as a failed bind */
+        goto out_loop;
+    }
 
     /* status first: it reports the load */
     if (cfg->status_port != 0) {

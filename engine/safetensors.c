@@ -309,10 +309,38 @@ out:
     return rc;
 }
 
+/* The whole file p[0..size) (size >= 8): header length, header, data
+ * section; f->path names it in messages. */
+static int parse_bytes(struct st_file *f, const uint8_t *p, size_t size, char *err,
+                       size_t errlen)
+{
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--)
+        hlen = (hlen << 8) | p[i];
+    if (hlen > ST_MAX_HEADER_BYTES)
+        return moed_seterr(err, errlen, MOED_E_FORMAT,
+                           "%s: header length %llu over the %u-byte cap", f->path,
+                           (unsigned long long)hlen, ST_MAX_HEADER_BYTES);
+    if (hlen > (uint64_t)size - 8)
+        return moed_seterr(err, errlen, MOED_E_FORMAT,
+                           "%s: truncated: header length %llu past the end of the %zu-byte file",
+                           f->path, (unsigned long long)hlen, size);
+    f->data_size = (uint64_t)size - 8 - hlen;
+    /* A private NUL-terminated copy: cJSON then cannot run past the header. */
+    char *hdr = malloc(hlen + 1);
+    if (!hdr)
+        return moed_seterr(err, errlen, MOED_E_NOMEM, "%s: out of memory for a %llu-byte header",
+                           f->path, (unsigned long long)hlen);
+    memcpy(hdr, p + 8, hlen);
+    hdr[hlen] = '\0';
+    int rc = parse_header(f, hdr, hlen, p + 8 + hlen, err, errlen);
+    free(hdr);
+    return rc;
+}
+
 int st_open(const char *path, struct st_file **out, char *err, size_t errlen)
 {
     int rc = 0, fd = -1;
-    char *hdr = NULL;
     struct st_file *f = NULL;
     struct stat sb;
     *out = NULL;
@@ -354,43 +382,41 @@ int st_open(const char *path, struct st_file **out, char *err, size_t errlen)
                          f->map_len, strerror(errno));
         goto fail;
     }
-    const uint8_t *p = f->map;
-    uint64_t hlen = 0;
-    for (int i = 7; i >= 0; i--)
-        hlen = (hlen << 8) | p[i];
-    if (hlen > ST_MAX_HEADER_BYTES) {
-        rc = moed_seterr(err, errlen, MOED_E_FORMAT,
-                         "%s: header length %llu over the %u-byte cap", path,
-                         (unsigned long long)hlen, ST_MAX_HEADER_BYTES);
-        goto fail;
-    }
-    if (hlen > (uint64_t)sb.st_size - 8) {
-        rc = moed_seterr(err, errlen, MOED_E_FORMAT,
-                         "%s: truncated: header length %llu past the end of the %lld-byte file",
-                         path, (unsigned long long)hlen, (long long)sb.st_size);
-        goto fail;
-    }
-    f->data_size = (uint64_t)sb.st_size - 8 - hlen;
-    /* A private NUL-terminated copy: cJSON then cannot run past the header. */
-    hdr = malloc(hlen + 1);
-    if (!hdr) {
-        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "%s: out of memory for a %llu-byte header",
-                         path, (unsigned long long)hlen);
-        goto fail;
-    }
-    memcpy(hdr, p + 8, hlen);
-    hdr[hlen] = '\0';
-    rc = parse_header(f, hdr, hlen, p + 8 + hlen, err, errlen);
+    rc = parse_bytes(f, f->map, f->map_len, err, errlen);
     if (rc)
         goto fail;
-    free(hdr);
     close(fd);
     *out = f;
     return 0;
 fail:
-    free(hdr);
     if (fd >= 0)
         close(fd);
+    st_close(f);
+    return rc;
+}
+
+int st_open_mem(const char *name, const void *buf, size_t len, struct st_file **out, char *err,
+                size_t errlen)
+{
+    int rc;
+    struct st_file *f = calloc(1, sizeof *f);
+    *out = NULL;
+    if (!f || !(f->path = strdup(name))) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "%s: out of memory", name);
+        goto fail;
+    }
+    if (len < 8) {
+        rc = moed_seterr(err, errlen, MOED_E_FORMAT,
+                         "%s: truncated: %zu bytes, need at least 8 for the header length", name,
+                         len);
+        goto fail;
+    }
+    rc = parse_bytes(f, buf, len, err, errlen);
+    if (rc)
+        goto fail;
+    *out = f;
+    return 0;
+fail:
     st_close(f);
     return rc;
 }

@@ -38,6 +38,11 @@ struct st_file; /* opaque */
 
 /* Open and validate. On error returns a negative code and writes a message. */
 int st_open(const char *path, struct st_file **out, char *err, size_t errlen);
+/* The same checks on a file image in memory, buf[0..len) (borrowed: tensor
+ * data points into it, so it must outlive the st_file); `name` stands for the
+ * path in messages. For tests and the fuzz target. */
+int st_open_mem(const char *name, const void *buf, size_t len, struct st_file **out, char *err,
+                size_t errlen);
 void st_close(struct st_file *f);
 
 size_t st_count(const struct st_file *f);

@@ -17,12 +17,16 @@ int moe_gpu_check_dims(const struct moe_gpu_dims *d, char *err, size_t errlen)
 {
     if (d->hidden == 0 || d->hidden % 64 != 0)
         return moed_seterr(err, errlen, MOED_E_MODEL,
-                           "cuda backend: hidden_size %u must be a positive multiple of 64",
+                           "cuda backend: hidden_size %u must be a positive multiple of 64 "
+                           "(the kernel's weight tiles stream K in units of 64 weights: 4 "
+                           "scale blocks)",
                            d->hidden);
     if (d->inter == 0 || d->inter % 64 != 0)
         return moed_seterr(err, errlen, MOED_E_MODEL,
                            "cuda backend: moe_intermediate_size %u must be a positive multiple "
-                           "of 64", d->inter);
+                           "of 64 (the kernel's weight tiles stream K in units of 64 weights: 4 "
+                           "scale blocks)",
+                           d->inter);
     if (d->n_experts == 0 || d->n_experts + d->n_shared > 1024 || d->top_k == 0 ||
         d->top_k > d->n_experts)
         return moed_seterr(err, errlen, MOED_E_MODEL,

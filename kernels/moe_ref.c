@@ -44,7 +44,7 @@
  * -ffast-math), combined in a fixed tree. dot4 computes four dots that share
  * the operand `a` (one load of a per step) and gives bit-identical results to
  * four dot1 calls, so blocking never changes a value. len % 8 == 0 (len is H
- * or I, both multiples of 32). -std=c11 keeps fp-contract off: no FMA. */
+ * or I, both multiples of NVFP4_GROUP = 16). -std=c11 keeps fp-contract off: no FMA. */
 typedef float v4f __attribute__((vector_size(16)));
 
 static inline v4f ld4(const float *p)
@@ -235,7 +235,8 @@ static int validate(const struct moe_layer *L, uint32_t T, const uint16_t *x, co
 {
     if (!L || !L->experts || !x || !ids || !w || !y)
         return MOED_E_INVAL;
-    if (L->hidden == 0 || L->hidden % 32 || L->inter == 0 || L->inter % 32)
+    if (L->hidden == 0 || L->hidden % NVFP4_GROUP || L->inter == 0 ||
+        L->inter % NVFP4_GROUP)
         return MOED_E_INVAL;
     if (L->n_experts == 0 || L->top_k == 0 || L->top_k > L->n_experts)
         return MOED_E_INVAL;

@@ -199,6 +199,24 @@ void nvfp4_dequant_row(const struct nvfp4_mat *m, uint32_t r, float *out, int wi
     }
 }
 
+size_t nvfp4_e4m3_find_nan(const uint8_t *s, size_t n)
+{
+    const uint64_t ones = 0x0101010101010101ull, highs = 0x8080808080808080ull;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t x;
+        memcpy(&x, s + i, sizeof x); /* mmap data carries no alignment promise */
+        /* sign bits set: a NaN byte becomes 0xff, so its complement is 0 */
+        uint64_t v = ~(x | highs);
+        if (((v - ones) & ~v & highs) != 0)
+            break; /* one of these 8 is NaN: find it below */
+    }
+    for (; i < n; i++)
+        if ((s[i] & 0x7f) == 0x7f)
+            return i;
+    return n;
+}
+
 double bf16_rel_l2(const uint16_t *y, const uint16_t *ref, size_t n)
 {
     double num = 0, den = 0;

@@ -30,7 +30,7 @@
 #define NVFP4_E4M3_MAX 448.0f
 
 /* One NVFP4 matrix [n, k] as stored in the checkpoint (pointers borrowed, not
- * owned: usually into an mmap of a safetensors file). k % 32 == 0 so rows are
+ * owned: usually into an mmap of a safetensors file). k % 16 == 0 so rows are
  * whole bytes and whole scale blocks. */
 struct nvfp4_mat {
     uint32_t n, k;
@@ -44,6 +44,11 @@ struct nvfp4_mat {
 float nvfp4_e2m1_decode(uint8_t code);
 /* Decode one E4M3 (float8_e4m3fn) byte; 0x7f/0xff give NaN. */
 float nvfp4_e4m3_decode(uint8_t code);
+
+/* Index of the first NaN E4M3 byte (0x7f or 0xff) in s[0..n), or n if there
+ * is none. Reads 8 bytes at a time: a checkpoint's block scales are 1/8 of its
+ * weights, scanned once at load. */
+size_t nvfp4_e4m3_find_nan(const uint8_t *s, size_t n);
 
 /* Round to nearest E2M1 code, ties to the even code (ModelOpt/vLLM rounding:
  * thresholds .25 .75 1.25 1.75 2.5 3.5 5; |x| > 6 saturates to 6). */

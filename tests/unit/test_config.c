@@ -315,6 +315,34 @@ START_TEST(arrays)
 }
 END_TEST
 
+/* Found by fuzz_config (tests/fuzz): an element that failed its check left
+ * its slot unset, and the repeat check of a later element compared against
+ * it, so "7 is already listed at index 1" appeared or not depending on what
+ * the previous parse left on the stack. Prime the stack with 7s, then parse a
+ * list whose element 1 is refused: only that error may be reported. */
+START_TEST(arrays_repeat_check_skips_refused)
+{
+    static struct moed_cfg c;
+    static const char *const bad[] = {
+        "{\"server\": {\"allowed_uids\": [1, 42949672960, 7]}}",
+        "{\"server\": {\"allowed_uids\": [1, -3, 7]}}",
+        "{\"server\": {\"allowed_uids\": [1, \"x\", 7]}}",
+        "{\"engine\": {\"gpus\": [1, 5000, 7]}}",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        for (int r = 0; r < 3; r++) {
+            ck_assert_msg(parse("{\"server\": {\"allowed_uids\": [7, 8, 9]}}", &c) == 0, "%s",
+                          err);
+            ck_assert_int_eq(parse("{\"server\": {\"allowed_uids\": [7, 7, 7]}}", &c),
+                             MOED_E_CONFIG);
+            ck_assert_int_eq(parse(bad[i], &c), MOED_E_CONFIG);
+            ck_assert_msg(count_lines(err) == 1, "%s: %s", bad[i], err);
+            ck_assert_msg(strstr(err, "already listed") == NULL, "%s: %s", bad[i], err);
+        }
+    }
+}
+END_TEST
+
 START_TEST(several_errors_together)
 {
     static struct moed_cfg c;
@@ -617,6 +645,7 @@ static Suite *config_suite(void)
     tcase_add_test(tc, error_classes);
     tcase_add_test(tc, integers_and_2p53);
     tcase_add_test(tc, arrays);
+    tcase_add_test(tc, arrays_repeat_check_skips_refused);
     tcase_add_test(tc, several_errors_together);
     tcase_add_test(tc, socket_path_boundary);
     tcase_add_test(tc, octal_modes);

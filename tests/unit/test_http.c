@@ -196,7 +196,8 @@ struct reply {
 };
 
 enum { R_STATUS, R_METRICS, R_HEALTH_LOADING, R_HEALTH_UNHEALTHY, R_HEALTH_OK, R_HEAD, R_POST,
-       R_404, R_GARBAGE, R_FRAG, R_PIPELINED, R_TIMEOUT, R_CAP_BUSY, R_WHILE_IDLE, R_COUNT };
+       R_404, R_GARBAGE, R_FRAG, R_PIPELINED, R_TIMEOUT, R_CAP_BUSY, R_WHILE_IDLE,
+       R_OTHER_ADDR, R_PUSHED_OUT, R_COUNT };
 
 struct harness {
     uv_loop_t loop;
@@ -228,13 +229,21 @@ static double now_s(void)
     return (double)ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
-static int connect_local(uint16_t port)
+/* A connection to 127.0.0.1:port from source address `from` (host order;
+ * any 127/8 address is loopback). */
+static int connect_from(uint16_t port, uint32_t from)
 {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     if (fd < 0)
         return -1;
     struct timeval tv = {.tv_sec = 10};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    struct sockaddr_in src = {.sin_family = AF_INET};
+    src.sin_addr.s_addr = htonl(from);
+    if (bind(fd, (struct sockaddr *)&src, sizeof src) != 0) {
+        close(fd);
+        return -1;
+    }
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port)};
     sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
@@ -242,6 +251,11 @@ static int connect_local(uint16_t port)
         return -1;
     }
     return fd;
+}
+
+static int connect_local(uint16_t port)
+{
+    return connect_from(port, INADDR_LOOPBACK);
 }
 
 /* Read to EOF and split the reply into status, head and body. */
@@ -264,12 +278,14 @@ static void read_reply(int fd, struct reply *r, double t0)
     r->body[r->body_len] = '\0';
 }
 
-/* One request, written in pieces of `chunk` bytes (0: all at once). */
-static void request(uint16_t port, const char *req, size_t chunk, struct reply *r)
+/* One request from `from`, written in pieces of `chunk` bytes (0: all at
+ * once). */
+static void request_from(uint16_t port, uint32_t from, const char *req, size_t chunk,
+                         struct reply *r)
 {
     double t0 = now_s();
     r->status = -2;
-    int fd = connect_local(port);
+    int fd = connect_from(port, from);
     if (fd < 0)
         return;
     size_t n = strlen(req);
@@ -283,6 +299,11 @@ static void request(uint16_t port, const char *req, size_t chunk, struct reply *
     }
     read_reply(fd, r, t0);
     close(fd);
+}
+
+static void request(uint16_t port, const char *req, size_t chunk, struct reply *r)
+{
+    request_from(port, INADDR_LOOPBACK, req, chunk, r);
 }
 
 static void *client(void *arg)
@@ -309,7 +330,7 @@ static void *client(void *arg)
     memset(pipelined + n, 'j', sizeof pipelined - 1 - (size_t)n);
     request(p, pipelined, 3000, &t->rep[R_PIPELINED]); /* 2nd write lands after the reply */
 
-    /* slowloris: half a request, then silence -> closed at the deadline */
+    /* slowloris: half a request, then silence -> 408 at the deadline */
     double t0 = now_s();
     int fd = connect_local(p);
     if (fd >= 0) {
@@ -327,7 +348,18 @@ static void *client(void *arg)
         close(a);
     usleep(100000);
     request(p, "GET /healthz HTTP/1.1\r\n\r\n", 0, &t->rep[R_WHILE_IDLE]);
-    t->idle_fd = b; /* still open (and idle) when the server stops */
+
+    /* both slots held by idle connections of 127.0.0.1 (b, then c): a client
+     * from 127.0.0.2 takes the slot of the oldest (b), which is answered 503 */
+    int c = connect_local(p);
+    usleep(200000);
+    request_from(p, INADDR_LOOPBACK + 1, "GET /healthz HTTP/1.1\r\n\r\n", 0,
+                 &t->rep[R_OTHER_ADDR]);
+    if (b >= 0) {
+        read_reply(b, &t->rep[R_PUSHED_OUT], now_s());
+        close(b);
+    }
+    t->idle_fd = c; /* still open (and idle) when the server stops */
     uv_async_send(&t->stop);
     return NULL;
 }
@@ -452,18 +484,23 @@ START_TEST(listener_routes)
     ck_assert_msg(j != NULL, "pipelined: body is not JSON: %s", r->body);
     cJSON_Delete(j);
 
-    r = &t.rep[R_TIMEOUT]; /* closed without a reply at the 1 s deadline */
-    ck_assert_int_eq(r->status, -1);
+    r = &t.rep[R_TIMEOUT]; /* answered 408 at the 1 s deadline (the answer deadline is
+                              shorter than the default header deadline here) */
+    ck_assert_int_eq(r->status, 408);
+    ck_assert_str_eq(r->body, "408 request head not complete in time\n");
     ck_assert_msg(r->secs > 0.8 && r->secs < 5.0, "slow client closed after %.3f s", r->secs);
 
     r = &t.rep[R_CAP_BUSY];
     ck_assert_int_eq(r->status, 503);
     ck_assert_str_eq(r->body, "busy\n");
     ck_assert_int_eq(t.rep[R_WHILE_IDLE].status, 200);
+    ck_assert_int_eq(t.rep[R_OTHER_ADDR].status, 200);
+    ck_assert_int_eq(t.rep[R_PUSHED_OUT].status, 503);
+    ck_assert_str_eq(t.rep[R_PUSHED_OUT].body, "busy\n");
 
-    /* all requests but the busy one and the timed-out one took a snapshot
+    /* all requests but the busy ones and the timed-out one took a snapshot
      * (the errors did not) */
-    ck_assert_int_eq(atomic_load(&t.snapshots), 9);
+    ck_assert_int_eq(atomic_load(&t.snapshots), 10);
 }
 END_TEST
 

@@ -74,6 +74,16 @@ static void fill(const char *name, uint8_t *buf, uint64_t n)
     }
 }
 
+/* Block scales: fill's bytes with the two NaN codes (0x7f, 0xff) turned
+ * into 0x7e / 0xfe, since the loader refuses NaN scales. */
+static void fill_scales(const char *name, uint8_t *buf, uint64_t n)
+{
+    fill(name, buf, n);
+    for (uint64_t i = 0; i < n; i++)
+        if ((buf[i] & 0x7f) == 0x7f)
+            buf[i] ^= 1;
+}
+
 static float scale2_of(const char *name)
 {
     return 0.001f * (float)(1 + fnv(name) % 97);
@@ -90,6 +100,9 @@ struct fx {
     const char *bad_scale;   /* weight_scale (plain name) written as [N, K/32] */
     const char *bad_dtype;   /* weight (plain name) written as I8 */
     const char *zero_s2;     /* weight_scale_2 (plain name) written as 0 */
+    const char *nan_scale;   /* weight_scale (plain name) with nan_code at [nan_row, nan_block] */
+    uint32_t nan_row, nan_block;
+    uint8_t nan_code;
     const char *shard0;      /* name the index gives the first shard */
     int no_input_scale;
     int scale2_vec;          /* weight_scale_2 as [1] instead of [] */
@@ -125,25 +138,28 @@ static void *pool_alloc(struct pool *pl, size_t n)
     return pl->p[pl->n++] = p;
 }
 
-static void add(struct st_writer *w, cJSON *wm, const char *shard, struct pool *pl,
-                const char *name, enum st_dtype dt, uint32_t nd, uint64_t d0, uint64_t d1,
-                float scalar)
+static uint8_t *add(struct st_writer *w, cJSON *wm, const char *shard, struct pool *pl,
+                    const char *name, enum st_dtype dt, uint32_t nd, uint64_t d0, uint64_t d1,
+                    float scalar)
 {
     uint64_t shape[2] = {d0, d1};
     uint64_t nb = st_dtype_size(dt) * (nd > 0 ? d0 : 1) * (nd > 1 ? d1 : 1);
     uint8_t *buf = pool_alloc(pl, nb);
+    char plain[256]; /* bytes depend on the plain name: checks recompute them */
+    if (strncmp(name, "model.language_model.", 21) == 0)
+        snprintf(plain, sizeof plain, "model.%s", name + 21);
+    else
+        snprintf(plain, sizeof plain, "%s", name);
     if (dt == ST_F32)
         memcpy(buf, &scalar, 4);
-    else if (strncmp(name, "model.language_model.", 21) == 0) {
-        char plain[256]; /* bytes depend on the plain name: checks recompute them */
-        snprintf(plain, sizeof plain, "model.%s", name + 21);
+    else if (dt == ST_F8_E4M3)
+        fill_scales(plain, buf, nb);
+    else
         fill(plain, buf, nb);
-    } else {
-        fill(name, buf, nb);
-    }
     ck_assert_int_eq(st_writer_add(w, name, dt, nd, shape, buf, nb), 0);
     if (wm)
         ck_assert_ptr_nonnull(cJSON_AddStringToObject(wm, name, shard));
+    return buf;
 }
 
 static int match(const char *a, const char *b)
@@ -209,9 +225,12 @@ static void write_model(const struct fx *f)
                         2, n, k / 2, 0);
                 snprintf(full, sizeof full, "%s.weight_scale", base);
                 snprintf(plain, sizeof plain, "%s.weight_scale", pbase);
-                if (!match(f->skip, plain))
-                    add(w[s], wm, iname, pl, full, ST_F8_E4M3, 2, n,
-                        match(f->bad_scale, plain) ? k / 32 : k / 16, 0);
+                if (!match(f->skip, plain)) {
+                    uint8_t *sc = add(w[s], wm, iname, pl, full, ST_F8_E4M3, 2, n,
+                                      match(f->bad_scale, plain) ? k / 32 : k / 16, 0);
+                    if (match(f->nan_scale, plain))
+                        sc[(uint64_t)f->nan_row * (k / 16) + f->nan_block] = f->nan_code;
+                }
                 snprintf(full, sizeof full, "%s.weight_scale_2", base);
                 snprintf(plain, sizeof plain, "%s.weight_scale_2", pbase);
                 if (!match(f->skip, plain))
@@ -287,7 +306,7 @@ static void check_bytes(const struct moed_model *m, const struct fx *f)
                 fill(name, want, (uint64_t)n * k / 2);
                 ck_assert_msg(memcmp(mt->w, want, (size_t)n * k / 2) == 0, "%s", name);
                 snprintf(name, sizeof name, "%s.weight_scale", pbase);
-                fill(name, want, (uint64_t)n * k / 16);
+                fill_scales(name, want, (uint64_t)n * k / 16);
                 ck_assert_msg(memcmp(mt->scale, want, (size_t)n * k / 16) == 0, "%s", name);
                 free(want);
                 snprintf(name, sizeof name, "%s.weight_scale_2", pbase);
@@ -597,14 +616,15 @@ END_TEST
 
 START_TEST(config_bad_values)
 {
-    expect_config_fail("{\"hidden_size\": 80, \"moe_intermediate_size\": 32, "
+    expect_config_fail("{\"hidden_size\": 280, \"moe_intermediate_size\": 32, "
                        "\"n_routed_experts\": 4, \"num_experts_per_tok\": 2, "
                        "\"num_hidden_layers\": 2, \"first_k_dense_replace\": 0}",
-                       "hidden_size 80 is not a multiple of 32");
-    expect_config_fail("{\"hidden_size\": 64, \"moe_intermediate_size\": 48, "
+                       "config.json: hidden_size 280 is not a multiple of 16 (an NVFP4 row is "
+                       "whole 16-weight scale blocks: one E4M3 scale per 16 weights)");
+    expect_config_fail("{\"hidden_size\": 64, \"moe_intermediate_size\": 40, "
                        "\"n_routed_experts\": 4, \"num_experts_per_tok\": 2, "
                        "\"num_hidden_layers\": 2, \"first_k_dense_replace\": 0}",
-                       "moe_intermediate_size 48 is not a multiple of 32");
+                       "moe_intermediate_size 40 is not a multiple of 16");
     expect_config_fail("{\"hidden_size\": 64, \"moe_intermediate_size\": 32, "
                        "\"n_routed_experts\": 4, \"num_experts_per_tok\": 5, "
                        "\"num_hidden_layers\": 2, \"first_k_dense_replace\": 0}",
@@ -616,7 +636,7 @@ START_TEST(config_bad_values)
     expect_config_fail("{\"hidden_size\": 131072, \"moe_intermediate_size\": 32, "
                        "\"n_routed_experts\": 4, \"num_experts_per_tok\": 2, "
                        "\"num_hidden_layers\": 2, \"first_k_dense_replace\": 0}",
-                       "'hidden_size' is 131072, allowed 32..65536");
+                       "'hidden_size' is 131072, allowed 16..65536");
     expect_config_fail("{\"hidden_size\": \"64\", \"moe_intermediate_size\": 32, "
                        "\"n_routed_experts\": 4, \"num_experts_per_tok\": 2, "
                        "\"num_hidden_layers\": 2, \"first_k_dense_replace\": 0}",
@@ -804,6 +824,91 @@ START_TEST(scale2_zero)
 }
 END_TEST
 
+/* A NaN block scale (either code, first / middle / last block of a matrix) is
+ * refused at load, naming the tensor, the row and the block; the same
+ * checkpoint with the byte a number again loads. */
+START_TEST(scale_nan)
+{
+    static const struct {
+        const char *t;
+        uint32_t row, block;
+        uint8_t code;
+    } cases[] = {
+        {"model.layers.0.mlp.experts.0.gate_proj.weight_scale", 0, 0, 0x7f},
+        {"model.layers.1.mlp.experts.2.up_proj.weight_scale", 17, 3, 0xff},
+        {"model.layers.1.mlp.shared_experts.down_proj.weight_scale", 63, 1, 0x7f},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        struct fx f = tiny;
+        f.nan_scale = cases[i].t;
+        f.nan_row = cases[i].row;
+        f.nan_block = cases[i].block;
+        f.nan_code = cases[i].code;
+        write_model(&f);
+        char want[512];
+        uint32_t b = cases[i].block;
+        snprintf(want, sizeof want,
+                 "tensor '%s': block scale at row %u, block %u (weights %u..%u of the row) is "
+                 "NaN (E4M3 byte 0x%02x)",
+                 cases[i].t, cases[i].row, b, b * 16, b * 16 + 15, cases[i].code);
+        expect_open_fail(0, MOED_E_MODEL, want);
+    }
+    struct fx f = tiny;
+    f.nan_scale = cases[0].t;
+    f.nan_code = 0x7e; /* 448: the largest finite scale */
+    write_model(&f);
+    struct moed_model *m;
+    ck_assert_msg(moed_model_open(dir, 0, NULL, NULL, &m, err, sizeof err) == 0, "%s", err);
+    moed_model_close(m);
+}
+END_TEST
+
+/* hidden_size and moe_intermediate_size need only be whole 16-weight scale
+ * blocks: 272 and 48 (multiples of 16, not of 32) load and every matrix has
+ * the right shape. */
+START_TEST(dims_multiple_of_16)
+{
+    struct fx f = tiny;
+    f.H = 272;
+    f.I = 48;
+    write_model(&f);
+    struct moed_model *m;
+    ck_assert_msg(moed_model_open(dir, 0, NULL, NULL, &m, err, sizeof err) == 0, "%s", err);
+    check_bytes(m, &f);
+    moed_model_close(m);
+}
+END_TEST
+
+/* moed_model_parse_config: the same checks on text in memory (the fuzz
+ * target's entry point), with and without hf_quant_config.json. */
+START_TEST(parse_config_mem)
+{
+    static const char cfg[] = "{\"hidden_size\": 272, \"moe_intermediate_size\": 48, "
+                              "\"n_routed_experts\": 4, \"num_experts_per_tok\": 2, "
+                              "\"num_hidden_layers\": 3, \"first_k_dense_replace\": 1, "
+                              "\"quantization_config\": {\"quant_method\": \"modelopt\", "
+                              "\"quant_algo\": \"NVFP4\"}}";
+    static const char q[] = "{\"quantization\": {\"quant_algo\": \"FP8\"}}";
+    struct moed_dims d;
+    ck_assert_msg(moed_model_parse_config(cfg, strlen(cfg), NULL, 0, &d, err, sizeof err) == 0,
+                  "%s", err);
+    ck_assert_uint_eq(d.hidden, 272);
+    ck_assert_uint_eq(d.inter, 48);
+    ck_assert_uint_eq(d.n_moe_layers, 2);
+    /* hf_quant_config.json, when present, is what counts */
+    ck_assert_int_eq(moed_model_parse_config(cfg, strlen(cfg), q, strlen(q), &d, err, sizeof err),
+                     MOED_E_MODEL);
+    ck_assert_str_eq(err, "hf_quant_config.json: quant_algo 'FP8' not supported (need NVFP4)");
+    /* the length bounds the text: a prefix is malformed, not read past */
+    ck_assert_int_eq(moed_model_parse_config(cfg, 20, NULL, 0, &d, err, sizeof err),
+                     MOED_E_MODEL);
+    ck_assert_msg(strncmp(err, "config.json: malformed JSON near byte ", 38) == 0, "%s", err);
+    ck_assert_int_eq(moed_model_parse_config(cfg, strlen(cfg), "[]", 2, &d, err, sizeof err),
+                     MOED_E_MODEL);
+    ck_assert_str_eq(err, "hf_quant_config.json: not a JSON object");
+}
+END_TEST
+
 START_TEST(over_budget)
 {
     struct fx f = tiny;
@@ -905,6 +1010,9 @@ int main(void)
     tcase_add_test(bad, missing_shared_tensor);
     tcase_add_test(bad, missing_moe_layer);
     tcase_add_test(bad, scale_shape_mismatch);
+    tcase_add_test(bad, scale_nan);
+    tcase_add_test(good, dims_multiple_of_16);
+    tcase_add_test(bad, parse_config_mem);
     tcase_add_test(bad, weight_dtype_mismatch);
     tcase_add_test(bad, weight_shape_mismatch);
     tcase_add_test(bad, scale2_zero);

@@ -180,7 +180,9 @@ START_TEST(test_check_dims)
     ck_assert_int_eq(moe_gpu_check_dims(&d, err, sizeof err), 0);
     d.hidden = 7200;
     ck_assert_int_eq(moe_gpu_check_dims(&d, err, sizeof err), MOED_E_MODEL);
-    ck_assert_str_eq(err, "cuda backend: hidden_size 7200 must be a positive multiple of 64");
+    ck_assert_str_eq(err, "cuda backend: hidden_size 7200 must be a positive multiple of 64 "
+                          "(the kernel's weight tiles stream K in units of 64 weights: 4 "
+                          "scale blocks)");
     d.hidden = 7168;
     d.inter = 100;
     ck_assert_int_eq(moe_gpu_check_dims(&d, err, sizeof err), MOED_E_MODEL);

@@ -105,7 +105,7 @@ START_TEST(test_invalid)
     L.top_k = 3; /* more slots than experts */
     ck_assert_int_eq(moe_ref_forward(&L, 1, x, ok, w, y, 1), MOED_E_INVAL);
     L.top_k = 1;
-    L.hidden = 48; /* not a multiple of 32, and the matrices disagree */
+    L.hidden = 40; /* not a multiple of 16 (whole scale blocks), and the matrices disagree */
     ck_assert_int_eq(moe_ref_forward(&L, 1, x, ok, w, y, 1), MOED_E_INVAL);
     L.hidden = HH;
     ex[1].down.n = 64; /* a matrix with the wrong shape */

@@ -259,6 +259,42 @@ START_TEST(test_bf16_rel_l2)
 }
 END_TEST
 
+/* nvfp4_e4m3_find_nan: both NaN codes found at every position of buffers of
+ * every length up to 40 (the 8-byte loop and the tail), the first of two
+ * reported, and none of the 254 other codes taken for NaN. */
+START_TEST(test_e4m3_find_nan)
+{
+    uint8_t buf[40];
+    for (size_t n = 0; n <= sizeof buf; n++) {
+        for (int v = 0; v < 256; v++) {
+            if ((v & 0x7f) == 0x7f)
+                continue;
+            memset(buf, v, sizeof buf);
+            ck_assert_uint_eq(nvfp4_e4m3_find_nan(buf, n), n);
+            ck_assert(!isnan(nvfp4_e4m3_decode((uint8_t)v)));
+        }
+        for (size_t at = 0; at < n; at++) {
+            for (int c = 0; c < 2; c++) {
+                for (size_t i = 0; i < sizeof buf; i++)
+                    buf[i] = (uint8_t)(0x38 + i); /* numbers, not NaN */
+                buf[at] = c ? 0xff : 0x7f;
+                ck_assert(isnan(nvfp4_e4m3_decode(buf[at])));
+                ck_assert_uint_eq(nvfp4_e4m3_find_nan(buf, n), at);
+                if (at + 1 < n) {
+                    buf[n - 1] = 0x7f;
+                    ck_assert_uint_eq(nvfp4_e4m3_find_nan(buf, n), at);
+                }
+                ck_assert_uint_eq(nvfp4_e4m3_find_nan(buf, at), at); /* outside the range */
+            }
+        }
+    }
+    /* unaligned start */
+    memset(buf, 0x40, sizeof buf);
+    buf[13] = 0xff;
+    ck_assert_uint_eq(nvfp4_e4m3_find_nan(buf + 3, 30), 10);
+}
+END_TEST
+
 static Suite *nvfp4_suite(void)
 {
     Suite *s = suite_create("nvfp4");
@@ -272,6 +308,7 @@ static Suite *nvfp4_suite(void)
     tcase_add_test(tc, test_quantize_properties);
     tcase_add_test(tc, test_quantize_zero_and_nibbles);
     tcase_add_test(tc, test_bf16_rel_l2);
+    tcase_add_test(tc, test_e4m3_find_nan);
     suite_add_tcase(s, tc);
     return s;
 }

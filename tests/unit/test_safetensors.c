@@ -313,6 +313,51 @@ START_TEST(valid_handwritten)
 }
 END_TEST
 
+/* st_open_mem (the fuzz target's entry point) makes the same checks on an
+ * image in memory: the same tensors with data pointing into the buffer, the
+ * same errors naming the given name, nothing read past `len`. */
+START_TEST(open_mem)
+{
+    static const char hdr[] =
+        "{\"s\": {\"dtype\": \"F32\", \"shape\": [], \"data_offsets\": [3, 7]},"
+        " \"a\": {\"dtype\": \"U8\", \"shape\": [3], \"data_offsets\": [0, 3]}}";
+    size_t hl = strlen(hdr), total = 8 + hl + 7;
+    uint8_t *buf = malloc(total);
+    ck_assert_ptr_nonnull(buf);
+    for (int i = 0; i < 8; i++)
+        buf[i] = (uint8_t)((uint64_t)hl >> (8 * i));
+    memcpy(buf + 8, hdr, hl);
+    for (size_t i = 0; i < 7; i++)
+        buf[8 + hl + i] = (uint8_t)(10 + i);
+    struct st_file *f;
+    ck_assert_msg(st_open_mem("mem.safetensors", buf, total, &f, err, sizeof err) == 0, "%s",
+                  err);
+    ck_assert_uint_eq(st_count(f), 2);
+    ck_assert_uint_eq(st_data_bytes(f), 7);
+    ck_assert_str_eq(st_path(f), "mem.safetensors");
+    const struct st_tensor *a = st_find(f, "a"), *sc = st_find(f, "s");
+    ck_assert_ptr_eq(a->data, buf + 8 + hl);
+    ck_assert_ptr_eq(sc->data, buf + 8 + hl + 3);
+    st_close(f);
+    /* one byte short: the scalar runs past the data section */
+    f = (struct st_file *)0x1;
+    ck_assert_int_eq(st_open_mem("mem.safetensors", buf, total - 1, &f, err, sizeof err),
+                     MOED_E_FORMAT);
+    ck_assert_ptr_null(f);
+    ck_assert_str_eq(err, "mem.safetensors: tensor 's': data_offsets [3, 7] past the end of the "
+                          "6-byte data section");
+    /* the header cut: malformed JSON, never read beyond */
+    ck_assert_int_eq(st_open_mem("mem.safetensors", buf, 8 + hl - 1, &f, err, sizeof err),
+                     MOED_E_FORMAT);
+    ck_assert_msg(strstr(err, "mem.safetensors: truncated: header length") == err, "%s", err);
+    ck_assert_int_eq(st_open_mem("mem.safetensors", buf, 7, &f, err, sizeof err),
+                     MOED_E_FORMAT);
+    ck_assert_str_eq(err, "mem.safetensors: truncated: 7 bytes, need at least 8 for the header "
+                          "length");
+    free(buf);
+}
+END_TEST
+
 START_TEST(dtype_table)
 {
     ck_assert_int_eq(st_dtype_parse("F8_E4M3"), ST_F8_E4M3);
@@ -461,6 +506,7 @@ int main(void)
     tcase_add_test(bad, missing_file);
     tcase_add_test(good, valid_handwritten);
     tcase_add_test(good, dtype_table);
+    tcase_add_test(good, open_mem);
     tcase_add_test(good, round_trip);
     tcase_add_test(good, writer_duplicate);
     tcase_add_test(good, writer_empty);
