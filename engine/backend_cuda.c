@@ -51,31 +51,30 @@
 
 #include "backend.h"
 #include "backend_cuda.h"
+#include "backend_cuda_hooks.h"
 #include "moe_gpu.h"
+#include "moed_check_cuda.h"
 #include "moed_err.h"
 #include "moed_log.h"
 
-/* Every CUDA call goes through CK: the call text, file and line go to the log
- * and to err, rc becomes MOED_E_BACKEND, control goes to `cleanup`. */
-#define CK(call)                                                                               \
-    do {                                                                                       \
-        cudaError_t ck_e_ = (call);                                                            \
-        if (ck_e_ != cudaSuccess) {                                                            \
-            rc = ck_fail(err, errlen, ck_e_, #call, __FILE__, __LINE__);                       \
-            goto cleanup;                                                                      \
-        }                                                                                      \
-    } while (0)
-
-static int ck_fail(char *err, size_t errlen, cudaError_t e, const char *call, const char *file,
-                   int line)
-{
-    LOG_E("CUDA error %s (%s) in %s at %s:%d", cudaGetErrorName(e), cudaGetErrorString(e), call,
-          file, line);
-    return moed_seterr(err, errlen, MOED_E_BACKEND, "CUDA error %s (%s) in %s at %s:%d",
-                       cudaGetErrorName(e), cudaGetErrorString(e), call, file, line);
-}
+/* Every CUDA call goes through MOED_CUDA_TRY (common/moed_check_cuda.h): the
+ * call text, file and line go to the log and to err, rc becomes
+ * MOED_E_BACKEND, control goes to `cleanup`. */
 
 #define HB_STALL_MS 5000u /* idle kernel heartbeat must advance within this */
+
+/* Scratch the kernel writes lies between two guard regions of GUARD_FILL
+ * bytes (GUARD_BYTES keeps the buffers 256-byte aligned), which the GPU
+ * tests check after every batch (moed_backend_cuda_check_guards). */
+#define GUARD_BYTES 256
+#define GUARD_FILL 0xa5
+enum { G_XS, G_IDS, G_W, G_H, G_DOUT, G_ROUTE, G_COUNT };
+static const char *const guard_name[G_COUNT] = {"staged x", "staged ids", "staged w",
+                                                "h", "d", "routing tables"};
+struct guarded {
+    uint8_t *base; /* the allocation: guard, buffer, guard */
+    size_t bytes;  /* the buffer's */
+};
 
 struct pend {
     struct pend *next;
@@ -102,7 +101,8 @@ struct cuda_backend {
     void *state;
     uint16_t *xs, *h;
     int32_t *ids_s;
-    uint16_t *route_g; /* per-CTA routing tables (MOE_GPU_ROUTE_GMEM) */
+    uint16_t *route_g; /* per-CTA routing tables */
+    struct guarded g[G_COUNT]; /* the allocations behind xs, ids_s, w_s, h, dout, route_g */
     float *w_s, *dout;
     uint64_t weight_bytes, scratch_bytes, dev_used, dev_total;
     /* mapped host memory */
@@ -152,6 +152,22 @@ static uint64_t now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* cudaMalloc of a scratch buffer of `bytes` between two guard regions. */
+static int scratch_alloc(struct cuda_backend *cb, int which, void **out, size_t bytes, char *err,
+                         size_t errlen)
+{
+    int rc = 0;
+    uint8_t *b = NULL;
+    MOED_CUDA_TRY(cudaMalloc((void **)&b, bytes + 2 * GUARD_BYTES));
+    cb->g[which].base = b;
+    cb->g[which].bytes = bytes;
+    MOED_CUDA_TRY(cudaMemset(b, GUARD_FILL, GUARD_BYTES));
+    MOED_CUDA_TRY(cudaMemset(b + GUARD_BYTES + bytes, GUARD_FILL, GUARD_BYTES));
+    *out = b + GUARD_BYTES;
+cleanup:
+    return rc;
 }
 
 /* ---------------- repack + upload ---------------- */
@@ -219,9 +235,9 @@ static int place_weights(struct cuda_backend *cb, const struct moed_cuda_src *sr
         rc = moed_seterr(err, errlen, MOED_E_NOMEM, "cuda backend: out of host memory");
         goto cleanup;
     }
-    CK(cudaMalloc((void **)&cb->wbuf, layer_bytes * cb->n_layers));
-    CK(cudaMalloc((void **)&cb->s2, sizeof(float) * 3 * NE * cb->n_layers));
-    CK(cudaMalloc((void **)&cb->layers_d, sizeof(struct moe_gpu_layer) * cb->n_layers));
+    MOED_CUDA_TRY(cudaMalloc((void **)&cb->wbuf, layer_bytes * cb->n_layers));
+    MOED_CUDA_TRY(cudaMalloc((void **)&cb->s2, sizeof(float) * 3 * NE * cb->n_layers));
+    MOED_CUDA_TRY(cudaMalloc((void **)&cb->layers_d, sizeof(struct moe_gpu_layer) * cb->n_layers));
     for (uint32_t l = 0; l < cb->n_layers; l++) {
         lh[l].gu = cb->wbuf + layer_bytes * l; /* gu and dn of expert e at gu + e*per */
         lh[l].dn = cb->wbuf + layer_bytes * l + moe_gpu_gu_bytes(H, I);
@@ -238,8 +254,8 @@ static int place_weights(struct cuda_backend *cb, const struct moed_cuda_src *sr
                         (1.0f + (float)(x % 1000) / 1000.0f) / (6.0f * 448.0f);
                 }
             }
-        CK((cudaError_t)moe_gpu_fill_random(cb->wbuf, layer_bytes * cb->n_layers, src->seed));
-        CK(cudaDeviceSynchronize());
+        MOED_TRY(moe_gpu_fill_random(cb->wbuf, layer_bytes * cb->n_layers, src->seed, err, errlen));
+        MOED_CUDA_TRY(cudaDeviceSynchronize());
     } else {
         /* the kernel reads gu at e*per and dn at e*per + gu bytes: interleave
          * experts as [gu dn][gu dn]..., which is what pack_range writes */
@@ -262,7 +278,7 @@ static int place_weights(struct cuda_backend *cb, const struct moed_cuda_src *sr
             for (uint32_t e0 = 0; e0 < NE; e0 += chunk) {
                 uint32_t e1 = e0 + chunk < NE ? e0 + chunk : NE;
                 pack_range(ly, e0, e1, H, I, host, n_thr);
-                CK(cudaMemcpy(cb->wbuf + layer_bytes * l + per * e0, host, per * (e1 - e0),
+                MOED_CUDA_TRY(cudaMemcpy(cb->wbuf + layer_bytes * l + per * e0, host, per * (e1 - e0),
                               cudaMemcpyHostToDevice));
                 done += per * (e1 - e0);
                 if (cb->progress)
@@ -277,8 +293,8 @@ static int place_weights(struct cuda_backend *cb, const struct moed_cuda_src *sr
     }
     /* per-layer tables; the kernel indexes gu/dn by e*per: fix the layer
      * pointers to that stride (gu at +0, dn at +gu bytes within each expert) */
-    CK(cudaMemcpy(cb->s2, s2h, sizeof(float) * 3 * NE * cb->n_layers, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(cb->layers_d, lh, sizeof *lh * cb->n_layers, cudaMemcpyHostToDevice));
+    MOED_CUDA_TRY(cudaMemcpy(cb->s2, s2h, sizeof(float) * 3 * NE * cb->n_layers, cudaMemcpyHostToDevice));
+    MOED_CUDA_TRY(cudaMemcpy(cb->layers_d, lh, sizeof *lh * cb->n_layers, cudaMemcpyHostToDevice));
 cleanup:
     free(host);
     free(s2h);
@@ -306,7 +322,7 @@ static void publish_locked(struct cuda_backend *cb, struct moed_batch *b)
     uint8_t *st = cb->stage + slot * cb->slot_bytes;
     uint8_t *sd = cb->stage_d + slot * cb->slot_bytes;
     const uint32_t T = b->n_tokens, H = cb->d.hidden, k = cb->d.top_k;
-    struct moe_gpu_slot *sl = &cb->ctrl->ring[slot];
+    struct moe_gpu_slot *sl = moe_gpu_slot_for(cb->ctrl, seq);
     struct moe_gpu_desc *dsc = &sl->d;
     dsc->seq = seq;
     dsc->layer = (uint32_t)cb->slot_of[b->layer];
@@ -346,7 +362,7 @@ static void publish_locked(struct cuda_backend *cb, struct moed_batch *b)
     /* stamped just before the release store: the dispatch-latency figure of
      * the benchmark then includes the store's own cost (tens of ns) */
     __atomic_store_n(&cb->pub_rt_ns, rt_ns(), __ATOMIC_RELAXED);
-    __atomic_store_n(&cb->ctrl->head, seq, __ATOMIC_RELEASE);
+    moe_gpu_publish(cb->ctrl, seq);
 }
 
 static void fill_from_pending_locked(struct cuda_backend *cb)
@@ -445,16 +461,15 @@ static void fail_all(struct cuda_backend *cb, const char *why)
     }
 }
 
-static int launch_locked(struct cuda_backend *cb)
+/* Launch the kernel for the batches after `delivered`; 0 or MOED_E_BACKEND
+ * (the failing call logged and in err). */
+static int launch_locked(struct cuda_backend *cb, char *err, size_t errlen)
 {
-    cb->ctrl->stop = 0;
-    __atomic_store_n(&cb->ctrl->exited, 0, __ATOMIC_RELEASE);
+    moe_gpu_arm(cb->ctrl);
     cb->params.start_seq = cb->delivered + 1;
-    int e = moe_gpu_start(&cb->params, &cb->launch, cb->stream);
-    if (e) {
-        LOG_E("cuda: GPU %d: kernel launch failed: %s", cb->dev, cudaGetErrorString((cudaError_t)e));
-        return MOED_E_BACKEND;
-    }
+    int rc = moe_gpu_start(&cb->params, &cb->launch, cb->stream, err, errlen);
+    if (rc)
+        return rc;
     cb->launches++;
     cb->running = 1;
     cb->head_start_ns = now_ns();
@@ -466,9 +481,9 @@ static int launch_locked(struct cuda_backend *cb)
  * while waiting; returns 0 or MOED_E_BACKEND). */
 static int stop_kernel(struct cuda_backend *cb, uint32_t timeout_ms)
 {
-    __atomic_store_n(&cb->ctrl->stop, 1, __ATOMIC_RELEASE);
+    moe_gpu_request_stop(cb->ctrl);
     uint64_t t0 = now_ns();
-    while (!__atomic_load_n(&cb->ctrl->exited, __ATOMIC_ACQUIRE)) {
+    while (!moe_gpu_exited(cb->ctrl)) {
         if (now_ns() - t0 > (uint64_t)timeout_ms * 1000000ull)
             return MOED_E_BACKEND;
         usleep(50);
@@ -494,9 +509,9 @@ static int stop_kernel(struct cuda_backend *cb, uint32_t timeout_ms)
  * acquire keeps their order (plain loads on x86). */
 static uint64_t kernel_time_ns(const struct cuda_backend *cb, uint64_t seq)
 {
-    uint64_t t5 = __atomic_load_n(&cb->ctrl->phase_ns[5], __ATOMIC_ACQUIRE);
-    uint64_t t0 = __atomic_load_n(&cb->ctrl->phase_ns[0], __ATOMIC_ACQUIRE);
-    if (__atomic_load_n(&cb->ctrl->done_seq, __ATOMIC_ACQUIRE) != seq || t0 == 0 || t5 <= t0)
+    uint64_t t5 = moe_gpu_phase(cb->ctrl, 5);
+    uint64_t t0 = moe_gpu_phase(cb->ctrl, 0);
+    if (moe_gpu_poll_done(cb->ctrl) != seq || t0 == 0 || t5 <= t0)
         return 0;
     return t5 - t0;
 }
@@ -516,7 +531,7 @@ static void *completion_thread(void *arg)
     for (;;) {
         uint64_t now = now_ns();
         /* ---- deliver completions ---- */
-        uint64_t done = __atomic_load_n(&cb->ctrl->done_seq, __ATOMIC_ACQUIRE);
+        uint64_t done = moe_gpu_poll_done(cb->ctrl);
         int progressed = 0;
         uint64_t done_kernel_ns = 0; /* kernel time of batch `done`, read right away */
         if (done > cb->delivered) { /* delivered: written by this thread only */
@@ -561,7 +576,8 @@ static void *completion_thread(void *arg)
         const char *why = NULL;
         if (!failed) {
             if (!cb->running && pending) {
-                if (launch_locked(cb))
+                char lerr[MOED_ERRLEN];
+                if (launch_locked(cb, lerr, sizeof lerr))
                     why = "kernel relaunch failed";
                 else
                     fill_from_pending_locked(cb);
@@ -596,7 +612,7 @@ static void *completion_thread(void *arg)
             cudaError_t e = cudaStreamQuery(cb->stream);
             if (e != cudaSuccess && e != cudaErrorNotReady)
                 why = cudaGetErrorString(e);
-            uint64_t hb = __atomic_load_n(&cb->ctrl->heartbeat, __ATOMIC_RELAXED);
+            uint64_t hb = moe_gpu_heartbeat(cb->ctrl);
             if (hb != hb_val || !cb->running || inflight) {
                 hb_val = hb;
                 hb_at = now;
@@ -711,12 +727,8 @@ static void free_all(struct cuda_backend *cb, int device_ok)
         cudaFree(cb->s2);
         cudaFree(cb->layers_d);
         cudaFree(cb->state);
-        cudaFree(cb->xs);
-        cudaFree(cb->h);
-        cudaFree(cb->ids_s);
-        cudaFree(cb->route_g);
-        cudaFree(cb->w_s);
-        cudaFree(cb->dout);
+        for (int i = 0; i < G_COUNT; i++)
+            cudaFree(cb->g[i].base);
         if (cb->ctrl)
             cudaFreeHost(cb->ctrl);
         if (cb->stage)
@@ -822,15 +834,26 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     for (uint32_t l = 0; l < src->n_layers; l++)
         cb->slot_of[src->layer_ids ? src->layer_ids[l] : l] = (int32_t)l;
 
-    CK(cudaSetDevice(cb->dev));
-    CK(cudaGetDeviceProperties(&prop, cb->dev));
+    MOED_CUDA_TRY(cudaSetDevice(cb->dev));
+    MOED_CUDA_TRY(cudaGetDeviceProperties(&prop, cb->dev));
     snprintf(cb->dev_name, sizeof cb->dev_name, "%s", prop.name);
     cb->n_sms = prop.multiProcessorCount;
+
+    /* the kernel module and this build must agree on the host-device layout
+     * (kernels/moe_gpu_abi.h) before anything is placed or launched */
+    {
+        uint64_t kernel_fp = 0;
+        MOED_TRY(moe_gpu_kernel_abi(&kernel_fp, err, errlen));
+        if ((rc = moe_gpu_abi_check(kernel_fp, err, errlen))) {
+            LOG_E("%s", err);
+            goto cleanup;
+        }
+    }
 
     /* routing tables grow with max_tokens and live in shared memory */
     {
         int optin = 0;
-        CK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, cb->dev));
+        MOED_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, cb->dev));
         uint32_t need = moe_gpu_smem_bytes(&cb->d);
         if ((int)need > optin) {
             rc = moed_seterr(err, errlen, MOED_E_CONFIG,
@@ -849,8 +872,9 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
                         moe_gpu_state_bytes(&cb->d) + (uint64_t)sizeof(float) * 3 * NE * cb->n_layers +
                         /* routing tables: one region per CTA; 1024 bounds the grid
                          * (<= 16 warps per SM, >= 4 warps per CTA, <= 256 SMs) */
-                        (uint64_t)moe_gpu_route_gmem_bytes(&cb->d) * 1024;
-    CK(cudaMemGetInfo(&free_b, &total_b));
+                        (uint64_t)moe_gpu_route_gmem_bytes(&cb->d) * 1024 +
+                        2 * GUARD_BYTES * G_COUNT;
+    MOED_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
     const uint64_t margin = 256ull << 20;
     if (cb->weight_bytes + cb->scratch_bytes + margin > free_b) {
         rc = moed_seterr(err, errlen, MOED_E_NOFIT,
@@ -867,32 +891,29 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
 
     if ((rc = place_weights(cb, src, err, errlen)))
         goto cleanup;
-    CK(cudaMalloc(&cb->state, moe_gpu_state_bytes(&cb->d)));
-    CK(cudaMemset(cb->state, 0, moe_gpu_state_bytes(&cb->d)));
-    CK(cudaMalloc((void **)&cb->xs, MT * H * 2));
-    CK(cudaMalloc((void **)&cb->ids_s, MT * k * 4));
-    CK(cudaMalloc((void **)&cb->w_s, MT * k * 4));
-    CK(cudaMalloc((void **)&cb->h, MT * KS * I * 2));
-    CK(cudaMalloc((void **)&cb->dout, MT * KS * H * 4));
+    MOED_CUDA_TRY(cudaMalloc(&cb->state, moe_gpu_state_bytes(&cb->d)));
+    MOED_CUDA_TRY(cudaMemset(cb->state, 0, moe_gpu_state_bytes(&cb->d)));
+    MOED_TRY(scratch_alloc(cb, G_XS, (void **)&cb->xs, MT * H * 2, err, errlen));
+    MOED_TRY(scratch_alloc(cb, G_IDS, (void **)&cb->ids_s, MT * k * 4, err, errlen));
+    MOED_TRY(scratch_alloc(cb, G_W, (void **)&cb->w_s, MT * k * 4, err, errlen));
+    MOED_TRY(scratch_alloc(cb, G_H, (void **)&cb->h, MT * KS * I * 2, err, errlen));
+    MOED_TRY(scratch_alloc(cb, G_DOUT, (void **)&cb->dout, MT * KS * H * 4, err, errlen));
 
     /* mapped host memory: control block + per-slot staging */
-    CK(cudaHostAlloc((void **)&cb->ctrl, sizeof *cb->ctrl, cudaHostAllocMapped));
+    MOED_CUDA_TRY(cudaHostAlloc((void **)&cb->ctrl, sizeof *cb->ctrl, cudaHostAllocMapped));
     memset(cb->ctrl, 0, sizeof *cb->ctrl);
-    CK(cudaHostGetDevicePointer((void **)&cb->ctrl_d, cb->ctrl, 0));
+    MOED_CUDA_TRY(cudaHostGetDevicePointer((void **)&cb->ctrl_d, cb->ctrl, 0));
     cb->off_ids = (MT * H * 2 + 255) & ~(size_t)255;
     cb->off_w = cb->off_ids + ((MT * k * 4 + 255) & ~(size_t)255);
     cb->off_y = cb->off_w + ((MT * k * 4 + 255) & ~(size_t)255);
     cb->slot_bytes = cb->off_y + ((MT * H * 2 + 255) & ~(size_t)255);
-    CK(cudaHostAlloc((void **)&cb->stage, cb->slot_bytes * MOE_GPU_RING, cudaHostAllocMapped));
-    CK(cudaHostGetDevicePointer((void **)&cb->stage_d, cb->stage, 0));
-    CK(cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking));
+    MOED_CUDA_TRY(cudaHostAlloc((void **)&cb->stage, cb->slot_bytes * MOE_GPU_RING, cudaHostAllocMapped));
+    MOED_CUDA_TRY(cudaHostGetDevicePointer((void **)&cb->stage_d, cb->stage, 0));
+    MOED_CUDA_TRY(cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking));
 
-    int e = moe_gpu_plan(cb->dev, &cb->d, cfg->sms_free, &cb->launch);
-    if (e)
-        CK((cudaError_t)e);
-    if (moe_gpu_route_gmem_bytes(&cb->d))
-        CK(cudaMalloc((void **)&cb->route_g,
-                      (size_t)cb->launch.grid * moe_gpu_route_gmem_bytes(&cb->d)));
+    MOED_TRY(moe_gpu_plan(cb->dev, &cb->d, cfg->sms_free, &cb->launch, err, errlen));
+    MOED_TRY(scratch_alloc(cb, G_ROUTE, (void **)&cb->route_g,
+                           (size_t)cb->launch.grid * moe_gpu_route_gmem_bytes(&cb->d), err, errlen));
     cb->params = (struct moe_gpu_params){
         .d = cb->d, .layers = cb->layers_d, .ctrl = cb->ctrl_d, .state = cb->state,
         .xs = cb->xs, .ids_s = cb->ids_s, .w_s = cb->w_s, .h = cb->h, .dout = cb->dout,
@@ -902,14 +923,11 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
           "threads, %d B dynamic smem", cb->dev, cb->launch.grid, cb->launch.ctas_per_sm,
           cb->launch.sms, cfg->sms_free, cb->launch.block, cb->launch.smem_bytes);
     pthread_mutex_lock(&cb->mu);
-    rc = launch_locked(cb);
+    rc = launch_locked(cb, err, errlen);
     pthread_mutex_unlock(&cb->mu);
-    if (rc) {
-        rc = moed_seterr(err, errlen, MOED_E_BACKEND, "cuda backend: kernel launch failed on GPU %d",
-                         cb->dev);
+    if (rc)
         goto cleanup;
-    }
-    CK(cudaMemGetInfo(&free_b, &total_b));
+    MOED_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
     cb->dev_used = total_b - free_b;
     cb->dev_total = total_b;
     if (pthread_create(&cb->thr, NULL, completion_thread, cb) != 0) {
@@ -972,7 +990,7 @@ int moed_backend_cuda_available(void)
 uint64_t moed_backend_cuda_heartbeat(struct moed_backend *be)
 {
     struct cuda_backend *cb = (struct cuda_backend *)be;
-    return __atomic_load_n(&cb->ctrl->heartbeat, __ATOMIC_RELAXED);
+    return moe_gpu_heartbeat(cb->ctrl);
 }
 
 uint64_t moed_backend_cuda_launches(struct moed_backend *be)
@@ -988,7 +1006,7 @@ void moed_backend_cuda_phases(struct moed_backend *be, uint64_t out[6])
 {
     struct cuda_backend *cb = (struct cuda_backend *)be;
     for (int i = 0; i < 6; i++)
-        out[i] = __atomic_load_n(&cb->ctrl->phase_ns[i], __ATOMIC_RELAXED);
+        out[i] = moe_gpu_phase(cb->ctrl, (unsigned)i);
 }
 
 void moed_backend_cuda_host_stamps(struct moed_backend *be, uint64_t out[2])
@@ -1033,4 +1051,31 @@ void moed_backend_cuda_debug_stall(struct moed_backend *be, uint32_t us)
 int moed_backend_cuda_grid(struct moed_backend *be)
 {
     return ((struct cuda_backend *)be)->launch.grid;
+}
+
+int moed_backend_cuda_check_guards(struct moed_backend *be, char *err, size_t errlen)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)be;
+    int rc = 0;
+    uint8_t buf[2 * GUARD_BYTES];
+    MOED_CUDA_TRY(cudaSetDevice(cb->dev));
+    for (int i = 0; i < G_COUNT; i++) {
+        const struct guarded *g = &cb->g[i];
+        if (!g->base)
+            continue;
+        MOED_CUDA_TRY(cudaMemcpy(buf, g->base, GUARD_BYTES, cudaMemcpyDeviceToHost));
+        MOED_CUDA_TRY(cudaMemcpy(buf + GUARD_BYTES, g->base + GUARD_BYTES + g->bytes, GUARD_BYTES,
+                                 cudaMemcpyDeviceToHost));
+        for (unsigned j = 0; j < 2 * GUARD_BYTES; j++)
+            if (buf[j] != GUARD_FILL) {
+                rc = moed_seterr(err, errlen, MOED_E_BACKEND,
+                                 "cuda backend: guard %s %s (%zu bytes) changed: byte %u is "
+                                 "0x%02x, not 0x%02x", j < GUARD_BYTES ? "before" : "after",
+                                 guard_name[i], g->bytes,
+                                 j < GUARD_BYTES ? j : j - GUARD_BYTES, buf[j], GUARD_FILL);
+                goto cleanup;
+            }
+    }
+cleanup:
+    return rc;
 }
