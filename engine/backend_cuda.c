@@ -2,9 +2,9 @@
  * the completion thread and failure handling around the persistent kernel
  * (kernels/moe_gpu.cu).
  *
- * Placement. Every expert of every MoE layer is repacked on the host
- * (moe_gpu_repack_expert, in parallel over experts) into the kernel's stream
- * order and copied into one device allocation; each matrix's
+ * Placement (backend_place_cuda.c). Every expert of every MoE layer is
+ * repacked on the host (moe_gpu_repack_expert, in parallel over experts) into
+ * the kernel's stream order and copied into one device allocation; each matrix's
  * weight_scale_2 goes to a per-layer float table. The whole placement is
  * counted first and refused with both numbers if it does not fit
  * (cudaMemGetInfo).
@@ -52,6 +52,7 @@
 #include "backend.h"
 #include "backend_cuda.h"
 #include "backend_cuda_hooks.h"
+#include "backend_cuda_int.h"
 #include "moe_gpu.h"
 #include "moed_check_cuda.h"
 #include "moed_err.h"
@@ -63,82 +64,7 @@
 
 #define HB_STALL_MS 5000u /* idle kernel heartbeat must advance within this */
 
-/* Scratch the kernel writes lies between two guard regions of GUARD_FILL
- * bytes (GUARD_BYTES keeps the buffers 256-byte aligned), which the GPU
- * tests check after every batch (moed_backend_cuda_check_guards). */
-#define GUARD_BYTES 256
-#define GUARD_FILL 0xa5
-enum { G_XS, G_IDS, G_W, G_H, G_DOUT, G_ROUTE, G_COUNT };
-static const char *const guard_name[G_COUNT] = {"staged x", "staged ids", "staged w",
-                                                "h", "d", "routing tables"};
-struct guarded {
-    uint8_t *base; /* the allocation: guard, buffer, guard */
-    size_t bytes;  /* the buffer's */
-};
-
-struct pend {
-    struct pend *next;
-    struct moed_batch *b;
-};
-
-struct cuda_backend {
-    struct moed_backend base; /* first: ops receive &base */
-    struct moe_gpu_dims d;
-    int dev;
-    char dev_name[256];
-    int n_sms;
-    uint32_t deadline_ms, idle_exit_ms;
-    moed_progress_fn progress; /* weight placement progress (open only) */
-    void *progress_ctx;
-    /* layer id -> slot */
-    int32_t *slot_of;
-    uint32_t n_slot_of;
-    uint32_t n_layers;
-    /* device memory */
-    uint8_t *wbuf;
-    float *s2;
-    struct moe_gpu_layer *layers_d;
-    void *state;
-    uint16_t *xs, *h;
-    int32_t *ids_s;
-    uint16_t *route_g; /* per-CTA routing tables */
-    struct guarded g[G_COUNT]; /* the allocations behind xs, ids_s, w_s, h, dout, route_g */
-    float *w_s, *dout;
-    uint64_t weight_bytes, scratch_bytes, dev_used, dev_total;
-    /* mapped host memory */
-    struct moe_gpu_ctrl *ctrl, *ctrl_d;
-    uint8_t *stage, *stage_d;
-    size_t off_ids, off_w, off_y, slot_bytes;
-    cudaStream_t stream;
-    struct moe_gpu_launch launch;
-    struct moe_gpu_params params;
-    /* queue state (mu) */
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    pthread_t thr;
-    int thr_started;
-    int running;   /* kernel launched and not stopped */
-    int closing;
-    int failed;    /* sticky: unhealthy */
-    uint64_t next_seq;  /* last seq published */
-    uint64_t delivered; /* last seq completed and handed back */
-    struct moed_batch *inflight[MOE_GPU_RING];
-    struct pend *ph, *pt;
-    uint64_t head_start_ns, last_active_ns;
-    /* bench: CLOCK_REALTIME (ns) of the last head store and of the completion
-     * thread's first sight of the last completed seq (single writers) */
-    uint64_t pub_rt_ns, seen_rt_ns;
-    uint64_t launches;
-    uint64_t stall_ns; /* test hook, consumed by the next publish */
-    char fail_msg[256];
-    /* host_alloc blocks given back (host_free), freed in close (mu) */
-    struct host_blk *host_freed;
-};
-
-/* A host_alloc block given back, waiting for close; the link lies in it. */
-struct host_blk {
-    struct host_blk *next;
-};
+static int g_test_guards; /* backends opened from now on get guard regions */
 
 static uint64_t rt_ns(void)
 {
@@ -154,151 +80,23 @@ static uint64_t now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-/* cudaMalloc of a scratch buffer of `bytes` between two guard regions. */
+/* cudaMalloc of a scratch buffer of `bytes` (between two guard regions of
+ * cb->guard bytes). */
 static int scratch_alloc(struct cuda_backend *cb, int which, void **out, size_t bytes, char *err,
                          size_t errlen)
 {
     int rc = 0;
     uint8_t *b = NULL;
-    MOED_CUDA_TRY(cudaMalloc((void **)&b, bytes + 2 * GUARD_BYTES));
+    const size_t g = cb->guard;
+    MOED_CUDA_TRY(cudaMalloc((void **)&b, bytes + 2 * g));
     cb->g[which].base = b;
     cb->g[which].bytes = bytes;
-    MOED_CUDA_TRY(cudaMemset(b, GUARD_FILL, GUARD_BYTES));
-    MOED_CUDA_TRY(cudaMemset(b + GUARD_BYTES + bytes, GUARD_FILL, GUARD_BYTES));
-    *out = b + GUARD_BYTES;
+    if (g) {
+        MOED_CUDA_TRY(cudaMemset(b, GUARD_FILL, g));
+        MOED_CUDA_TRY(cudaMemset(b + g + bytes, GUARD_FILL, g));
+    }
+    *out = b + g;
 cleanup:
-    return rc;
-}
-
-/* ---------------- repack + upload ---------------- */
-
-struct pack_job {
-    const struct moe_layer *layer;
-    uint32_t e0, e1, H, I;
-    uint8_t *out; /* experts e0..e1 packed, gu then dn per expert */
-};
-
-static void *pack_worker(void *arg)
-{
-    struct pack_job *j = arg;
-    uint64_t gb = moe_gpu_gu_bytes(j->H, j->I), db = moe_gpu_dn_bytes(j->H, j->I);
-    for (uint32_t e = j->e0; e < j->e1; e++) {
-        uint8_t *o = j->out + (uint64_t)(e - j->e0) * (gb + db);
-        moe_gpu_repack_expert(&j->layer->experts[e], j->H, j->I, o, o + gb);
-    }
-    return NULL;
-}
-
-/* Repack experts [e0, e1) of `layer` into host buffer `out` using up to
- * n_thr threads (falls back to this thread if thread creation fails). */
-static void pack_range(const struct moe_layer *layer, uint32_t e0, uint32_t e1, uint32_t H,
-                       uint32_t I, uint8_t *out, int n_thr)
-{
-    pthread_t th[64];
-    struct pack_job jobs[64];
-    int started[64] = {0};
-    uint32_t n = e1 - e0;
-    if (n_thr > 64)
-        n_thr = 64;
-    if (n_thr > (int)n)
-        n_thr = (int)n;
-    uint64_t per = moe_gpu_gu_bytes(H, I) + moe_gpu_dn_bytes(H, I);
-    for (int t = 0; t < n_thr; t++) {
-        uint32_t a = e0 + (uint32_t)((uint64_t)n * t / n_thr), b = e0 + (uint32_t)((uint64_t)n * (t + 1) / n_thr);
-        jobs[t] = (struct pack_job){layer, a, b, H, I, out + (uint64_t)(a - e0) * per};
-        started[t] = pthread_create(&th[t], NULL, pack_worker, &jobs[t]) == 0;
-        if (!started[t])
-            pack_worker(&jobs[t]);
-    }
-    for (int t = 0; t < n_thr; t++)
-        if (started[t])
-            pthread_join(th[t], NULL);
-}
-
-static int place_weights(struct cuda_backend *cb, const struct moed_cuda_src *src, char *err,
-                         size_t errlen)
-{
-    int rc = 0;
-    const uint32_t H = cb->d.hidden, I = cb->d.inter, NE = cb->d.n_experts + cb->d.n_shared;
-    const uint64_t per = moe_gpu_gu_bytes(H, I) + moe_gpu_dn_bytes(H, I);
-    const uint64_t layer_bytes = per * NE;
-    uint8_t *host = NULL;
-    float *s2h = NULL;
-    struct moe_gpu_layer *lh = NULL;
-    uint32_t chunk = 0;
-    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-    int n_thr = ncpu > 0 ? (int)ncpu : 1;
-
-    lh = calloc(cb->n_layers, sizeof *lh);
-    s2h = calloc((size_t)cb->n_layers * 3 * NE, sizeof *s2h);
-    if (!lh || !s2h) {
-        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "cuda backend: out of host memory");
-        goto cleanup;
-    }
-    MOED_CUDA_TRY(cudaMalloc((void **)&cb->wbuf, layer_bytes * cb->n_layers));
-    MOED_CUDA_TRY(cudaMalloc((void **)&cb->s2, sizeof(float) * 3 * NE * cb->n_layers));
-    MOED_CUDA_TRY(cudaMalloc((void **)&cb->layers_d, sizeof(struct moe_gpu_layer) * cb->n_layers));
-    for (uint32_t l = 0; l < cb->n_layers; l++) {
-        lh[l].gu = cb->wbuf + layer_bytes * l; /* gu and dn of expert e at gu + e*per */
-        lh[l].dn = cb->wbuf + layer_bytes * l + moe_gpu_gu_bytes(H, I);
-        lh[l].s2 = cb->s2 + (size_t)3 * NE * l;
-    }
-    if (src->random_weights) {
-        for (uint32_t l = 0; l < cb->n_layers; l++)
-            for (uint32_t e = 0; e < NE; e++) {
-                uint64_t x = src->seed * 0x9E3779B97F4A7C15ull + l * 1000003ull + e * 7919ull + 1;
-                for (int m = 0; m < 3; m++) {
-                    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-                    /* like ModelOpt's amax/(6*448) for unit-scale weights, gate != up */
-                    s2h[(size_t)3 * NE * l + (size_t)m * NE + e] =
-                        (1.0f + (float)(x % 1000) / 1000.0f) / (6.0f * 448.0f);
-                }
-            }
-        MOED_TRY(moe_gpu_fill_random(cb->wbuf, layer_bytes * cb->n_layers, src->seed, err, errlen));
-        MOED_CUDA_TRY(cudaDeviceSynchronize());
-    } else {
-        /* the kernel reads gu at e*per and dn at e*per + gu bytes: interleave
-         * experts as [gu dn][gu dn]..., which is what pack_range writes */
-        chunk = NE < 64 ? NE : 64;
-        host = malloc(per * chunk);
-        if (!host) {
-            rc = moed_seterr(err, errlen, MOED_E_NOMEM,
-                             "cuda backend: cannot allocate %llu bytes of repack buffer",
-                             (unsigned long long)(per * chunk));
-            goto cleanup;
-        }
-        uint64_t done = 0, total = layer_bytes * cb->n_layers, next_log = 0;
-        for (uint32_t l = 0; l < cb->n_layers; l++) {
-            const struct moe_layer *ly = src->layers[l];
-            for (uint32_t e = 0; e < NE; e++) {
-                s2h[(size_t)3 * NE * l + e] = ly->experts[e].gate.scale_2;
-                s2h[(size_t)3 * NE * l + NE + e] = ly->experts[e].up.scale_2;
-                s2h[(size_t)3 * NE * l + 2 * NE + e] = ly->experts[e].down.scale_2;
-            }
-            for (uint32_t e0 = 0; e0 < NE; e0 += chunk) {
-                uint32_t e1 = e0 + chunk < NE ? e0 + chunk : NE;
-                pack_range(ly, e0, e1, H, I, host, n_thr);
-                MOED_CUDA_TRY(cudaMemcpy(cb->wbuf + layer_bytes * l + per * e0, host, per * (e1 - e0),
-                              cudaMemcpyHostToDevice));
-                done += per * (e1 - e0);
-                if (cb->progress)
-                    cb->progress(cb->progress_ctx, done, total);
-                if (done >= next_log || done == total) {
-                    LOG_I("cuda: GPU %d: uploaded %.2f of %.2f GiB of expert weights (layer %u/%u)",
-                          cb->dev, done / 1073741824.0, total / 1073741824.0, l + 1, cb->n_layers);
-                    next_log = done + total / 10;
-                }
-            }
-        }
-    }
-    /* per-layer tables; the kernel indexes gu/dn by e*per: fix the layer
-     * pointers to that stride (gu at +0, dn at +gu bytes within each expert) */
-    MOED_CUDA_TRY(cudaMemcpy(cb->s2, s2h, sizeof(float) * 3 * NE * cb->n_layers, cudaMemcpyHostToDevice));
-    MOED_CUDA_TRY(cudaMemcpy(cb->layers_d, lh, sizeof *lh * cb->n_layers, cudaMemcpyHostToDevice));
-cleanup:
-    free(host);
-    free(s2h);
-    free(lh);
     return rc;
 }
 
@@ -813,6 +611,7 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     cb->progress_ctx = cfg->progress_ctx;
     cb->idle_exit_ms = cfg->idle_exit_ms;
     cb->n_layers = src->n_layers;
+    cb->guard = __atomic_load_n(&g_test_guards, __ATOMIC_RELAXED) ? GUARD_BYTES : 0;
     if ((rc = moe_gpu_check_dims(&cb->d, err, errlen)))
         goto cleanup;
 
@@ -841,13 +640,9 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
 
     /* the kernel module and this build must agree on the host-device layout
      * (kernels/moe_gpu_abi.h) before anything is placed or launched */
-    {
-        uint64_t kernel_fp = 0;
-        MOED_TRY(moe_gpu_kernel_abi(&kernel_fp, err, errlen));
-        if ((rc = moe_gpu_abi_check(kernel_fp, err, errlen))) {
-            LOG_E("%s", err);
-            goto cleanup;
-        }
+    if ((rc = moe_gpu_abi_check(moe_gpu_kernel_abi(), err, errlen))) {
+        LOG_E("%s", err);
+        goto cleanup;
     }
 
     /* routing tables grow with max_tokens and live in shared memory */
@@ -873,7 +668,7 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
                         /* routing tables: one region per CTA; 1024 bounds the grid
                          * (<= 16 warps per SM, >= 4 warps per CTA, <= 256 SMs) */
                         (uint64_t)moe_gpu_route_gmem_bytes(&cb->d) * 1024 +
-                        2 * GUARD_BYTES * G_COUNT;
+                        2 * cb->guard * G_COUNT;
     MOED_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
     const uint64_t margin = 256ull << 20;
     if (cb->weight_bytes + cb->scratch_bytes + margin > free_b) {
@@ -889,7 +684,7 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     LOG_I("cuda: GPU %d %s: placing %u layers, %.2f GiB of weights (%.2f GiB free)", cb->dev,
           cb->dev_name, cb->n_layers, cb->weight_bytes / 1073741824.0, free_b / 1073741824.0);
 
-    if ((rc = place_weights(cb, src, err, errlen)))
+    if ((rc = cuda_place_weights(cb, src, err, errlen)))
         goto cleanup;
     MOED_CUDA_TRY(cudaMalloc(&cb->state, moe_gpu_state_bytes(&cb->d)));
     MOED_CUDA_TRY(cudaMemset(cb->state, 0, moe_gpu_state_bytes(&cb->d)));
@@ -993,89 +788,7 @@ uint64_t moed_backend_cuda_heartbeat(struct moed_backend *be)
     return moe_gpu_heartbeat(cb->ctrl);
 }
 
-uint64_t moed_backend_cuda_launches(struct moed_backend *be)
+void moed_backend_cuda_test_guards(int on)
 {
-    struct cuda_backend *cb = (struct cuda_backend *)be;
-    pthread_mutex_lock(&cb->mu);
-    uint64_t n = cb->launches;
-    pthread_mutex_unlock(&cb->mu);
-    return n;
-}
-
-void moed_backend_cuda_phases(struct moed_backend *be, uint64_t out[6])
-{
-    struct cuda_backend *cb = (struct cuda_backend *)be;
-    for (int i = 0; i < 6; i++)
-        out[i] = moe_gpu_phase(cb->ctrl, (unsigned)i);
-}
-
-void moed_backend_cuda_host_stamps(struct moed_backend *be, uint64_t out[2])
-{
-    struct cuda_backend *cb = (struct cuda_backend *)be;
-    out[0] = __atomic_load_n(&cb->pub_rt_ns, __ATOMIC_RELAXED);
-    out[1] = __atomic_load_n(&cb->seen_rt_ns, __ATOMIC_RELAXED);
-}
-
-int moed_backend_cuda_running(struct moed_backend *be)
-{
-    struct cuda_backend *cb = (struct cuda_backend *)be;
-    pthread_mutex_lock(&cb->mu);
-    int r = cb->running;
-    pthread_mutex_unlock(&cb->mu);
-    return r;
-}
-
-int moed_backend_cuda_layer_ptrs(struct moed_backend *be, uint32_t slot, struct moe_gpu_layer *out,
-                                 struct moe_gpu_dims *dims)
-{
-    struct cuda_backend *cb = (struct cuda_backend *)be;
-    if (slot >= cb->n_layers)
-        return MOED_E_INVAL;
-    const uint32_t H = cb->d.hidden, I = cb->d.inter, NE = cb->d.n_experts + cb->d.n_shared;
-    const uint64_t layer_bytes = (moe_gpu_gu_bytes(H, I) + moe_gpu_dn_bytes(H, I)) * NE;
-    out->gu = cb->wbuf + layer_bytes * slot;
-    out->dn = cb->wbuf + layer_bytes * slot + moe_gpu_gu_bytes(H, I);
-    out->s2 = cb->s2 + (size_t)3 * NE * slot;
-    *dims = cb->d;
-    return 0;
-}
-
-void moed_backend_cuda_debug_stall(struct moed_backend *be, uint32_t us)
-{
-    struct cuda_backend *cb = (struct cuda_backend *)be;
-    pthread_mutex_lock(&cb->mu);
-    cb->stall_ns = (uint64_t)us * 1000u;
-    pthread_mutex_unlock(&cb->mu);
-}
-
-int moed_backend_cuda_grid(struct moed_backend *be)
-{
-    return ((struct cuda_backend *)be)->launch.grid;
-}
-
-int moed_backend_cuda_check_guards(struct moed_backend *be, char *err, size_t errlen)
-{
-    struct cuda_backend *cb = (struct cuda_backend *)be;
-    int rc = 0;
-    uint8_t buf[2 * GUARD_BYTES];
-    MOED_CUDA_TRY(cudaSetDevice(cb->dev));
-    for (int i = 0; i < G_COUNT; i++) {
-        const struct guarded *g = &cb->g[i];
-        if (!g->base)
-            continue;
-        MOED_CUDA_TRY(cudaMemcpy(buf, g->base, GUARD_BYTES, cudaMemcpyDeviceToHost));
-        MOED_CUDA_TRY(cudaMemcpy(buf + GUARD_BYTES, g->base + GUARD_BYTES + g->bytes, GUARD_BYTES,
-                                 cudaMemcpyDeviceToHost));
-        for (unsigned j = 0; j < 2 * GUARD_BYTES; j++)
-            if (buf[j] != GUARD_FILL) {
-                rc = moed_seterr(err, errlen, MOED_E_BACKEND,
-                                 "cuda backend: guard %s %s (%zu bytes) changed: byte %u is "
-                                 "0x%02x, not 0x%02x", j < GUARD_BYTES ? "before" : "after",
-                                 guard_name[i], g->bytes,
-                                 j < GUARD_BYTES ? j : j - GUARD_BYTES, buf[j], GUARD_FILL);
-                goto cleanup;
-            }
-    }
-cleanup:
-    return rc;
+    __atomic_store_n(&g_test_guards, on, __ATOMIC_RELAXED);
 }

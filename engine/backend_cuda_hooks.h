@@ -29,10 +29,13 @@ int moed_backend_cuda_layer_ptrs(struct moed_backend *be, uint32_t slot, struct 
                                  struct moe_gpu_dims *dims);
 /* The next batch published makes the kernel stall `us` first. */
 void moed_backend_cuda_debug_stall(struct moed_backend *be, uint32_t us);
-/* Every scratch buffer the kernel writes (staged x, ids, w; h; d; routing
- * tables) lies between two guard regions of a known byte pattern: 0 if all
- * are intact, else MOED_E_BACKEND naming the buffer, side and first changed
- * byte. Safe while the kernel runs (a copy on another stream). */
+/* on = 1: backends opened from now on place every scratch buffer the kernel
+ * writes (staged x, ids, w; h; d; routing tables) between two guard regions
+ * of a known byte pattern (0, the default: plain allocations, as served). */
+void moed_backend_cuda_test_guards(int on);
+/* 0 if every guard region is intact, else MOED_E_BACKEND naming the buffer,
+ * side and first changed byte (MOED_E_INVAL: opened without guards). Safe
+ * while the kernel runs (a copy on another stream). */
 int moed_backend_cuda_check_guards(struct moed_backend *be, char *err, size_t errlen);
 
 #endif

@@ -179,14 +179,16 @@ extern "C" uint32_t moe_gpu_smem_bytes(const struct moe_gpu_dims *d)
     return (uint32_t)smem_total(d);
 }
 
-extern "C" int moe_gpu_kernel_abi(uint64_t *out, char *err, size_t errlen)
+/* The layout this translation unit was compiled with. Its device pass sees
+ * the same header and checks the same asserts, which pin every size and
+ * offset the fingerprint hashes, so this is the kernel's layout too; a value
+ * the device computed would need a module global (or kernel) of its own,
+ * which moves the module's and later allocations' addresses (H200
+ * 2026-12-01: bench/NOTES.md). */
+extern "C" uint64_t moe_gpu_kernel_abi(void)
 {
-    int rc = 0;
-    unsigned long long v = 0;
-    MOED_CUDA_TRY(cudaMemcpyFromSymbol(&v, moe_gpu_abi_dev, sizeof v));
-    *out = v;
-cleanup:
-    return rc;
+    constexpr uint64_t fp = moe_gpu_abi_fingerprint();
+    return fp;
 }
 
 extern "C" int moe_gpu_plan(int device, const struct moe_gpu_dims *d, int sms_free,

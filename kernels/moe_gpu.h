@@ -104,7 +104,7 @@ struct moe_gpu_launch {
 /* 0, or MOED_E_MODEL with a message if H/I do not fit the tiling. */
 int moe_gpu_check_dims(const struct moe_gpu_dims *d, char *err, size_t errlen);
 /* 0 if `kernel_fp` (moe_gpu_kernel_abi: the layout fingerprint the kernel
- * module's device compiler computed) equals the host's
+ * module was compiled with) equals the host's
  * moe_gpu_abi_fingerprint(); else MOED_E_BACKEND with a message naming both. */
 int moe_gpu_abi_check(uint64_t kernel_fp, char *err, size_t errlen);
 /* Repack one expert into gu[moe_gpu_gu_bytes] and dn[moe_gpu_dn_bytes]
@@ -124,9 +124,9 @@ uint32_t moe_gpu_smem_route_bytes(const struct moe_gpu_dims *d);
 uint32_t moe_gpu_route_gmem_bytes(const struct moe_gpu_dims *d);
 /* Total dynamic shared memory per CTA (routing + stages). */
 uint32_t moe_gpu_smem_bytes(const struct moe_gpu_dims *d);
-/* The layout fingerprint compiled into the kernel module's device code
- * (moe_gpu_abi_fingerprint as nvcc's device pass computed it). */
-int moe_gpu_kernel_abi(uint64_t *out, char *err, size_t errlen);
+/* The layout fingerprint the kernel module (kernels/moe_gpu.cu, nvcc) was
+ * compiled with: moe_gpu_abi_fingerprint() of its translation unit. */
+uint64_t moe_gpu_kernel_abi(void);
 /* Grid from the occupancy API on `device`, leaving sms_free SMs idle. */
 int moe_gpu_plan(int device, const struct moe_gpu_dims *d, int sms_free,
                  struct moe_gpu_launch *out, char *err, size_t errlen);

@@ -11,10 +11,12 @@
  *   - the launch parameters passed by value (moe_gpu_params and the structs
  *     it holds).
  * Sizes and offsets are asserted at compile time on every side
- * (MOE_GPU_STATIC_ASSERT below). moe_gpu_abi_fingerprint() hashes them; the
- * kernel module carries the value its device compiler computed
- * (moe_gpu_kernel_abi) and the backend compares it with the host's at open
- * (moe_gpu_abi_check), refusing to start when they differ.
+ * (MOE_GPU_STATIC_ASSERT below: gcc, and nvcc's host and device passes).
+ * moe_gpu_abi_fingerprint() hashes them; the kernel module reports the value
+ * it was compiled with (moe_gpu_kernel_abi) and the backend compares it with
+ * the host's at open (moe_gpu_abi_check), refusing to start when they differ
+ * (a header changed under a stale object, a compiler that lays a struct out
+ * otherwise).
  *
  * The host side of the queue protocol (publish a slot, poll completion, stop,
  * heartbeat) is the set of inline helpers at the end; the device side is in

@@ -2,9 +2,120 @@
  * batch loop, the task claim loop, the batch end) and the two benchmark
  * kernels. Part of the one translation unit moe_gpu.cu. */
 
-/* The layout fingerprint as this (device) compiler sees the contract
- * (moe_gpu_abi.h); read by moe_gpu_kernel_abi. */
-__device__ unsigned long long moe_gpu_abi_dev = moe_gpu_abi_fingerprint();
+/* The dispatcher (every thread of CTA 0): wait until batch n - 1 is complete,
+ * then for head to reach n (heartbeat while idle) or a stop request; copy
+ * the ring slot (one 16-byte load per thread: one PCIe round trip), stage ids
+ * and w into device memory and release the batch to every CTA (dev_head), or
+ * forward the stop (stop_dev). s_go: 1 for a batch, 0 for a stop. */
+__device__ __forceinline__ void dispatch_batch(const struct moe_gpu_params &p, struct moe_state *st,
+                                               struct moe_gpu_ctrl *ctrl, unsigned long long n,
+                                               unsigned long long &hb_last,
+                                               unsigned long long busy_at, struct moe_gpu_desc &sd,
+                                               uint4 *s_inl, int &s_go)
+{
+    const unsigned tid = threadIdx.x;
+    if (tid == 0) {
+        while (ld_acquire_gpu64(&st->done_dev) + 1 < n)
+            __nanosleep(64);
+        unsigned ns = 32;
+        int go;
+        for (;;) {
+            if (ld_acquire_sys(&ctrl->head) >= n) {
+                go = 1;
+                st_relaxed_sys(&ctrl->phase_ns[0], globaltimer_ns());
+                break;
+            }
+            if (ld_relaxed_sys(&ctrl->stop)) {
+                go = 0;
+                break;
+            }
+            unsigned long long now = globaltimer_ns();
+            if (now - hb_last > 100000ull) {
+                st_relaxed_sys(&ctrl->heartbeat, ld_relaxed_sys(&ctrl->heartbeat) + 1);
+                hb_last = now;
+            }
+            __nanosleep(ns);
+            ns = min(ns * 2, now - busy_at > 1000000ull ? 20000u : 256u);
+        }
+        s_go = go;
+    }
+    __syncthreads();
+    if (s_go && tid < sizeof(struct moe_gpu_slot) / 16) { /* one PCIe round trip */
+        const uint4 v =
+            __ldcv(reinterpret_cast<const uint4 *>(&ctrl->ring[n % MOE_GPU_RING]) + tid);
+        if (tid < sizeof(struct moe_gpu_desc) / 16)
+            reinterpret_cast<uint4 *>(&sd)[tid] = v;
+        else
+            s_inl[tid - sizeof(struct moe_gpu_desc) / 16] = v;
+    }
+    __syncthreads();
+    if (s_go && tid == 0)
+        for (unsigned long long t0 = globaltimer_ns(); globaltimer_ns() - t0 < sd.stall_ns;)
+            __nanosleep(100000);
+    if (s_go) {
+        /* stage ids, w and x into device memory (read once over PCIe) */
+        const unsigned T = sd.n_tokens, k = p.d.top_k;
+        if (sd.inl) { /* ids and w came with the descriptor */
+            const int32_t *ids = reinterpret_cast<const int32_t *>(s_inl);
+            const float *w = reinterpret_cast<const float *>(s_inl) + T * k;
+            for (unsigned i = tid; i < T * k; i += THREADS) {
+                p.ids_s[i] = ids[i];
+                p.w_s[i] = w[i];
+            }
+        } else {
+            stage_routing(T * k, (const int32_t *)sd.ids, (const float *)sd.w,
+                          p.ids_s, p.w_s);
+        }
+        if (tid == 0)
+            st->desc = sd;
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) {
+            st_release_gpu64(&st->dev_head, n);
+            st_relaxed_sys(&ctrl->phase_ns[1], globaltimer_ns());
+        }
+    } else {
+        if (tid == 0)
+            st_release_gpu32(&st->stop_dev, 1);
+    }
+    __syncthreads(); /* every thread has read s_go before tid 0 rewrites it */
+}
+
+/* Batch end (every thread of every CTA): the last CTA to finish batch n
+ * resets the counters, then releases done_dev and ctrl->done_seq. */
+__device__ __forceinline__ void batch_end(unsigned NE, struct moe_state *st,
+                                          struct moe_gpu_ctrl *ctrl, unsigned long long n,
+                                          int &s_last)
+{
+    const unsigned tid = threadIdx.x;
+    __syncthreads();
+    if (tid == 0) {
+        __threadfence();
+        s_last = atomicAdd(&st->cta_done, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (s_last) {
+        __threadfence();
+        for (unsigned i = tid; i < NE; i += THREADS)
+            st->gu_done[i] = 0;
+        if (tid == 0) {
+            st->task_ctr = 0;
+            st->dn_done = 0;
+            st->x_done = 0;
+            st->gu_all = 0;
+            st->dn_all = 0;
+            st->cta_done = 0;
+        }
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) {
+            __threadfence_system();
+            st_relaxed_sys(&ctrl->phase_ns[5], globaltimer_ns());
+            st_release_gpu64(&st->done_dev, n);
+            st_release_sys(&ctrl->done_seq, n);
+        }
+    }
+}
 
 __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe_gpu_params p)
 {
@@ -237,33 +348,7 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
             __threadfence_system(); /* y (possibly host memory) before done_seq */
 
         /* ---- batch end: the last CTA resets the counters and publishes ---- */
-        __syncthreads();
-        if (tid == 0) {
-            __threadfence();
-            s_last = atomicAdd(&st->cta_done, 1u) == gridDim.x - 1;
-        }
-        __syncthreads();
-        if (s_last) {
-            __threadfence();
-            for (unsigned i = tid; i < NE; i += THREADS)
-                st->gu_done[i] = 0;
-            if (tid == 0) {
-                st->task_ctr = 0;
-                st->dn_done = 0;
-                st->x_done = 0;
-                st->gu_all = 0;
-                st->dn_all = 0;
-                st->cta_done = 0;
-            }
-            __threadfence();
-            __syncthreads();
-            if (tid == 0) {
-                __threadfence_system();
-                st_relaxed_sys(&ctrl->phase_ns[5], globaltimer_ns());
-                st_release_gpu64(&st->done_dev, n);
-                st_release_sys(&ctrl->done_seq, n);
-            }
-        }
+        batch_end(NE, st, ctrl, n, s_last);
         if (blockIdx.x == 0 && tid == 0) {
             st_relaxed_sys(&ctrl->heartbeat, ld_relaxed_sys(&ctrl->heartbeat) + 1);
             hb_last = globaltimer_ns();

@@ -8,6 +8,7 @@
  * E2M1 code, E4M3 block scales including subnormal ones, gate/up/down each
  * with its own weight_scale_2). Checks, each printed as one PASS/FAIL line,
  * then "gpu tests: N passed, N failed":
+ *   - abi: the kernel module's layout fingerprint is the host's;
  *   - every case: output vs moe_ref_forward (relative L2 under the case's
  *     tolerance on every token, or on a sample of tokens for the large
  *     shapes: each token's output depends on that token alone); y poisoned
@@ -25,8 +26,8 @@
  *   - deadline: a missed batch deadline makes the backend unhealthy and
  *     fails the batch.
  * --case NAME (repeatable) runs only the cases of that name ("shape/T=N/
- * routing"), of that shape, or the named extra check (stream, idle-exit,
- * cycles, deadline); --list prints the names. --quick runs only the shapes
+ * routing"), of that shape, or the named extra check (abi, stream,
+ * idle-exit, cycles, deadline); --list prints the names. --quick runs only the shapes
  * marked quick, with host buffers only (for compute-sanitizer: see run_case).
  */
 #include <cuda_runtime.h>
@@ -793,7 +794,7 @@ int main(int argc, char **argv)
                 case_name(&moe_cases[c], name, sizeof name);
                 printf("%s\n", name);
             }
-            printf("stream\nidle-exit\ncycles\ndeadline\n");
+            printf("abi\nstream\nidle-exit\ncycles\ndeadline\n");
             return 0;
         } else {
             fprintf(stderr, "usage: %s [--quick] [--no-deepseek] [--case NAME]... [--list]\n",
@@ -802,11 +803,20 @@ int main(int argc, char **argv)
         }
     }
     moed_log_set_level(MOED_LOG_WARN);
+    moed_backend_cuda_test_guards(1);
     if (!moed_backend_cuda_available()) {
         printf("no CUDA device visible\ngpu tests: 0 passed, 1 failed\n");
         return 1;
     }
     int ran = n_pass + n_fail;
+    if (selected("abi", NULL)) {
+        char err[MOED_ERRLEN] = "";
+        const uint64_t kfp = moe_gpu_kernel_abi();
+        result(moe_gpu_abi_check(kfp, err, sizeof err) == 0 &&
+                   moe_gpu_abi_check(kfp + 1, err, sizeof err) == MOED_E_BACKEND,
+               "abi: kernel module layout fingerprint 0x%016llx = the host's; another refused",
+               (unsigned long long)kfp);
+    }
     for (size_t i = 0; i < MOE_N_SHAPES; i++)
         test_shape(&moe_shapes[i]);
     if (!g_quick) {
