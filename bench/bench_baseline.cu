@@ -19,6 +19,8 @@
 
 extern "C" {
 #include "bench_baseline.h"
+#include "moed_check_cuda.h"
+#include "moed_err.h"
 }
 
 #define MR MOE_GPU_MR
@@ -313,27 +315,6 @@ struct bl_ctx {
     struct bl_slot slot[BL_SLOTS];
 };
 
-#define CKB(call)                                                                                 \
-    do {                                                                                          \
-        cudaError_t e_ = (call);                                                                  \
-        if (e_ != cudaSuccess) {                                                                  \
-            snprintf(err, errlen, "baseline: %s failed: %s (%s:%d)", #call,                      \
-                     cudaGetErrorString(e_), __FILE__, __LINE__);                                 \
-            rc = -1;                                                                              \
-            goto cleanup;                                                                         \
-        }                                                                                         \
-    } while (0)
-#define CKBL(call)                                                                                \
-    do {                                                                                          \
-        cublasStatus_t s_ = (call);                                                               \
-        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                        \
-            snprintf(err, errlen, "baseline: %s failed: cublas status %d (%s:%d)", #call,        \
-                     (int)s_, __FILE__, __LINE__);                                                \
-            rc = -1;                                                                              \
-            goto cleanup;                                                                         \
-        }                                                                                         \
-    } while (0)
-
 static size_t bf_expert_elems(const struct moe_gpu_dims *d)
 {
     return (size_t)3 * d->inter * d->hidden;
@@ -385,9 +366,9 @@ extern "C" int bl_open(const struct moe_gpu_dims *d, const struct moe_gpu_layer 
     const uint32_t H = d->hidden, I = d->inter;
     size_t Pmax;
     if (!c || n_nv == 0 || n_bf16 == 0 || n_bf16 > n_nv) {
-        snprintf(err, errlen, "baseline: bad arguments (layers %u, bf16 layers %u)", n_nv, n_bf16);
         free(c);
-        return -1;
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "baseline: bad arguments (layers %u, bf16 layers %u)", n_nv, n_bf16);
     }
     c->d = *d;
     c->NE = d->n_experts + d->n_shared;
@@ -399,33 +380,32 @@ extern "C" int bl_open(const struct moe_gpu_dims *d, const struct moe_gpu_layer 
     c->bf = (uint16_t **)calloc(n_bf16, sizeof *c->bf);
     s2h = (float *)malloc(sizeof(float) * 3 * c->NE);
     if (!c->nv || !c->bf || !s2h) {
-        snprintf(err, errlen, "baseline: out of host memory");
-        rc = -1;
+        rc = moed_seterr(err, errlen, MOED_E_BACKEND, "baseline: out of host memory");
         goto cleanup;
     }
     memcpy(c->nv, nv, sizeof *nv * n_nv);
-    CKB(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
-    CKB(cudaMalloc((void **)&c->cnt, sizeof(int) * c->NE));
-    CKB(cudaMalloc((void **)&c->off, sizeof(int) * (c->NE + 1)));
-    CKB(cudaMalloc((void **)&c->tl, sizeof(int) * c->NE));
-    CKB(cudaMalloc((void **)&c->ntl, sizeof(int)));
-    CKB(cudaMalloc((void **)&c->pair_tok, sizeof(int) * Pmax));
-    CKB(cudaMalloc((void **)&c->pos, sizeof(int) * Pmax));
-    CKB(cudaMalloc((void **)&c->G, sizeof(float) * Pmax * 2 * I));
-    CKB(cudaMalloc((void **)&c->dout, sizeof(float) * Pmax * H));
-    CKB(cudaMalloc((void **)&c->h, 2 * Pmax * I));
-    CKB(cudaMalloc((void **)&c->xg, 2 * Pmax * H));
-    CKB(cudaMalloc(&c->ws, 32u << 20));
+    MOED_CUDA_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+    MOED_CUDA_TRY(cudaMalloc((void **)&c->cnt, sizeof(int) * c->NE));
+    MOED_CUDA_TRY(cudaMalloc((void **)&c->off, sizeof(int) * (c->NE + 1)));
+    MOED_CUDA_TRY(cudaMalloc((void **)&c->tl, sizeof(int) * c->NE));
+    MOED_CUDA_TRY(cudaMalloc((void **)&c->ntl, sizeof(int)));
+    MOED_CUDA_TRY(cudaMalloc((void **)&c->pair_tok, sizeof(int) * Pmax));
+    MOED_CUDA_TRY(cudaMalloc((void **)&c->pos, sizeof(int) * Pmax));
+    MOED_CUDA_TRY(cudaMalloc((void **)&c->G, sizeof(float) * Pmax * 2 * I));
+    MOED_CUDA_TRY(cudaMalloc((void **)&c->dout, sizeof(float) * Pmax * H));
+    MOED_CUDA_TRY(cudaMalloc((void **)&c->h, 2 * Pmax * I));
+    MOED_CUDA_TRY(cudaMalloc((void **)&c->xg, 2 * Pmax * H));
+    MOED_CUDA_TRY(cudaMalloc(&c->ws, 32u << 20));
     for (int s = 0; s < BL_SLOTS; s++) {
-        CKB(cudaMalloc((void **)&c->slot[s].x, 2 * (size_t)d->max_tokens * H));
-        CKB(cudaMalloc((void **)&c->slot[s].y, 2 * (size_t)d->max_tokens * H));
-        CKB(cudaMalloc((void **)&c->slot[s].ids, 4 * (size_t)d->max_tokens * d->top_k));
-        CKB(cudaMalloc((void **)&c->slot[s].w, 4 * (size_t)d->max_tokens * d->top_k));
+        MOED_CUDA_TRY(cudaMalloc((void **)&c->slot[s].x, 2 * (size_t)d->max_tokens * H));
+        MOED_CUDA_TRY(cudaMalloc((void **)&c->slot[s].y, 2 * (size_t)d->max_tokens * H));
+        MOED_CUDA_TRY(cudaMalloc((void **)&c->slot[s].ids, 4 * (size_t)d->max_tokens * d->top_k));
+        MOED_CUDA_TRY(cudaMalloc((void **)&c->slot[s].w, 4 * (size_t)d->max_tokens * d->top_k));
     }
     /* bf16 copies of the first n_bf16 layers */
     for (uint32_t l = 0; l < n_bf16; l++) {
-        CKB(cudaMalloc((void **)&c->bf[l], 2 * bf_expert_elems(d) * c->NE));
-        CKB(cudaMemcpy(s2h, nv[l].s2, sizeof(float) * 3 * c->NE, cudaMemcpyDeviceToHost));
+        MOED_CUDA_TRY(cudaMalloc((void **)&c->bf[l], 2 * bf_expert_elems(d) * c->NE));
+        MOED_CUDA_TRY(cudaMemcpy(s2h, nv[l].s2, sizeof(float) * 3 * c->NE, cudaMemcpyDeviceToHost));
         const size_t per = moe_gpu_gu_bytes(H, I) + moe_gpu_dn_bytes(H, I);
         for (uint32_t e = 0; e < c->NE; e++) {
             uint16_t *dst = c->bf[l] + bf_expert_elems(d) * e;
@@ -438,13 +418,13 @@ extern "C" int bl_open(const struct moe_gpu_dims *d, const struct moe_gpu_layer 
                 nv[l].dn + per * e, ndn, udn, 0, I, s2h[2 * c->NE + e], s2h[2 * c->NE + e],
                 dst + (size_t)2 * I * H);
         }
-        CKB(cudaGetLastError());
+        MOED_CUDA_TRY(cudaGetLastError());
     }
-    CKB(cudaStreamSynchronize(c->stream));
-    CKBL(cublasCreate(&c->cub));
-    CKBL(cublasSetStream(c->cub, c->stream));
-    CKBL(cublasSetWorkspace(c->cub, c->ws, 32u << 20));
-    CKBL(cublasSetMathMode(c->cub, CUBLAS_DEFAULT_MATH));
+    MOED_CUDA_TRY(cudaStreamSynchronize(c->stream));
+    MOED_CUBLAS_TRY(cublasCreate(&c->cub));
+    MOED_CUBLAS_TRY(cublasSetStream(c->cub, c->stream));
+    MOED_CUBLAS_TRY(cublasSetWorkspace(c->cub, c->ws, 32u << 20));
+    MOED_CUBLAS_TRY(cublasSetMathMode(c->cub, CUBLAS_DEFAULT_MATH));
 cleanup:
     free(s2h);
     if (rc) {
@@ -466,8 +446,7 @@ extern "C" int bl_set_batch(struct bl_ctx *c, uint32_t si, uint32_t T, const uin
     struct bl_slot *s = &c->slot[si];
     int capturing = 0;
     if (!cnt || si >= BL_SLOTS || T == 0 || T > d->max_tokens) {
-        snprintf(err, errlen, "baseline: bad batch (slot %u, T %u)", si, T);
-        rc = -1;
+        rc = moed_seterr(err, errlen, MOED_E_BACKEND, "baseline: bad batch (slot %u, T %u)", si, T);
         goto cleanup;
     }
     for (int wi = 0; wi < 2; wi++)
@@ -484,11 +463,11 @@ extern "C" int bl_set_batch(struct bl_ctx *c, uint32_t si, uint32_t T, const uin
         cnt[e] = (int)T;
     for (uint32_t e = 0; e < NE; e++)
         s->n_touched += cnt[e] > 0;
-    CKB(cudaMemcpy(s->x, x, 2 * (size_t)T * H, cudaMemcpyHostToDevice));
-    CKB(cudaMemcpy(s->ids, ids, 4 * (size_t)T * k, cudaMemcpyHostToDevice));
-    CKB(cudaMemcpy(s->w, w, 4 * (size_t)T * k, cudaMemcpyHostToDevice));
+    MOED_CUDA_TRY(cudaMemcpy(s->x, x, 2 * (size_t)T * H, cudaMemcpyHostToDevice));
+    MOED_CUDA_TRY(cudaMemcpy(s->ids, ids, 4 * (size_t)T * k, cudaMemcpyHostToDevice));
+    MOED_CUDA_TRY(cudaMemcpy(s->w, w, 4 * (size_t)T * k, cudaMemcpyHostToDevice));
     for (int wi = 0; wi < 2; wi++) {
-        CKB(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
+        MOED_CUDA_TRY(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
         capturing = 1;
         bl_route<<<1, 1024, 0, c->stream>>>(s->ids, T, k, d->n_experts, S, c->cnt, c->off, c->tl,
                                             c->ntl, c->pair_tok, c->pos);
@@ -511,7 +490,7 @@ extern "C" int bl_set_batch(struct bl_ctx *c, uint32_t si, uint32_t T, const uin
                 if (!cnt[e])
                     continue;
                 const uint16_t *wgu = B + bf_expert_elems(d) * e;
-                CKBL(cublasGemmEx(c->cub, CUBLAS_OP_T, CUBLAS_OP_N, (int)(2 * I), cnt[e], (int)H,
+                MOED_CUBLAS_TRY(cublasGemmEx(c->cub, CUBLAS_OP_T, CUBLAS_OP_N, (int)(2 * I), cnt[e], (int)H,
                                   &one, wgu, CUDA_R_16BF, (int)H, c->xg + (size_t)p0 * H,
                                   CUDA_R_16BF, (int)H, &zero, c->G + (size_t)p0 * 2 * I,
                                   CUDA_R_32F, (int)(2 * I), CUBLAS_COMPUTE_32F,
@@ -526,7 +505,7 @@ extern "C" int bl_set_batch(struct bl_ctx *c, uint32_t si, uint32_t T, const uin
                 if (!cnt[e])
                     continue;
                 const uint16_t *wdn = B + bf_expert_elems(d) * e + (size_t)2 * I * H;
-                CKBL(cublasGemmEx(c->cub, CUBLAS_OP_T, CUBLAS_OP_N, (int)H, cnt[e], (int)I, &one,
+                MOED_CUBLAS_TRY(cublasGemmEx(c->cub, CUBLAS_OP_T, CUBLAS_OP_N, (int)H, cnt[e], (int)I, &one,
                                   wdn, CUDA_R_16BF, (int)I, c->h + (size_t)p0 * I, CUDA_R_16BF,
                                   (int)I, &zero, c->dout + (size_t)p0 * H, CUDA_R_32F, (int)H,
                                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
@@ -535,8 +514,8 @@ extern "C" int bl_set_batch(struct bl_ctx *c, uint32_t si, uint32_t T, const uin
         }
         bl_combine<<<T, 256, 0, c->stream>>>(c->dout, c->pos, s->w, H, k, S, s->y);
         capturing = 0;
-        CKB(cudaStreamEndCapture(c->stream, &graph));
-        CKB(cudaGraphInstantiate(&s->g[wi], graph, 0));
+        MOED_CUDA_TRY(cudaStreamEndCapture(c->stream, &graph));
+        MOED_CUDA_TRY(cudaGraphInstantiate(&s->g[wi], graph, 0));
         cudaGraphDestroy(graph);
         graph = NULL;
     }
@@ -564,11 +543,11 @@ extern "C" int bl_run(struct bl_ctx *c, int which, uint32_t si, uint16_t *y, dou
     int rc = 0;
     struct bl_slot *s = &c->slot[si % BL_SLOTS];
     double t0 = mono_us();
-    CKB(cudaGraphLaunch(s->g[which ? 1 : 0], c->stream));
-    CKB(cudaStreamSynchronize(c->stream));
+    MOED_CUDA_TRY(cudaGraphLaunch(s->g[which ? 1 : 0], c->stream));
+    MOED_CUDA_TRY(cudaStreamSynchronize(c->stream));
     *us = mono_us() - t0;
     if (y)
-        CKB(cudaMemcpy(y, s->y, 2 * (size_t)s->T * c->d.hidden, cudaMemcpyDeviceToHost));
+        MOED_CUDA_TRY(cudaMemcpy(y, s->y, 2 * (size_t)s->T * c->d.hidden, cudaMemcpyDeviceToHost));
 cleanup:
     return rc;
 }
@@ -590,31 +569,29 @@ extern "C" int bl_clock_offset(int rounds, int64_t *off_ns, int64_t *half_rtt_ns
     cudaStream_t st = NULL;
     int best = -1;
     if (!t0 || !t1 || rounds < 1) {
-        snprintf(err, errlen, "baseline: clock offset: bad rounds %d", rounds);
-        rc = -1;
+        rc = moed_seterr(err, errlen, MOED_E_BACKEND, "baseline: clock offset: bad rounds %d", rounds);
         goto cleanup;
     }
     /* flag, ack, then the kernel's timestamps: 64-byte lines apart */
-    CKB(cudaHostAlloc((void **)&hm, 128 + 8 * (size_t)rounds, cudaHostAllocMapped));
+    MOED_CUDA_TRY(cudaHostAlloc((void **)&hm, 128 + 8 * (size_t)rounds, cudaHostAllocMapped));
     memset(hm, 0, 128 + 8 * (size_t)rounds);
-    CKB(cudaHostGetDevicePointer((void **)&hd, hm, 0));
-    CKB(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    MOED_CUDA_TRY(cudaHostGetDevicePointer((void **)&hd, hm, 0));
+    MOED_CUDA_TRY(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     bl_pingpong<<<1, 1, 0, st>>>(hd, hd + 8, hd + 16, rounds);
-    CKB(cudaGetLastError());
+    MOED_CUDA_TRY(cudaGetLastError());
     for (int i = 1; i <= rounds; i++) {
         t0[i - 1] = rt_ns();
         __atomic_store_n(&hm[0], (uint64_t)i, __ATOMIC_RELEASE);
         double lim = mono_us() + 1e6;
         while (__atomic_load_n(&hm[8], __ATOMIC_ACQUIRE) < (uint64_t)i)
             if (mono_us() > lim) {
-                snprintf(err, errlen, "baseline: clock offset: no answer from the GPU in 1 s");
-                rc = -1;
+                rc = moed_seterr(err, errlen, MOED_E_BACKEND, "baseline: clock offset: no answer from the GPU in 1 s");
                 __atomic_store_n(&hm[0], (uint64_t)rounds, __ATOMIC_RELEASE);
                 goto cleanup;
             }
         t1[i - 1] = rt_ns();
     }
-    CKB(cudaStreamSynchronize(st));
+    MOED_CUDA_TRY(cudaStreamSynchronize(st));
     for (int i = 0; i < rounds; i++)
         if (best < 0 || t1[i] - t0[i] < t1[best] - t0[best])
             best = i;

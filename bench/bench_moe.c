@@ -1,7 +1,10 @@
 /* bench_moe.c - latency and effective bandwidth of the CUDA backend.
  *
- *   bench_moe [--preset deepseek-v3|qwen3-30b-a3b] [--layers N] [--iters N]
+ *   bench_moe [--preset deepseek-v3|qwen3-30b-a3b|...] [--layers N] [--iters N]
  *             [--tokens 1,4,16,64,256]
+ *
+ * Shapes (--preset) come from the GPU op-test table, tests/gpu/moe_cases.h
+ * (with their default layer counts); any served shape there can be timed.
  *
  * Weights: random NVFP4 generated on the device (moed_cuda_src.random_weights)
  * for N layers, so consecutive batches rotate across layers and stream from
@@ -36,7 +39,9 @@
 
 #include "backend.h"
 #include "backend_cuda.h"
+#include "backend_cuda_hooks.h"
 #include "bench_baseline.h"
+#include "gpu/moe_cases.h"
 #include "moed_err.h"
 #include "moed_log.h"
 #include "nvfp4.h"
@@ -162,29 +167,22 @@ int main(int argc, char **argv)
             for (char *t = strtok(argv[++i], ","); t && n_toks < 16; t = strtok(NULL, ","))
                 toks[n_toks++] = (uint32_t)atoi(t);
         } else {
-            fprintf(stderr, "usage: %s [--preset deepseek-v3|qwen3-30b-a3b] [--layers N] "
+            fprintf(stderr, "usage: %s [--preset SHAPE (tests/gpu/moe_cases.h)] [--layers N] "
                             "[--bf16-layers N] [--iters N] [--tokens 1,4,16] [--no-baselines]\n",
                     argv[0]);
             return 2;
         }
     }
-    struct moe_gpu_dims d;
-    if (!strcmp(preset, "deepseek-v3")) {
-        d = (struct moe_gpu_dims){7168, 2048, 256, 1, 8, 512};
-        if (!layers)
-            layers = 4;
-        if (!bf16_layers)
-            bf16_layers = 2; /* 22.6 GB each */
-    } else if (!strcmp(preset, "qwen3-30b-a3b")) {
-        d = (struct moe_gpu_dims){2048, 768, 128, 0, 8, 512};
-        if (!layers)
-            layers = 24;
-        if (!bf16_layers)
-            bf16_layers = 8; /* 1.2 GB each */
-    } else {
-        fprintf(stderr, "unknown preset %s\n", preset);
+    const struct moe_shape *sh = moe_shape_find(preset);
+    if (!sh) {
+        fprintf(stderr, "unknown preset %s (the shapes of tests/gpu/moe_cases.h)\n", preset);
         return 2;
     }
+    const struct moe_gpu_dims d = {sh->H, sh->I, sh->E, sh->S, sh->k, 512};
+    if (!layers)
+        layers = sh->bench_layers ? sh->bench_layers : 4;
+    if (!bf16_layers)
+        bf16_layers = sh->bench_bf16_layers ? sh->bench_bf16_layers : layers;
     if (bf16_layers > layers)
         bf16_layers = layers;
     if (!n_toks) {
@@ -213,8 +211,8 @@ int main(int argc, char **argv)
     const uint64_t pb = 4ull << 30;
     int reps = 20;
     if (cudaMalloc(&probe, pb) != cudaSuccess || cudaMemset(probe, 0x5a, pb) != cudaSuccess ||
-        moe_gpu_read_bw(probe, pb, reps, &ms) != 0) {
-        fprintf(stderr, "read probe failed\n");
+        moe_gpu_read_bw(probe, pb, reps, &ms, err, sizeof err) != 0) {
+        fprintf(stderr, "read probe failed: %s\n", err);
         return 1;
     }
     double stream_tbs = (double)pb * reps / (ms * 1e-3) / 1e12;
@@ -223,8 +221,8 @@ int main(int argc, char **argv)
      * 3.84 over 2000). Printed for reference; the fractions use the short one. */
     float ms_s = 0;
     const int reps_s = 500;
-    if (moe_gpu_read_bw(probe, pb, reps_s, &ms_s) != 0) {
-        fprintf(stderr, "read probe failed\n");
+    if (moe_gpu_read_bw(probe, pb, reps_s, &ms_s, err, sizeof err) != 0) {
+        fprintf(stderr, "read probe failed: %s\n", err);
         return 1;
     }
     cudaFree(probe);

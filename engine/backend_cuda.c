@@ -2,9 +2,9 @@
  * the completion thread and failure handling around the persistent kernel
  * (kernels/moe_gpu.cu).
  *
- * Placement. Every expert of every MoE layer is repacked on the host
- * (moe_gpu_repack_expert, in parallel over experts) into the kernel's stream
- * order and copied into one device allocation; each matrix's
+ * Placement (backend_place_cuda.c). Every expert of every MoE layer is
+ * repacked on the host (moe_gpu_repack_expert, in parallel over experts) into
+ * the kernel's stream order and copied into one device allocation; each matrix's
  * weight_scale_2 goes to a per-layer float table. The whole placement is
  * counted first and refused with both numbers if it does not fit
  * (cudaMemGetInfo).
@@ -51,94 +51,20 @@
 
 #include "backend.h"
 #include "backend_cuda.h"
+#include "backend_cuda_hooks.h"
+#include "backend_cuda_int.h"
 #include "moe_gpu.h"
+#include "moed_check_cuda.h"
 #include "moed_err.h"
 #include "moed_log.h"
 
-/* Every CUDA call goes through CK: the call text, file and line go to the log
- * and to err, rc becomes MOED_E_BACKEND, control goes to `cleanup`. */
-#define CK(call)                                                                               \
-    do {                                                                                       \
-        cudaError_t ck_e_ = (call);                                                            \
-        if (ck_e_ != cudaSuccess) {                                                            \
-            rc = ck_fail(err, errlen, ck_e_, #call, __FILE__, __LINE__);                       \
-            goto cleanup;                                                                      \
-        }                                                                                      \
-    } while (0)
-
-static int ck_fail(char *err, size_t errlen, cudaError_t e, const char *call, const char *file,
-                   int line)
-{
-    LOG_E("CUDA error %s (%s) in %s at %s:%d", cudaGetErrorName(e), cudaGetErrorString(e), call,
-          file, line);
-    return moed_seterr(err, errlen, MOED_E_BACKEND, "CUDA error %s (%s) in %s at %s:%d",
-                       cudaGetErrorName(e), cudaGetErrorString(e), call, file, line);
-}
+/* Every CUDA call goes through MOED_CUDA_TRY (common/moed_check_cuda.h): the
+ * call text, file and line go to the log and to err, rc becomes
+ * MOED_E_BACKEND, control goes to `cleanup`. */
 
 #define HB_STALL_MS 5000u /* idle kernel heartbeat must advance within this */
 
-struct pend {
-    struct pend *next;
-    struct moed_batch *b;
-};
-
-struct cuda_backend {
-    struct moed_backend base; /* first: ops receive &base */
-    struct moe_gpu_dims d;
-    int dev;
-    char dev_name[256];
-    int n_sms;
-    uint32_t deadline_ms, idle_exit_ms;
-    moed_progress_fn progress; /* weight placement progress (open only) */
-    void *progress_ctx;
-    /* layer id -> slot */
-    int32_t *slot_of;
-    uint32_t n_slot_of;
-    uint32_t n_layers;
-    /* device memory */
-    uint8_t *wbuf;
-    float *s2;
-    struct moe_gpu_layer *layers_d;
-    void *state;
-    uint16_t *xs, *h;
-    int32_t *ids_s;
-    uint16_t *route_g; /* per-CTA routing tables (MOE_GPU_ROUTE_GMEM) */
-    float *w_s, *dout;
-    uint64_t weight_bytes, scratch_bytes, dev_used, dev_total;
-    /* mapped host memory */
-    struct moe_gpu_ctrl *ctrl, *ctrl_d;
-    uint8_t *stage, *stage_d;
-    size_t off_ids, off_w, off_y, slot_bytes;
-    cudaStream_t stream;
-    struct moe_gpu_launch launch;
-    struct moe_gpu_params params;
-    /* queue state (mu) */
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    pthread_t thr;
-    int thr_started;
-    int running;   /* kernel launched and not stopped */
-    int closing;
-    int failed;    /* sticky: unhealthy */
-    uint64_t next_seq;  /* last seq published */
-    uint64_t delivered; /* last seq completed and handed back */
-    struct moed_batch *inflight[MOE_GPU_RING];
-    struct pend *ph, *pt;
-    uint64_t head_start_ns, last_active_ns;
-    /* bench: CLOCK_REALTIME (ns) of the last head store and of the completion
-     * thread's first sight of the last completed seq (single writers) */
-    uint64_t pub_rt_ns, seen_rt_ns;
-    uint64_t launches;
-    uint64_t stall_ns; /* test hook, consumed by the next publish */
-    char fail_msg[256];
-    /* host_alloc blocks given back (host_free), freed in close (mu) */
-    struct host_blk *host_freed;
-};
-
-/* A host_alloc block given back, waiting for close; the link lies in it. */
-struct host_blk {
-    struct host_blk *next;
-};
+static int g_test_guards; /* backends opened from now on get guard regions */
 
 static uint64_t rt_ns(void)
 {
@@ -154,135 +80,23 @@ static uint64_t now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-/* ---------------- repack + upload ---------------- */
-
-struct pack_job {
-    const struct moe_layer *layer;
-    uint32_t e0, e1, H, I;
-    uint8_t *out; /* experts e0..e1 packed, gu then dn per expert */
-};
-
-static void *pack_worker(void *arg)
-{
-    struct pack_job *j = arg;
-    uint64_t gb = moe_gpu_gu_bytes(j->H, j->I), db = moe_gpu_dn_bytes(j->H, j->I);
-    for (uint32_t e = j->e0; e < j->e1; e++) {
-        uint8_t *o = j->out + (uint64_t)(e - j->e0) * (gb + db);
-        moe_gpu_repack_expert(&j->layer->experts[e], j->H, j->I, o, o + gb);
-    }
-    return NULL;
-}
-
-/* Repack experts [e0, e1) of `layer` into host buffer `out` using up to
- * n_thr threads (falls back to this thread if thread creation fails). */
-static void pack_range(const struct moe_layer *layer, uint32_t e0, uint32_t e1, uint32_t H,
-                       uint32_t I, uint8_t *out, int n_thr)
-{
-    pthread_t th[64];
-    struct pack_job jobs[64];
-    int started[64] = {0};
-    uint32_t n = e1 - e0;
-    if (n_thr > 64)
-        n_thr = 64;
-    if (n_thr > (int)n)
-        n_thr = (int)n;
-    uint64_t per = moe_gpu_gu_bytes(H, I) + moe_gpu_dn_bytes(H, I);
-    for (int t = 0; t < n_thr; t++) {
-        uint32_t a = e0 + (uint32_t)((uint64_t)n * t / n_thr), b = e0 + (uint32_t)((uint64_t)n * (t + 1) / n_thr);
-        jobs[t] = (struct pack_job){layer, a, b, H, I, out + (uint64_t)(a - e0) * per};
-        started[t] = pthread_create(&th[t], NULL, pack_worker, &jobs[t]) == 0;
-        if (!started[t])
-            pack_worker(&jobs[t]);
-    }
-    for (int t = 0; t < n_thr; t++)
-        if (started[t])
-            pthread_join(th[t], NULL);
-}
-
-static int place_weights(struct cuda_backend *cb, const struct moed_cuda_src *src, char *err,
+/* cudaMalloc of a scratch buffer of `bytes` (between two guard regions of
+ * cb->guard bytes). */
+static int scratch_alloc(struct cuda_backend *cb, int which, void **out, size_t bytes, char *err,
                          size_t errlen)
 {
     int rc = 0;
-    const uint32_t H = cb->d.hidden, I = cb->d.inter, NE = cb->d.n_experts + cb->d.n_shared;
-    const uint64_t per = moe_gpu_gu_bytes(H, I) + moe_gpu_dn_bytes(H, I);
-    const uint64_t layer_bytes = per * NE;
-    uint8_t *host = NULL;
-    float *s2h = NULL;
-    struct moe_gpu_layer *lh = NULL;
-    uint32_t chunk = 0;
-    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-    int n_thr = ncpu > 0 ? (int)ncpu : 1;
-
-    lh = calloc(cb->n_layers, sizeof *lh);
-    s2h = calloc((size_t)cb->n_layers * 3 * NE, sizeof *s2h);
-    if (!lh || !s2h) {
-        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "cuda backend: out of host memory");
-        goto cleanup;
+    uint8_t *b = NULL;
+    const size_t g = cb->guard;
+    MOED_CUDA_TRY(cudaMalloc((void **)&b, bytes + 2 * g));
+    cb->g[which].base = b;
+    cb->g[which].bytes = bytes;
+    if (g) {
+        MOED_CUDA_TRY(cudaMemset(b, GUARD_FILL, g));
+        MOED_CUDA_TRY(cudaMemset(b + g + bytes, GUARD_FILL, g));
     }
-    CK(cudaMalloc((void **)&cb->wbuf, layer_bytes * cb->n_layers));
-    CK(cudaMalloc((void **)&cb->s2, sizeof(float) * 3 * NE * cb->n_layers));
-    CK(cudaMalloc((void **)&cb->layers_d, sizeof(struct moe_gpu_layer) * cb->n_layers));
-    for (uint32_t l = 0; l < cb->n_layers; l++) {
-        lh[l].gu = cb->wbuf + layer_bytes * l; /* gu and dn of expert e at gu + e*per */
-        lh[l].dn = cb->wbuf + layer_bytes * l + moe_gpu_gu_bytes(H, I);
-        lh[l].s2 = cb->s2 + (size_t)3 * NE * l;
-    }
-    if (src->random_weights) {
-        for (uint32_t l = 0; l < cb->n_layers; l++)
-            for (uint32_t e = 0; e < NE; e++) {
-                uint64_t x = src->seed * 0x9E3779B97F4A7C15ull + l * 1000003ull + e * 7919ull + 1;
-                for (int m = 0; m < 3; m++) {
-                    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-                    /* like ModelOpt's amax/(6*448) for unit-scale weights, gate != up */
-                    s2h[(size_t)3 * NE * l + (size_t)m * NE + e] =
-                        (1.0f + (float)(x % 1000) / 1000.0f) / (6.0f * 448.0f);
-                }
-            }
-        CK((cudaError_t)moe_gpu_fill_random(cb->wbuf, layer_bytes * cb->n_layers, src->seed));
-        CK(cudaDeviceSynchronize());
-    } else {
-        /* the kernel reads gu at e*per and dn at e*per + gu bytes: interleave
-         * experts as [gu dn][gu dn]..., which is what pack_range writes */
-        chunk = NE < 64 ? NE : 64;
-        host = malloc(per * chunk);
-        if (!host) {
-            rc = moed_seterr(err, errlen, MOED_E_NOMEM,
-                             "cuda backend: cannot allocate %llu bytes of repack buffer",
-                             (unsigned long long)(per * chunk));
-            goto cleanup;
-        }
-        uint64_t done = 0, total = layer_bytes * cb->n_layers, next_log = 0;
-        for (uint32_t l = 0; l < cb->n_layers; l++) {
-            const struct moe_layer *ly = src->layers[l];
-            for (uint32_t e = 0; e < NE; e++) {
-                s2h[(size_t)3 * NE * l + e] = ly->experts[e].gate.scale_2;
-                s2h[(size_t)3 * NE * l + NE + e] = ly->experts[e].up.scale_2;
-                s2h[(size_t)3 * NE * l + 2 * NE + e] = ly->experts[e].down.scale_2;
-            }
-            for (uint32_t e0 = 0; e0 < NE; e0 += chunk) {
-                uint32_t e1 = e0 + chunk < NE ? e0 + chunk : NE;
-                pack_range(ly, e0, e1, H, I, host, n_thr);
-                CK(cudaMemcpy(cb->wbuf + layer_bytes * l + per * e0, host, per * (e1 - e0),
-                              cudaMemcpyHostToDevice));
-                done += per * (e1 - e0);
-                if (cb->progress)
-                    cb->progress(cb->progress_ctx, done, total);
-                if (done >= next_log || done == total) {
-                    LOG_I("cuda: GPU %d: uploaded %.2f of %.2f GiB of expert weights (layer %u/%u)",
-                          cb->dev, done / 1073741824.0, total / 1073741824.0, l + 1, cb->n_layers);
-                    next_log = done + total / 10;
-                }
-            }
-        }
-    }
-    /* per-layer tables; the kernel indexes gu/dn by e*per: fix the layer
-     * pointers to that stride (gu at +0, dn at +gu bytes within each expert) */
-    CK(cudaMemcpy(cb->s2, s2h, sizeof(float) * 3 * NE * cb->n_layers, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(cb->layers_d, lh, sizeof *lh * cb->n_layers, cudaMemcpyHostToDevice));
+    *out = b + g;
 cleanup:
-    free(host);
-    free(s2h);
-    free(lh);
     return rc;
 }
 
@@ -306,7 +120,7 @@ static void publish_locked(struct cuda_backend *cb, struct moed_batch *b)
     uint8_t *st = cb->stage + slot * cb->slot_bytes;
     uint8_t *sd = cb->stage_d + slot * cb->slot_bytes;
     const uint32_t T = b->n_tokens, H = cb->d.hidden, k = cb->d.top_k;
-    struct moe_gpu_slot *sl = &cb->ctrl->ring[slot];
+    struct moe_gpu_slot *sl = moe_gpu_slot_for(cb->ctrl, seq);
     struct moe_gpu_desc *dsc = &sl->d;
     dsc->seq = seq;
     dsc->layer = (uint32_t)cb->slot_of[b->layer];
@@ -346,7 +160,7 @@ static void publish_locked(struct cuda_backend *cb, struct moed_batch *b)
     /* stamped just before the release store: the dispatch-latency figure of
      * the benchmark then includes the store's own cost (tens of ns) */
     __atomic_store_n(&cb->pub_rt_ns, rt_ns(), __ATOMIC_RELAXED);
-    __atomic_store_n(&cb->ctrl->head, seq, __ATOMIC_RELEASE);
+    moe_gpu_publish(cb->ctrl, seq);
 }
 
 static void fill_from_pending_locked(struct cuda_backend *cb)
@@ -445,16 +259,15 @@ static void fail_all(struct cuda_backend *cb, const char *why)
     }
 }
 
-static int launch_locked(struct cuda_backend *cb)
+/* Launch the kernel for the batches after `delivered`; 0 or MOED_E_BACKEND
+ * (the failing call logged and in err). */
+static int launch_locked(struct cuda_backend *cb, char *err, size_t errlen)
 {
-    cb->ctrl->stop = 0;
-    __atomic_store_n(&cb->ctrl->exited, 0, __ATOMIC_RELEASE);
+    moe_gpu_arm(cb->ctrl);
     cb->params.start_seq = cb->delivered + 1;
-    int e = moe_gpu_start(&cb->params, &cb->launch, cb->stream);
-    if (e) {
-        LOG_E("cuda: GPU %d: kernel launch failed: %s", cb->dev, cudaGetErrorString((cudaError_t)e));
-        return MOED_E_BACKEND;
-    }
+    int rc = moe_gpu_start(&cb->params, &cb->launch, cb->stream, err, errlen);
+    if (rc)
+        return rc;
     cb->launches++;
     cb->running = 1;
     cb->head_start_ns = now_ns();
@@ -466,9 +279,9 @@ static int launch_locked(struct cuda_backend *cb)
  * while waiting; returns 0 or MOED_E_BACKEND). */
 static int stop_kernel(struct cuda_backend *cb, uint32_t timeout_ms)
 {
-    __atomic_store_n(&cb->ctrl->stop, 1, __ATOMIC_RELEASE);
+    moe_gpu_request_stop(cb->ctrl);
     uint64_t t0 = now_ns();
-    while (!__atomic_load_n(&cb->ctrl->exited, __ATOMIC_ACQUIRE)) {
+    while (!moe_gpu_exited(cb->ctrl)) {
         if (now_ns() - t0 > (uint64_t)timeout_ms * 1000000ull)
             return MOED_E_BACKEND;
         usleep(50);
@@ -494,9 +307,9 @@ static int stop_kernel(struct cuda_backend *cb, uint32_t timeout_ms)
  * acquire keeps their order (plain loads on x86). */
 static uint64_t kernel_time_ns(const struct cuda_backend *cb, uint64_t seq)
 {
-    uint64_t t5 = __atomic_load_n(&cb->ctrl->phase_ns[5], __ATOMIC_ACQUIRE);
-    uint64_t t0 = __atomic_load_n(&cb->ctrl->phase_ns[0], __ATOMIC_ACQUIRE);
-    if (__atomic_load_n(&cb->ctrl->done_seq, __ATOMIC_ACQUIRE) != seq || t0 == 0 || t5 <= t0)
+    uint64_t t5 = moe_gpu_phase(cb->ctrl, 5);
+    uint64_t t0 = moe_gpu_phase(cb->ctrl, 0);
+    if (moe_gpu_poll_done(cb->ctrl) != seq || t0 == 0 || t5 <= t0)
         return 0;
     return t5 - t0;
 }
@@ -516,7 +329,7 @@ static void *completion_thread(void *arg)
     for (;;) {
         uint64_t now = now_ns();
         /* ---- deliver completions ---- */
-        uint64_t done = __atomic_load_n(&cb->ctrl->done_seq, __ATOMIC_ACQUIRE);
+        uint64_t done = moe_gpu_poll_done(cb->ctrl);
         int progressed = 0;
         uint64_t done_kernel_ns = 0; /* kernel time of batch `done`, read right away */
         if (done > cb->delivered) { /* delivered: written by this thread only */
@@ -561,7 +374,8 @@ static void *completion_thread(void *arg)
         const char *why = NULL;
         if (!failed) {
             if (!cb->running && pending) {
-                if (launch_locked(cb))
+                char lerr[MOED_ERRLEN];
+                if (launch_locked(cb, lerr, sizeof lerr))
                     why = "kernel relaunch failed";
                 else
                     fill_from_pending_locked(cb);
@@ -596,7 +410,7 @@ static void *completion_thread(void *arg)
             cudaError_t e = cudaStreamQuery(cb->stream);
             if (e != cudaSuccess && e != cudaErrorNotReady)
                 why = cudaGetErrorString(e);
-            uint64_t hb = __atomic_load_n(&cb->ctrl->heartbeat, __ATOMIC_RELAXED);
+            uint64_t hb = moe_gpu_heartbeat(cb->ctrl);
             if (hb != hb_val || !cb->running || inflight) {
                 hb_val = hb;
                 hb_at = now;
@@ -711,12 +525,8 @@ static void free_all(struct cuda_backend *cb, int device_ok)
         cudaFree(cb->s2);
         cudaFree(cb->layers_d);
         cudaFree(cb->state);
-        cudaFree(cb->xs);
-        cudaFree(cb->h);
-        cudaFree(cb->ids_s);
-        cudaFree(cb->route_g);
-        cudaFree(cb->w_s);
-        cudaFree(cb->dout);
+        for (int i = 0; i < G_COUNT; i++)
+            cudaFree(cb->g[i].base);
         if (cb->ctrl)
             cudaFreeHost(cb->ctrl);
         if (cb->stage)
@@ -801,6 +611,7 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     cb->progress_ctx = cfg->progress_ctx;
     cb->idle_exit_ms = cfg->idle_exit_ms;
     cb->n_layers = src->n_layers;
+    cb->guard = __atomic_load_n(&g_test_guards, __ATOMIC_RELAXED) ? GUARD_BYTES : 0;
     if ((rc = moe_gpu_check_dims(&cb->d, err, errlen)))
         goto cleanup;
 
@@ -822,15 +633,22 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     for (uint32_t l = 0; l < src->n_layers; l++)
         cb->slot_of[src->layer_ids ? src->layer_ids[l] : l] = (int32_t)l;
 
-    CK(cudaSetDevice(cb->dev));
-    CK(cudaGetDeviceProperties(&prop, cb->dev));
+    MOED_CUDA_TRY(cudaSetDevice(cb->dev));
+    MOED_CUDA_TRY(cudaGetDeviceProperties(&prop, cb->dev));
     snprintf(cb->dev_name, sizeof cb->dev_name, "%s", prop.name);
     cb->n_sms = prop.multiProcessorCount;
+
+    /* the kernel module and this build must agree on the host-device layout
+     * (kernels/moe_gpu_abi.h) before anything is placed or launched */
+    if ((rc = moe_gpu_abi_check(moe_gpu_kernel_abi(), err, errlen))) {
+        LOG_E("%s", err);
+        goto cleanup;
+    }
 
     /* routing tables grow with max_tokens and live in shared memory */
     {
         int optin = 0;
-        CK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, cb->dev));
+        MOED_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, cb->dev));
         uint32_t need = moe_gpu_smem_bytes(&cb->d);
         if ((int)need > optin) {
             rc = moed_seterr(err, errlen, MOED_E_CONFIG,
@@ -849,8 +667,9 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
                         moe_gpu_state_bytes(&cb->d) + (uint64_t)sizeof(float) * 3 * NE * cb->n_layers +
                         /* routing tables: one region per CTA; 1024 bounds the grid
                          * (<= 16 warps per SM, >= 4 warps per CTA, <= 256 SMs) */
-                        (uint64_t)moe_gpu_route_gmem_bytes(&cb->d) * 1024;
-    CK(cudaMemGetInfo(&free_b, &total_b));
+                        (uint64_t)moe_gpu_route_gmem_bytes(&cb->d) * 1024 +
+                        2 * cb->guard * G_COUNT;
+    MOED_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
     const uint64_t margin = 256ull << 20;
     if (cb->weight_bytes + cb->scratch_bytes + margin > free_b) {
         rc = moed_seterr(err, errlen, MOED_E_NOFIT,
@@ -865,34 +684,31 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     LOG_I("cuda: GPU %d %s: placing %u layers, %.2f GiB of weights (%.2f GiB free)", cb->dev,
           cb->dev_name, cb->n_layers, cb->weight_bytes / 1073741824.0, free_b / 1073741824.0);
 
-    if ((rc = place_weights(cb, src, err, errlen)))
+    if ((rc = cuda_place_weights(cb, src, err, errlen)))
         goto cleanup;
-    CK(cudaMalloc(&cb->state, moe_gpu_state_bytes(&cb->d)));
-    CK(cudaMemset(cb->state, 0, moe_gpu_state_bytes(&cb->d)));
-    CK(cudaMalloc((void **)&cb->xs, MT * H * 2));
-    CK(cudaMalloc((void **)&cb->ids_s, MT * k * 4));
-    CK(cudaMalloc((void **)&cb->w_s, MT * k * 4));
-    CK(cudaMalloc((void **)&cb->h, MT * KS * I * 2));
-    CK(cudaMalloc((void **)&cb->dout, MT * KS * H * 4));
+    MOED_CUDA_TRY(cudaMalloc(&cb->state, moe_gpu_state_bytes(&cb->d)));
+    MOED_CUDA_TRY(cudaMemset(cb->state, 0, moe_gpu_state_bytes(&cb->d)));
+    MOED_TRY(scratch_alloc(cb, G_XS, (void **)&cb->xs, MT * H * 2, err, errlen));
+    MOED_TRY(scratch_alloc(cb, G_IDS, (void **)&cb->ids_s, MT * k * 4, err, errlen));
+    MOED_TRY(scratch_alloc(cb, G_W, (void **)&cb->w_s, MT * k * 4, err, errlen));
+    MOED_TRY(scratch_alloc(cb, G_H, (void **)&cb->h, MT * KS * I * 2, err, errlen));
+    MOED_TRY(scratch_alloc(cb, G_DOUT, (void **)&cb->dout, MT * KS * H * 4, err, errlen));
 
     /* mapped host memory: control block + per-slot staging */
-    CK(cudaHostAlloc((void **)&cb->ctrl, sizeof *cb->ctrl, cudaHostAllocMapped));
+    MOED_CUDA_TRY(cudaHostAlloc((void **)&cb->ctrl, sizeof *cb->ctrl, cudaHostAllocMapped));
     memset(cb->ctrl, 0, sizeof *cb->ctrl);
-    CK(cudaHostGetDevicePointer((void **)&cb->ctrl_d, cb->ctrl, 0));
+    MOED_CUDA_TRY(cudaHostGetDevicePointer((void **)&cb->ctrl_d, cb->ctrl, 0));
     cb->off_ids = (MT * H * 2 + 255) & ~(size_t)255;
     cb->off_w = cb->off_ids + ((MT * k * 4 + 255) & ~(size_t)255);
     cb->off_y = cb->off_w + ((MT * k * 4 + 255) & ~(size_t)255);
     cb->slot_bytes = cb->off_y + ((MT * H * 2 + 255) & ~(size_t)255);
-    CK(cudaHostAlloc((void **)&cb->stage, cb->slot_bytes * MOE_GPU_RING, cudaHostAllocMapped));
-    CK(cudaHostGetDevicePointer((void **)&cb->stage_d, cb->stage, 0));
-    CK(cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking));
+    MOED_CUDA_TRY(cudaHostAlloc((void **)&cb->stage, cb->slot_bytes * MOE_GPU_RING, cudaHostAllocMapped));
+    MOED_CUDA_TRY(cudaHostGetDevicePointer((void **)&cb->stage_d, cb->stage, 0));
+    MOED_CUDA_TRY(cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking));
 
-    int e = moe_gpu_plan(cb->dev, &cb->d, cfg->sms_free, &cb->launch);
-    if (e)
-        CK((cudaError_t)e);
-    if (moe_gpu_route_gmem_bytes(&cb->d))
-        CK(cudaMalloc((void **)&cb->route_g,
-                      (size_t)cb->launch.grid * moe_gpu_route_gmem_bytes(&cb->d)));
+    MOED_TRY(moe_gpu_plan(cb->dev, &cb->d, cfg->sms_free, &cb->launch, err, errlen));
+    MOED_TRY(scratch_alloc(cb, G_ROUTE, (void **)&cb->route_g,
+                           (size_t)cb->launch.grid * moe_gpu_route_gmem_bytes(&cb->d), err, errlen));
     cb->params = (struct moe_gpu_params){
         .d = cb->d, .layers = cb->layers_d, .ctrl = cb->ctrl_d, .state = cb->state,
         .xs = cb->xs, .ids_s = cb->ids_s, .w_s = cb->w_s, .h = cb->h, .dout = cb->dout,
@@ -902,14 +718,11 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
           "threads, %d B dynamic smem", cb->dev, cb->launch.grid, cb->launch.ctas_per_sm,
           cb->launch.sms, cfg->sms_free, cb->launch.block, cb->launch.smem_bytes);
     pthread_mutex_lock(&cb->mu);
-    rc = launch_locked(cb);
+    rc = launch_locked(cb, err, errlen);
     pthread_mutex_unlock(&cb->mu);
-    if (rc) {
-        rc = moed_seterr(err, errlen, MOED_E_BACKEND, "cuda backend: kernel launch failed on GPU %d",
-                         cb->dev);
+    if (rc)
         goto cleanup;
-    }
-    CK(cudaMemGetInfo(&free_b, &total_b));
+    MOED_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
     cb->dev_used = total_b - free_b;
     cb->dev_total = total_b;
     if (pthread_create(&cb->thr, NULL, completion_thread, cb) != 0) {
@@ -972,65 +785,10 @@ int moed_backend_cuda_available(void)
 uint64_t moed_backend_cuda_heartbeat(struct moed_backend *be)
 {
     struct cuda_backend *cb = (struct cuda_backend *)be;
-    return __atomic_load_n(&cb->ctrl->heartbeat, __ATOMIC_RELAXED);
+    return moe_gpu_heartbeat(cb->ctrl);
 }
 
-uint64_t moed_backend_cuda_launches(struct moed_backend *be)
+void moed_backend_cuda_test_guards(int on)
 {
-    struct cuda_backend *cb = (struct cuda_backend *)be;
-    pthread_mutex_lock(&cb->mu);
-    uint64_t n = cb->launches;
-    pthread_mutex_unlock(&cb->mu);
-    return n;
-}
-
-void moed_backend_cuda_phases(struct moed_backend *be, uint64_t out[6])
-{
-    struct cuda_backend *cb = (struct cuda_backend *)be;
-    for (int i = 0; i < 6; i++)
-        out[i] = __atomic_load_n(&cb->ctrl->phase_ns[i], __ATOMIC_RELAXED);
-}
-
-void moed_backend_cuda_host_stamps(struct moed_backend *be, uint64_t out[2])
-{
-    struct cuda_backend *cb = (struct cuda_backend *)be;
-    out[0] = __atomic_load_n(&cb->pub_rt_ns, __ATOMIC_RELAXED);
-    out[1] = __atomic_load_n(&cb->seen_rt_ns, __ATOMIC_RELAXED);
-}
-
-int moed_backend_cuda_running(struct moed_backend *be)
-{
-    struct cuda_backend *cb = (struct cuda_backend *)be;
-    pthread_mutex_lock(&cb->mu);
-    int r = cb->running;
-    pthread_mutex_unlock(&cb->mu);
-    return r;
-}
-
-int moed_backend_cuda_layer_ptrs(struct moed_backend *be, uint32_t slot, struct moe_gpu_layer *out,
-                                 struct moe_gpu_dims *dims)
-{
-    struct cuda_backend *cb = (struct cuda_backend *)be;
-    if (slot >= cb->n_layers)
-        return MOED_E_INVAL;
-    const uint32_t H = cb->d.hidden, I = cb->d.inter, NE = cb->d.n_experts + cb->d.n_shared;
-    const uint64_t layer_bytes = (moe_gpu_gu_bytes(H, I) + moe_gpu_dn_bytes(H, I)) * NE;
-    out->gu = cb->wbuf + layer_bytes * slot;
-    out->dn = cb->wbuf + layer_bytes * slot + moe_gpu_gu_bytes(H, I);
-    out->s2 = cb->s2 + (size_t)3 * NE * slot;
-    *dims = cb->d;
-    return 0;
-}
-
-void moed_backend_cuda_debug_stall(struct moed_backend *be, uint32_t us)
-{
-    struct cuda_backend *cb = (struct cuda_backend *)be;
-    pthread_mutex_lock(&cb->mu);
-    cb->stall_ns = (uint64_t)us * 1000u;
-    pthread_mutex_unlock(&cb->mu);
-}
-
-int moed_backend_cuda_grid(struct moed_backend *be)
-{
-    return ((struct cuda_backend *)be)->launch.grid;
+    __atomic_store_n(&g_test_guards, on, __ATOMIC_RELAXED);
 }

@@ -4,7 +4,8 @@
  * moed_backend_cuda_open() (backend.h) serves a loaded checkpoint; the
  * function here serves layers the caller built in memory (tests) or random
  * NVFP4 weights generated on the device (benchmark), through the same
- * placement, queue and kernel.
+ * placement, queue and kernel. The tests' and the benchmark's hooks into a
+ * running backend are in backend_cuda_hooks.h (test-only).
  */
 #ifndef MOED_BACKEND_CUDA_H
 #define MOED_BACKEND_CUDA_H
@@ -28,26 +29,5 @@ struct moed_cuda_src {
 int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moed_backend_cfg *cfg,
                                moed_backend_done_fn done, void *done_ctx,
                                struct moed_backend **out, char *err, size_t errlen);
-
-/* Test/bench hooks: current heartbeat value, kernel launches so far, and the
- * kernel's grid. */
-uint64_t moed_backend_cuda_heartbeat(struct moed_backend *be);
-uint64_t moed_backend_cuda_launches(struct moed_backend *be);
-int moed_backend_cuda_grid(struct moed_backend *be);
-/* Bench hook: the kernel's phase timestamps of the last batch (ns, see
- * moe_gpu_ctrl.phase_ns); copies 6 values. */
-void moed_backend_cuda_phases(struct moed_backend *be, uint64_t out[6]);
-/* Bench hook: CLOCK_REALTIME ns of the last batch's head store [0] and of
- * the completion thread first seeing done_seq advance [1]. */
-void moed_backend_cuda_host_stamps(struct moed_backend *be, uint64_t out[2]);
-/* Bench hook: 1 while the persistent kernel is resident (0 after an idle
- * exit, engine.idle_exit_ms), so other kernels can be timed on a free GPU. */
-int moed_backend_cuda_running(struct moed_backend *be);
-/* Bench hook: device pointers of layer slot `slot` (0..n_layers-1) and the
- * dims the kernel serves; MOED_E_INVAL for a slot out of range. */
-int moed_backend_cuda_layer_ptrs(struct moed_backend *be, uint32_t slot, struct moe_gpu_layer *out,
-                                 struct moe_gpu_dims *dims);
-/* Test hook: the next batch published makes the kernel stall `us` first. */
-void moed_backend_cuda_debug_stall(struct moed_backend *be, uint32_t us);
 
 #endif

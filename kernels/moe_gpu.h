@@ -1,7 +1,8 @@
-/* moe_gpu.h - the persistent fused NVFP4 MoE kernel: layouts, queue, launch.
+/* moe_gpu.h - the persistent fused NVFP4 MoE kernel: code layout, repack, launch.
  *
  * C interface between the host backend (engine/backend_cuda.c) and the CUDA
- * code (kernels/moe_gpu.cu), plus the host-side weight repacker
+ * code (kernels/moe_gpu.cu; the host-device contract itself, layouts checked
+ * on both sides, is kernels/moe_gpu_abi.h), plus the host-side weight repacker
  * (kernels/moe_gpu_pack.c, plain C, built in every configuration so that it
  * can be unit-tested without a GPU).
  *
@@ -23,37 +24,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "moe_gpu_abi.h"
 #include "moe_ref.h"
-
-#ifndef MOE_GPU_MR
-#define MOE_GPU_MR 2            /* 16-row sub-tiles per warp tile */
-#endif
-#define MOE_GPU_TILE_ROWS (16 * MOE_GPU_MR)
-#define MOE_GPU_UNIT_K 64       /* K per pipeline unit */
-#define MOE_GPU_SUB_BYTES 576   /* one 16-row x 64-K sub-tile: 512 codes + 64 scales */
-#define MOE_GPU_UNIT_BYTES (MOE_GPU_MR * MOE_GPU_SUB_BYTES)
-#ifndef MOE_GPU_CHUNK_TOKENS
-#define MOE_GPU_CHUNK_TOKENS 8  /* tokens (pairs) per task, at most (8: NT = 1 n-tile; 16:
-                                   chunks of 9-16 take NT = 2). H200 2026-11-30: 16 is 11%
-                                   faster at T = 256, 5-17% slower at T <= 64 (bench/NOTES.md
-                                   v19) */
-#endif
-#define MOE_GPU_RING 8          /* batch descriptors in flight per GPU */
-#ifndef MOE_GPU_WARPS
-#define MOE_GPU_WARPS 4         /* warps per CTA; H200 2026-11-29: 4 CTAs/SM of 4 warps beat
-                                   2 of 8 by 13-35% (bench/NOTES.md) */
-#endif
-#ifndef MOE_GPU_STAGES
-#define MOE_GPU_STAGES 4        /* cp.async stages per warp (weights + x rows). H200
-                                   2026-11-29: 4 is 1-2% faster than 3, 5 no better; with
-                                   the routing tables in device memory 4 CTAs/SM fit */
-#endif
-#ifndef MOE_GPU_ROUTE_GMEM
-#define MOE_GPU_ROUTE_GMEM 1    /* 1: the per-token routing tables (pos, tok: 4 bytes per
-                                   (token, slot) entry) live in a per-CTA region of device
-                                   memory, not in shared memory, which is left to the
-                                   cp.async stages */
-#endif
 
 /* Code word layout. Lane l = 4g + q of a sub-tile owns four 32-bit words (one
  * per mma step s); word s holds 8 E2M1 codes as 4 pairs: pair p = 0 (row g,
@@ -67,11 +39,6 @@
  * with M = S | G, S = 0x80008000 (signs), G = 0x01c001c0 (magnitudes); only
  * p3's magnitude wraps, the other rotations equal plain left shifts here. The
  * 32 bits of the word are each used once (bench/NOTES.md, v10). */
-#if defined(__CUDACC__)
-#define MOE_GPU_HD __host__ __device__
-#else
-#define MOE_GPU_HD
-#endif
 MOE_GPU_HD static inline unsigned moe_gpu_sign_bit(unsigned p, unsigned h)
 {
     return (p == 0 ? 9u : p == 1 ? 12u : p == 2 ? 11u : 10u) + 16u * h;
@@ -101,7 +68,6 @@ MOE_GPU_HD static inline uint32_t moe_gpu_code_put(uint32_t w, unsigned p, unsig
  * flips the signs of the block's 16 codes for a negative scale, and clears
  * them for a zero scale (value 0 either way), so every product is exactly the
  * checkpoint's code * scale. */
-#define MOE_GPU_SCALE_BIAS 0x7000u
 /* E4M3 byte -> stream scale byte; *sign = 1, -1 (flip the block's code
  * signs) or 0 (clear the block's codes: the scale is +-0) */
 MOE_GPU_HD static inline uint8_t moe_gpu_scale_byte(uint8_t e4m3, int *sign)
@@ -129,76 +95,6 @@ MOE_GPU_HD static inline float moe_gpu_scale_value(uint8_t b)
     return v.f * 0x1p-118f; /* exact */
 }
 
-/* One batch, written by the host into ring[seq % MOE_GPU_RING] before head
- * is released. Pointers are device-visible (device memory or mapped host). */
-struct moe_gpu_desc {
-    uint64_t seq;
-    uint32_t layer;     /* index into the kernel's layer table */
-    uint32_t n_tokens;  /* T */
-    uint64_t x;         /* bf16 [T, H] */
-    uint64_t ids;       /* int32 [T, k] */
-    uint64_t w;         /* fp32 [T, k] */
-    uint64_t y;         /* bf16 [T, H] output */
-    uint64_t stall_ns;  /* test hook: dispatcher sleeps this long first (0) */
-    uint64_t inl;       /* 1: ids then w are inline in the slot (ids, w unused) */
-};
-
-/* A ring slot: the descriptor and, for small batches (T * top_k * 8 <=
- * MOE_GPU_INLINE_BYTES), ids (int32 [T, k]) then w (fp32 [T, k]) inline, so
- * that the kernel reads all it needs to route in one PCIe round trip. */
-#define MOE_GPU_INLINE_BYTES 448
-struct moe_gpu_slot {
-    struct moe_gpu_desc d;
-    uint8_t inl[MOE_GPU_INLINE_BYTES];
-};
-
-/* Control block in mapped host memory; each word on its own 64-byte line. */
-struct moe_gpu_ctrl {
-    uint64_t head;      /* host: highest published seq (release) */
-    uint64_t pad0[7];
-    uint64_t stop;      /* host: non-zero asks the kernel to exit when idle */
-    uint64_t pad1[7];
-    uint64_t heartbeat; /* device: advances while the kernel runs */
-    uint64_t pad2[7];
-    uint64_t done_seq;  /* device: highest completed seq (release) */
-    uint64_t pad3[7];
-    uint64_t exited;    /* device: 1 once every CTA has left */
-    uint64_t pad4[7];
-    /* device: %globaltimer (ns) of the last batch's phases, for the benchmark:
-     * [0] head seen, [1] batch released to CTAs, [2] x staged, [3] last
-     * gate_up tile done, [4] last down tile done, [5] batch complete */
-    uint64_t phase_ns[8];
-    struct moe_gpu_slot ring[MOE_GPU_RING];
-};
-
-/* Device pointers of one layer's repacked weights. */
-struct moe_gpu_layer {
-    const uint8_t *gu;  /* expert e's gate_up stream at gu + e * (gu+dn bytes) */
-    const uint8_t *dn;  /* expert e's down stream at dn + e * (gu+dn bytes) */
-    const float *s2;    /* [3][E+S]: gate, up, down weight_scale_2 */
-};
-
-struct moe_gpu_dims {
-    uint32_t hidden, inter, n_experts, n_shared, top_k, max_tokens;
-};
-
-/* Everything the kernel needs, passed by value at launch. */
-struct moe_gpu_params {
-    struct moe_gpu_dims d;
-    const struct moe_gpu_layer *layers; /* device array */
-    struct moe_gpu_ctrl *ctrl;          /* device pointer of the mapped block */
-    void *state;        /* device: counters (moe_gpu_state_bytes) */
-    uint16_t *xs;       /* device: staged x [max_tokens, H] */
-    int32_t *ids_s;     /* device: staged ids [max_tokens, k] */
-    float *w_s;         /* device: staged w [max_tokens, k] */
-    uint16_t *h;        /* device: [max_tokens*(k+S), I] bf16 */
-    float *dout;        /* device: [max_tokens*(k+S), H] fp32 */
-    uint64_t start_seq; /* first seq this launch processes */
-    uint32_t smem_route;/* bytes of the routing part of dynamic smem */
-    uint16_t *route_g;  /* device: per-CTA pos/tok tables, moe_gpu_route_gmem_bytes each
-                           (MOE_GPU_ROUTE_GMEM; NULL otherwise) */
-};
-
 struct moe_gpu_launch {
     int grid, block, smem_bytes, ctas_per_sm, sms;
 };
@@ -207,34 +103,41 @@ struct moe_gpu_launch {
 
 /* 0, or MOED_E_MODEL with a message if H/I do not fit the tiling. */
 int moe_gpu_check_dims(const struct moe_gpu_dims *d, char *err, size_t errlen);
-/* Bytes of one expert's gate_up / down stream. */
-uint64_t moe_gpu_gu_bytes(uint32_t hidden, uint32_t inter);
-uint64_t moe_gpu_dn_bytes(uint32_t hidden, uint32_t inter);
+/* 0 if `kernel_fp` (moe_gpu_kernel_abi: the layout fingerprint the kernel
+ * module was compiled with) equals the host's
+ * moe_gpu_abi_fingerprint(); else MOED_E_BACKEND with a message naming both. */
+int moe_gpu_abi_check(uint64_t kernel_fp, char *err, size_t errlen);
 /* Repack one expert into gu[moe_gpu_gu_bytes] and dn[moe_gpu_dn_bytes]
  * (caller owns both). Nibble values and scale bytes are copied unchanged; only
  * their order changes. */
 void moe_gpu_repack_expert(const struct moe_expert *ex, uint32_t hidden, uint32_t inter,
                            uint8_t *gu, uint8_t *dn);
 
-/* ---- device side (kernels/moe_gpu.cu); return cudaError_t values as int ---- */
+/* ---- device side (kernels/moe_gpu.cu): 0 or a MOED_E_* code (MOED_E_BACKEND
+ * for a CUDA error) with the failing call, file and line in err ---- */
 
 /* Bytes of the device counter block for these dims. */
 size_t moe_gpu_state_bytes(const struct moe_gpu_dims *d);
 /* Dynamic shared memory: routing tables + per-warp stages. */
 uint32_t moe_gpu_smem_route_bytes(const struct moe_gpu_dims *d);
-/* Device memory for the routing tables of one CTA (0 unless MOE_GPU_ROUTE_GMEM). */
+/* Device memory for the routing tables of one CTA. */
 uint32_t moe_gpu_route_gmem_bytes(const struct moe_gpu_dims *d);
 /* Total dynamic shared memory per CTA (routing + stages). */
 uint32_t moe_gpu_smem_bytes(const struct moe_gpu_dims *d);
+/* The layout fingerprint the kernel module (kernels/moe_gpu.cu, nvcc) was
+ * compiled with: moe_gpu_abi_fingerprint() of its translation unit. */
+uint64_t moe_gpu_kernel_abi(void);
 /* Grid from the occupancy API on `device`, leaving sms_free SMs idle. */
 int moe_gpu_plan(int device, const struct moe_gpu_dims *d, int sms_free,
-                 struct moe_gpu_launch *out);
+                 struct moe_gpu_launch *out, char *err, size_t errlen);
 /* Launch the persistent kernel on `stream` (a cudaStream_t). */
-int moe_gpu_start(const struct moe_gpu_params *p, const struct moe_gpu_launch *l, void *stream);
+int moe_gpu_start(const struct moe_gpu_params *p, const struct moe_gpu_launch *l, void *stream,
+                  char *err, size_t errlen);
 /* Fill a weight stream (bytes % 576 == 0) with random valid NVFP4 (benchmark). */
-int moe_gpu_fill_random(void *buf, uint64_t bytes, uint64_t seed);
+int moe_gpu_fill_random(void *buf, uint64_t bytes, uint64_t seed, char *err, size_t errlen);
 /* Streaming-read bandwidth probe for the benchmark: reads `bytes` from buf
  * `reps` times; returns elapsed ms through *ms. */
-int moe_gpu_read_bw(const void *buf, uint64_t bytes, int reps, float *ms);
+int moe_gpu_read_bw(const void *buf, uint64_t bytes, int reps, float *ms, char *err,
+                    size_t errlen);
 
 #endif

@@ -1,5 +1,6 @@
 /* moe_gpu_pack.c - repack NVFP4 expert weights into the GPU kernel's stream
- * order (host side, plain C; see the layout comment in moe_gpu.cu).
+ * order (host side, plain C; see the layout comment in moe_gpu.cu), and the
+ * host half of the layout check (moe_gpu_abi_check).
  *
  * Nothing is re-quantized: every E2M1 nibble of the checkpoint lands somewhere
  * in the output, and every E4M3 block scale is re-encoded exactly
@@ -39,15 +40,17 @@ int moe_gpu_check_dims(const struct moe_gpu_dims *d, char *err, size_t errlen)
     return 0;
 }
 
-uint64_t moe_gpu_gu_bytes(uint32_t hidden, uint32_t inter)
+int moe_gpu_abi_check(uint64_t kernel_fp, char *err, size_t errlen)
 {
-    /* 2I interleaved rows of K = H */
-    return (uint64_t)(2 * inter / 16) * (hidden / MOE_GPU_UNIT_K) * MOE_GPU_SUB_BYTES;
-}
-
-uint64_t moe_gpu_dn_bytes(uint32_t hidden, uint32_t inter)
-{
-    return (uint64_t)(hidden / 16) * (inter / MOE_GPU_UNIT_K) * MOE_GPU_SUB_BYTES;
+    const uint64_t host_fp = moe_gpu_abi_fingerprint();
+    if (kernel_fp == host_fp)
+        return 0;
+    return moed_seterr(err, errlen, MOED_E_BACKEND,
+                       "cuda backend: the kernel module was built with another host-device "
+                       "layout (fingerprint 0x%016llx, the host's 0x%016llx): "
+                       "kernels/moe_gpu_abi.h differs between the nvcc and gcc builds; rebuild "
+                       "both from one tree", (unsigned long long)kernel_fp,
+                       (unsigned long long)host_fp);
 }
 
 static inline uint32_t nib(const struct nvfp4_mat *m, uint32_t row, uint32_t k)

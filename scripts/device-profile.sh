@@ -5,7 +5,9 @@
 # and profiles one launch (instruction mix, pipes, stalls, per-instruction counts).
 #
 #   scripts/device-profile.sh [NAME:DEFS ...]     DEFS: comma list of -D switches
-#   e.g. scripts/device-profile.sh base: nt2:-DMOE_GPU_NTILE=2
+#   e.g. scripts/device-profile.sh base: ph:-DMOE_GPU_PHASES=1
+# (tuning values are constants in kernels/moe_gpu/config.cuh: a variant of one
+# is a tree that edits it, profiled with PROF_SRC)
 # Logs go to $OUT (or build-var/profile): NAME.sass, NAME-time.txt, NAME-ncu.txt,
 # NAME-src.csv (SASS with executed-instruction counts).
 # PROF_ARGS: tile_probe arguments for the profile (default "gu 1 1 1").
@@ -34,7 +36,8 @@ for v in "$@"; do
     # shellcheck disable=SC2086
     "$NVCC" -O3 -std=c++17 -lineinfo -gencode=arch=compute_90a,code=sm_90a -Icommon -Ikernels \
         -DMOED_HAVE_CUDA=1 $defs -Xptxas -v -o "$bin" bench/probe/tile_probe.cu \
-        kernels/moe_gpu_pack.c common/moed_err.c > "$LOG/$name-build.txt" 2>&1 ||
+        kernels/moe_gpu_pack.c common/moed_err.c common/moed_log.c common/moed_check_cuda.c \
+        > "$LOG/$name-build.txt" 2>&1 ||
         { tail -30 "$LOG/$name-build.txt"; continue; }
     grep -E "tile_probe|spill|registers" "$LOG/$name-build.txt" | head -6
     "$CUOBJDUMP" -sass -fun tile_probe "$bin" > "$LOG/$name.sass" 2>&1 || "$CUOBJDUMP" -sass "$bin" > "$LOG/$name.sass" 2>&1

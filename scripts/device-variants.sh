@@ -4,7 +4,12 @@
 # time them all in one call on the GPU machine.
 #
 #   scripts/device-variants.sh prepare NAME:DEFS ...   here: DEFS is a comma list of
-#                                                       -D switches (may be empty);
+#                                                       -D switches (may be empty; the
+#                                                       kernel has one, MOE_GPU_PHASES),
+#                                                       or @REV: the tree of git revision
+#                                                       REV (a branch that edits a tuning
+#                                                       constant in kernels/moe_gpu/
+#                                                       config.cuh, an older commit);
 #                                                       builds build-var/NAME/bench/bench_moe
 #                                                       (sm_90a only); needs .device/lib
 #                                                       from scripts/device-gpu.sh prepare
@@ -15,7 +20,7 @@
 #                                                       summary table, variants-summary.txt
 # Carry build-var and .device (and build-cuda if the GPU tests run in the same call).
 #
-# e.g. scripts/device-variants.sh prepare base:-DMOE_GPU_NTILE=1 s5:-DMOE_GPU_STAGES=5
+# e.g. scripts/device-variants.sh prepare base: ph:-DMOE_GPU_PHASES=1 old:@f5b1759
 set -u
 cd "$(dirname "$0")/.."
 mode=${1:-}
@@ -29,13 +34,22 @@ if [ "$mode" = prepare ]; then
         defs=$(echo "${v#*:}" | tr ',' ' ')
         [ "$name" = "$v" ] && defs=""
         echo "== $name: ${defs:-(defaults)}"
-        NVCCFLAGS="$defs" CFLAGS="$defs" make -s BUILD="build-var/$name" CUDA=1 CUDA_ARCHS=90a \
-            "build-var/$name/bench/bench_moe" > "/tmp/variant-$name.log" 2>&1 ||
+        src=$PWD
+        case "$defs" in
+            @*) # the tree of a revision, in a temporary worktree
+                src=$(mktemp -d)/tree
+                git worktree add --detach "$src" "${defs#@}" > /dev/null
+                defs="" ;;
+        esac
+        (cd "$src" && NVCCFLAGS="$defs" CFLAGS="$defs" make -s BUILD="$src/build-var-$name" CUDA=1 \
+            CUDA_ARCHS=90a "$src/build-var-$name/bench/bench_moe") > "/tmp/variant-$name.log" 2>&1 ||
             { tail -20 "/tmp/variant-$name.log"; exit 1; }
-        echo "$defs" > "build-var/$name/DEFS"
-        # only the binary travels
-        find "build-var/$name" -mindepth 1 -maxdepth 1 ! -name bench ! -name DEFS -exec rm -rf {} +
-        find "build-var/$name/bench" -mindepth 1 ! -name bench_moe -exec rm -rf {} +
+        mkdir -p "build-var/$name/bench"
+        mv "$src/build-var-$name/bench/bench_moe" "build-var/$name/bench/bench_moe"
+        rm -rf "$src/build-var-$name"
+        [ "$src" = "$PWD" ] || git worktree remove --force "$src"
+        [ "$name" = "$v" ] || case "${v#*:}" in @*) defs="${v#*:}" ;; esac
+        echo "$defs" > "build-var/$name/DEFS" # only the binary travels
     done
     du -sh build-var
     exit 0

@@ -15,8 +15,9 @@
  *             (cp.async.bulk ... mbarrier::complete_tx) of B bytes into an
  *             S-stage ring; lane 0 issues, the warp waits on the mbarrier
  *
- * Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a \
- *          -o build-var/stream_probe bench/probe/stream_probe.cu
+ * Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icommon \
+ *          -o build-var/stream_probe bench/probe/stream_probe.cu \
+ *          common/moed_err.c common/moed_log.c common/moed_check_cuda.c
  * Run:   ./stream_probe [GiB]   (prints one line per configuration)
  */
 #include <cstdio>
@@ -24,14 +25,10 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
-#define CK(x)                                                                  \
-    do {                                                                       \
-        cudaError_t e_ = (x);                                                  \
-        if (e_) {                                                              \
-            fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-            exit(1);                                                           \
-        }                                                                      \
-    } while (0)
+extern "C" {
+#include "moed_check_cuda.h"
+#include "moed_err.h"
+}
 
 __global__ void k_grid(const uint4 *__restrict__ b, size_t n, unsigned *sink)
 {
@@ -159,67 +156,94 @@ __global__ void k_bulk(const uint8_t *__restrict__ b, size_t nchunks, size_t chu
         *sink = x;
 }
 
+/* One configuration: a warm-up launch, then reps timed with events; prints
+ * the TB/s. 0 or MOED_E_BACKEND (err). */
+template <class F>
+static int timeit(const char *name, F launch, size_t bytes, cudaEvent_t a, cudaEvent_t b, char *err,
+                  size_t errlen)
+{
+    int rc = 0;
+    const int reps = 5;
+    float ms = 0;
+    launch();
+    MOED_CUDA_TRY(cudaDeviceSynchronize());
+    MOED_CUDA_TRY(cudaEventRecord(a));
+    for (int r = 0; r < reps; r++)
+        launch();
+    MOED_CUDA_TRY(cudaEventRecord(b));
+    MOED_CUDA_TRY(cudaEventSynchronize(b));
+    MOED_CUDA_TRY(cudaGetLastError());
+    MOED_CUDA_TRY(cudaEventElapsedTime(&ms, a, b));
+    printf("%-48s %6.3f TB/s\n", name, (double)bytes * reps / (ms * 1e-3) / 1e12);
+    fflush(stdout);
+cleanup:
+    return rc;
+}
+
 int main(int argc, char **argv)
 {
+    int rc = 0;
+    char err[MOED_ERRLEN] = "";
+    const size_t errlen = sizeof err;
     double gib = argc > 1 ? atof(argv[1]) : 8.0;
     size_t bytes = (size_t)(gib * (1ull << 30));
     bytes -= bytes % (1 << 20);
-    uint8_t *buf;
-    unsigned *sink;
-    CK(cudaMalloc(&buf, bytes));
-    CK(cudaMalloc(&sink, 4));
-    CK(cudaMemset(buf, 1, bytes));
-    int sms;
-    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    cudaEvent_t a, b2;
-    cudaEventCreate(&a);
-    cudaEventCreate(&b2);
-    auto timeit = [&](const char *name, auto launch) {
-        launch();
-        CK(cudaDeviceSynchronize());
-        const int reps = 5;
-        cudaEventRecord(a);
-        for (int r = 0; r < reps; r++)
-            launch();
-        cudaEventRecord(b2);
-        CK(cudaEventSynchronize(b2));
-        CK(cudaGetLastError());
-        float ms;
-        cudaEventElapsedTime(&ms, a, b2);
-        printf("%-48s %6.3f TB/s\n", name, (double)bytes * reps / (ms * 1e-3) / 1e12);
-        fflush(stdout);
-    };
+    uint8_t *buf = nullptr;
+    unsigned *sink = nullptr;
+    cudaEvent_t a = nullptr, b2 = nullptr;
+    int sms = 0;
     char nm[128];
-    timeit("grid 4x512/SM", [&] { k_grid<<<sms * 4, 512>>>((const uint4 *)buf, bytes / 16, sink); });
-    timeit("grid 4x128/SM", [&] { k_grid<<<sms * 4, 128>>>((const uint4 *)buf, bytes / 16, sink); });
-    const size_t chunks[] = {36864, 129024, 516096, 2064384};
-    for (size_t C : chunks) {
-        size_t n = bytes / C;
-        for (int per : {4, 8}) {
-            snprintf(nm, sizeof nm, "chunk-ld C=%zu %dx128/SM unroll4", C, per);
-            timeit(nm, [&] { k_chunk_ld<4><<<sms * per, 128>>>((const uint4 *)buf, n, C / 16, sink); });
-        }
-        snprintf(nm, sizeof nm, "chunk-ld C=%zu 4x128/SM unroll8", C);
-        timeit(nm, [&] { k_chunk_ld<8><<<sms * 4, 128>>>((const uint4 *)buf, n, C / 16, sink); });
-        {
-            int smem = 4 * 3 * UNIT;
-            snprintf(nm, sizeof nm, "cpasync C=%zu 4x(4w x S3)/SM", C);
-            timeit(nm, [&] { k_cpasync<3><<<sms * 4, 128, smem>>>(buf, n, C, sink); });
-            smem = 4 * 6 * UNIT;
-            CK(cudaFuncSetAttribute(k_cpasync<6>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-            snprintf(nm, sizeof nm, "cpasync C=%zu 4x(4w x S6)/SM", C);
-            timeit(nm, [&] { k_cpasync<6><<<sms * 4, 128, smem>>>(buf, n, C, sink); });
-        }
-        for (unsigned B : {2304u, 4608u}) {
-            for (unsigned S : {2u, 3u, 4u, 6u}) {
-                int smem = 16 * 8 * 4 + 4 * S * B;
-                if (smem > 56 * 1024 || C % B)
-                    continue;
-                CK(cudaFuncSetAttribute(k_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-                snprintf(nm, sizeof nm, "bulk C=%zu 4x(4w x %u x %u B)/SM", C, S, B);
-                timeit(nm, [&] { k_bulk<<<sms * 4, 128, smem>>>(buf, n, C, B, S, sink); });
+    MOED_CUDA_TRY(cudaMalloc(&buf, bytes));
+    MOED_CUDA_TRY(cudaMalloc(&sink, 4));
+    MOED_CUDA_TRY(cudaMemset(buf, 1, bytes));
+    MOED_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    MOED_CUDA_TRY(cudaEventCreate(&a));
+    MOED_CUDA_TRY(cudaEventCreate(&b2));
+#define TIMEIT(name, body) MOED_TRY(timeit(name, [&] { body; }, bytes, a, b2, err, errlen))
+    TIMEIT("grid 4x512/SM", (k_grid<<<sms * 4, 512>>>((const uint4 *)buf, bytes / 16, sink)));
+    TIMEIT("grid 4x128/SM", (k_grid<<<sms * 4, 128>>>((const uint4 *)buf, bytes / 16, sink)));
+    {
+        const size_t chunks[] = {36864, 129024, 516096, 2064384};
+        for (size_t C : chunks) {
+            size_t n = bytes / C;
+            for (int per : {4, 8}) {
+                snprintf(nm, sizeof nm, "chunk-ld C=%zu %dx128/SM unroll4", C, per);
+                TIMEIT(nm, (k_chunk_ld<4><<<sms * per, 128>>>((const uint4 *)buf, n, C / 16, sink)));
+            }
+            snprintf(nm, sizeof nm, "chunk-ld C=%zu 4x128/SM unroll8", C);
+            TIMEIT(nm, (k_chunk_ld<8><<<sms * 4, 128>>>((const uint4 *)buf, n, C / 16, sink)));
+            {
+                int smem = 4 * 3 * UNIT;
+                snprintf(nm, sizeof nm, "cpasync C=%zu 4x(4w x S3)/SM", C);
+                TIMEIT(nm, (k_cpasync<3><<<sms * 4, 128, smem>>>(buf, n, C, sink)));
+                smem = 4 * 6 * UNIT;
+                MOED_CUDA_TRY(cudaFuncSetAttribute(k_cpasync<6>,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+                snprintf(nm, sizeof nm, "cpasync C=%zu 4x(4w x S6)/SM", C);
+                TIMEIT(nm, (k_cpasync<6><<<sms * 4, 128, smem>>>(buf, n, C, sink)));
+            }
+            for (unsigned B : {2304u, 4608u}) {
+                for (unsigned S : {2u, 3u, 4u, 6u}) {
+                    int smem = 16 * 8 * 4 + 4 * S * B;
+                    if (smem > 56 * 1024 || C % B)
+                        continue;
+                    MOED_CUDA_TRY(cudaFuncSetAttribute(
+                        k_bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+                    snprintf(nm, sizeof nm, "bulk C=%zu 4x(4w x %u x %u B)/SM", C, S, B);
+                    TIMEIT(nm, (k_bulk<<<sms * 4, 128, smem>>>(buf, n, C, B, S, sink)));
+                }
             }
         }
     }
-    return 0;
+#undef TIMEIT
+cleanup:
+    if (rc)
+        fprintf(stderr, "stream_probe: %s\n", err);
+    if (a)
+        cudaEventDestroy(a);
+    if (b2)
+        cudaEventDestroy(b2);
+    cudaFree(buf);
+    cudaFree(sink);
+    return rc ? 1 : 0;
 }

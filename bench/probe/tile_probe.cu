@@ -7,10 +7,16 @@
  * (gate_up or down tiles of E experts, every expert with the same cnt tokens),
  * no routing, no queue, no dependencies.
  *
- * Build (repository root; add -D switches as for the kernel):
+ * The kernel's timing variants that leave one stage out (no dequant, no MMA,
+ * no activation loads: wrong results, for timing only) were switches in the
+ * kernel until issue 16; their figures are in bench/NOTES.md ("variants"),
+ * and they are re-made here, where they belong, by editing a copy of
+ * unit_mma / x_rows (kernels/moe_gpu/dequant.cuh, pipeline.cuh).
+ *
+ * Build (repository root; -DMOE_GPU_PHASES=1 as for the kernel):
  *   nvcc -O3 -std=c++17 -lineinfo -gencode=arch=compute_90a,code=sm_90a -Icommon -Ikernels \
  *     -DMOED_HAVE_CUDA=1 -o build-var/tile_probe bench/probe/tile_probe.cu \
- *     kernels/moe_gpu_pack.c common/moed_err.c
+ *     kernels/moe_gpu_pack.c common/moed_err.c common/moed_log.c common/moed_check_cuda.c
  * Run:   tile_probe [gu|dn] [cnt] [reps] [ntile]
  *        ncu --clock-control none --launch-skip 1 --launch-count 1 \
  *            --section ComputeWorkloadAnalysis tile_probe gu 1 1 1
@@ -21,7 +27,7 @@
 #include <cstdlib>
 #include <cstring>
 
-__global__ void __launch_bounds__(THREADS, MOE_GPU_MINB)
+__global__ void __launch_bounds__(THREADS, MINB)
     tile_probe(const struct moe_gpu_params p, const struct moe_gpu_layer L, route r, int is_gu,
                unsigned n_exp, unsigned cnt, unsigned ntile)
 {
@@ -31,29 +37,25 @@ __global__ void __launch_bounds__(THREADS, MOE_GPU_MINB)
     uint8_t *sw = smem + warp * WARP_SMEM;
     const unsigned RT = is_gu ? p.d.inter / 16 / MR * 2 : p.d.hidden / 16 / MR;
     const unsigned TPE = (RT + ntile - 1) / ntile, n_tasks = n_exp * TPE;
-    __shared__ uint64_t bars[NWARPS * STAGES];
-    wpipe pp = wpipe_init(bars);
     for (unsigned t = blockIdx.x; t < n_tasks; t += gridDim.x) {
         const unsigned e = t / TPE, rt0 = (t - e * TPE) * ntile, nt = min(ntile, RT - rt0);
         if (ntile > 1)
-            mm_task<1, MOE_GPU_NTILE>(p, L, r, is_gu, e, 0, cnt, rt0, nt, sw, sw_cta, pp);
+            mm_task<1, NTILE_MAX>(p, L, r, is_gu, e, 0, cnt, rt0, nt, sw, sw_cta);
         else
-            mm_task<1, 1>(p, L, r, is_gu, e, 0, cnt, rt0, nt, sw, sw_cta, pp);
+            mm_task<1, 1>(p, L, r, is_gu, e, 0, cnt, rt0, nt, sw, sw_cta);
         __syncthreads();
     }
 }
 
-#define CKP(x)                                                                 \
-    do {                                                                       \
-        cudaError_t e_ = (x);                                                  \
-        if (e_) {                                                              \
-            fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-            exit(1);                                                           \
-        }                                                                      \
-    } while (0)
-
 int main(int argc, char **argv)
 {
+    int rc = 0;
+    char err[MOED_ERRLEN] = "";
+    const size_t errlen = sizeof err;
+    uint8_t *w = nullptr;
+    float *s2 = nullptr, *dout = nullptr;
+    uint16_t *xs = nullptr, *hbuf = nullptr, *tok = nullptr;
+    cudaEvent_t a = nullptr, b = nullptr;
     const int is_gu = argc > 1 ? strcmp(argv[1], "dn") != 0 : 1;
     const unsigned cnt = argc > 2 ? (unsigned)atoi(argv[2]) : 1;
     const int reps = argc > 3 ? atoi(argv[3]) : 5;
@@ -61,30 +63,27 @@ int main(int argc, char **argv)
     struct moe_gpu_dims d = {7168, 2048, 256, 1, 8, 512};
     const unsigned n_exp = 240; /* 5.9 GB: several times the L2 */
     const size_t eb = (size_t)moe_gpu_gu_bytes(d.hidden, d.inter) + moe_gpu_dn_bytes(d.hidden, d.inter);
-    uint8_t *w;
-    CKP(cudaMalloc(&w, eb * n_exp));
-    CKP((cudaError_t)moe_gpu_fill_random(w, eb * n_exp, 7));
-    float *s2;
-    CKP(cudaMalloc(&s2, 3 * 257 * sizeof(float)));
+    { /* (a block: the gotos to cleanup leave it) */
+    MOED_CUDA_TRY(cudaMalloc(&w, eb * n_exp));
+    MOED_TRY(moe_gpu_fill_random(w, eb * n_exp, 7, err, errlen));
+    MOED_CUDA_TRY(cudaMalloc(&s2, 3 * 257 * sizeof(float)));
     {
         float h[3 * 257];
         for (int i = 0; i < 3 * 257; i++)
             h[i] = 1e-3f;
-        CKP(cudaMemcpy(s2, h, sizeof h, cudaMemcpyHostToDevice));
+        MOED_CUDA_TRY(cudaMemcpy(s2, h, sizeof h, cudaMemcpyHostToDevice));
     }
-    uint16_t *xs, *hbuf, *tok;
-    float *dout;
-    CKP(cudaMalloc(&xs, 16 * d.hidden * 2));
-    CKP(cudaMemset(xs, 0x3c, 16 * d.hidden * 2));
-    CKP(cudaMalloc(&hbuf, 16 * d.inter * 2));
-    CKP(cudaMemset(hbuf, 0x3c, 16 * d.inter * 2));
-    CKP(cudaMalloc(&dout, 16 * (size_t)d.hidden * 4));
-    CKP(cudaMalloc(&tok, 16 * 2));
+    MOED_CUDA_TRY(cudaMalloc(&xs, 16 * d.hidden * 2));
+    MOED_CUDA_TRY(cudaMemset(xs, 0x3c, 16 * d.hidden * 2));
+    MOED_CUDA_TRY(cudaMalloc(&hbuf, 16 * d.inter * 2));
+    MOED_CUDA_TRY(cudaMemset(hbuf, 0x3c, 16 * d.inter * 2));
+    MOED_CUDA_TRY(cudaMalloc(&dout, 16 * (size_t)d.hidden * 4));
+    MOED_CUDA_TRY(cudaMalloc(&tok, 16 * 2));
     {
         uint16_t h[16];
         for (int i = 0; i < 16; i++)
             h[i] = (uint16_t)i;
-        CKP(cudaMemcpy(tok, h, sizeof h, cudaMemcpyHostToDevice));
+        MOED_CUDA_TRY(cudaMemcpy(tok, h, sizeof h, cudaMemcpyHostToDevice));
     }
     struct moe_gpu_params p;
     memset(&p, 0, sizeof p);
@@ -97,26 +96,39 @@ int main(int argc, char **argv)
     memset(&r, 0, sizeof r);
     r.tok = tok;
     const int smem = NWARPS * WARP_SMEM;
-    CKP(cudaFuncSetAttribute(tile_probe, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    MOED_CUDA_TRY(cudaFuncSetAttribute(tile_probe, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     int per = 0, sms = 0;
-    CKP(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, tile_probe, THREADS, smem));
-    CKP(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    MOED_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, tile_probe, THREADS, smem));
+    MOED_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     const int grid = per * sms;
     tile_probe<<<grid, THREADS, smem>>>(p, L, r, is_gu, n_exp, cnt, ntile);
-    CKP(cudaDeviceSynchronize());
-    cudaEvent_t a, b;
-    cudaEventCreate(&a);
-    cudaEventCreate(&b);
-    cudaEventRecord(a);
+    MOED_CUDA_TRY(cudaDeviceSynchronize());
+    MOED_CUDA_TRY(cudaEventCreate(&a));
+    MOED_CUDA_TRY(cudaEventCreate(&b));
+    MOED_CUDA_TRY(cudaEventRecord(a));
     for (int i = 0; i < reps; i++)
         tile_probe<<<grid, THREADS, smem>>>(p, L, r, is_gu, n_exp, cnt, ntile);
-    cudaEventRecord(b);
-    CKP(cudaEventSynchronize(b));
+    MOED_CUDA_TRY(cudaEventRecord(b));
+    MOED_CUDA_TRY(cudaEventSynchronize(b));
     float ms;
-    cudaEventElapsedTime(&ms, a, b);
+    MOED_CUDA_TRY(cudaEventElapsedTime(&ms, a, b));
     const double bytes = (double)n_exp * (is_gu ? moe_gpu_gu_bytes(d.hidden, d.inter) : moe_gpu_dn_bytes(d.hidden, d.inter));
     printf("tile_probe %s cnt=%u ntile=%u grid=%d (%d/SM): %.1f us per pass, %.3f TB/s\n",
            is_gu ? "gate_up" : "down", cnt, ntile, grid, per, ms * 1e3 / reps,
            bytes * reps / (ms * 1e-3) / 1e12);
-    return 0;
+    }
+cleanup:
+    if (rc)
+        fprintf(stderr, "tile_probe: %s\n", err);
+    if (a)
+        cudaEventDestroy(a);
+    if (b)
+        cudaEventDestroy(b);
+    cudaFree(w);
+    cudaFree(s2);
+    cudaFree(xs);
+    cudaFree(hbuf);
+    cudaFree(dout);
+    cudaFree(tok);
+    return rc ? 1 : 0;
 }

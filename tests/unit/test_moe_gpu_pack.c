@@ -7,6 +7,7 @@
 #include <check.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -198,6 +199,45 @@ START_TEST(test_check_dims)
 }
 END_TEST
 
+/* The host-device contract (moe_gpu_abi.h): the layout check the backend
+ * runs at open, and the host side of the queue protocol. */
+START_TEST(test_abi)
+{
+    char err[MOED_ERRLEN] = "";
+    const uint64_t fp = moe_gpu_abi_fingerprint();
+    ck_assert_int_eq(moe_gpu_abi_check(fp, err, sizeof err), 0);
+    ck_assert_int_eq(moe_gpu_abi_check(fp ^ 0x10, err, sizeof err), MOED_E_BACKEND);
+    char want[64];
+    snprintf(want, sizeof want, "fingerprint 0x%016llx, the host's 0x%016llx",
+             (unsigned long long)(fp ^ 0x10), (unsigned long long)fp);
+    ck_assert_ptr_nonnull(strstr(err, want));
+    ck_assert_ptr_nonnull(strstr(err, "kernels/moe_gpu_abi.h"));
+    /* the kernel copies the descriptor and a slot with 16-byte loads */
+    ck_assert_uint_eq(sizeof(struct moe_gpu_desc) % 16, 0);
+    ck_assert_uint_eq(sizeof(struct moe_gpu_slot) % 16, 0);
+    ck_assert_uint_eq(offsetof(struct moe_gpu_ctrl, ring) % 16, 0);
+
+    static struct moe_gpu_ctrl c;
+    memset(&c, 0, sizeof c);
+    ck_assert_ptr_eq(moe_gpu_slot_for(&c, 9), &c.ring[9 % MOE_GPU_RING]);
+    moe_gpu_publish(&c, 9);
+    ck_assert_uint_eq(c.head, 9);
+    c.done_seq = 7;
+    c.heartbeat = 3;
+    c.phase_ns[5] = 55;
+    ck_assert_uint_eq(moe_gpu_poll_done(&c), 7);
+    ck_assert_uint_eq(moe_gpu_heartbeat(&c), 3);
+    ck_assert_uint_eq(moe_gpu_phase(&c, 5), 55);
+    moe_gpu_request_stop(&c);
+    ck_assert_uint_eq(c.stop, 1);
+    c.exited = 1;
+    ck_assert_int_eq(moe_gpu_exited(&c), 1);
+    moe_gpu_arm(&c);
+    ck_assert_uint_eq(c.stop, 0);
+    ck_assert_int_eq(moe_gpu_exited(&c), 0);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("moe_gpu_pack");
@@ -207,6 +247,7 @@ int main(void)
     tcase_add_test(tc, test_sizes);
     tcase_add_test(tc, test_scale_bytes);
     tcase_add_test(tc, test_check_dims);
+    tcase_add_test(tc, test_abi);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);

@@ -1,0 +1,104 @@
+/* backend_cuda_int.h - what the CUDA backend's files share (engine/
+ * backend_cuda.c: open, queue, completion thread, close; backend_place_cuda.c:
+ * weight repack and upload; backend_hooks_cuda.c: the test and bench hooks).
+ * Internal: nothing outside these three includes it.
+ */
+#ifndef MOED_BACKEND_CUDA_INT_H
+#define MOED_BACKEND_CUDA_INT_H
+
+#include <cuda_runtime.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "backend_cuda.h"
+#include "moe_gpu.h"
+
+/* With moed_backend_cuda_test_guards(1) (GPU tests), the scratch the kernel
+ * writes lies between two guard regions of GUARD_FILL bytes (GUARD_BYTES
+ * keeps the buffers 256-byte aligned), which the tests check after every
+ * batch (moed_backend_cuda_check_guards). Off (served, benchmarked): plain
+ * allocations at the addresses they had before the guards existed (H200
+ * 2026-12-01, identical kernel code: with the guards always on, DeepSeek-V3
+ * T = 1 took 1% longer in each of three runs; bench/NOTES.md). */
+#define GUARD_BYTES 256
+#define GUARD_FILL 0xa5
+enum { G_XS, G_IDS, G_W, G_H, G_DOUT, G_ROUTE, G_COUNT };
+struct guarded {
+    uint8_t *base; /* the allocation: [guard], buffer, [guard] */
+    size_t bytes;  /* the buffer's */
+};
+
+struct pend {
+    struct pend *next;
+    struct moed_batch *b;
+};
+
+struct cuda_backend {
+    struct moed_backend base; /* first: ops receive &base */
+    struct moe_gpu_dims d;
+    int dev;
+    char dev_name[256];
+    int n_sms;
+    uint32_t deadline_ms, idle_exit_ms;
+    moed_progress_fn progress; /* weight placement progress (open only) */
+    void *progress_ctx;
+    /* layer id -> slot */
+    int32_t *slot_of;
+    uint32_t n_slot_of;
+    uint32_t n_layers;
+    /* device memory */
+    uint8_t *wbuf;
+    float *s2;
+    struct moe_gpu_layer *layers_d;
+    void *state;
+    uint16_t *xs, *h;
+    int32_t *ids_s;
+    uint16_t *route_g; /* per-CTA routing tables */
+    struct guarded g[G_COUNT]; /* the allocations behind xs, ids_s, w_s, h, dout, route_g */
+    size_t guard;              /* GUARD_BYTES, or 0 (no guard regions) */
+    float *w_s, *dout;
+    uint64_t weight_bytes, scratch_bytes, dev_used, dev_total;
+    /* mapped host memory */
+    struct moe_gpu_ctrl *ctrl, *ctrl_d;
+    uint8_t *stage, *stage_d;
+    size_t off_ids, off_w, off_y, slot_bytes;
+    cudaStream_t stream;
+    struct moe_gpu_launch launch;
+    struct moe_gpu_params params;
+    /* queue state (mu) */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    pthread_t thr;
+    int thr_started;
+    int running;   /* kernel launched and not stopped */
+    int closing;
+    int failed;    /* sticky: unhealthy */
+    uint64_t next_seq;  /* last seq published */
+    uint64_t delivered; /* last seq completed and handed back */
+    struct moed_batch *inflight[MOE_GPU_RING];
+    struct pend *ph, *pt;
+    uint64_t head_start_ns, last_active_ns;
+    /* bench: CLOCK_REALTIME (ns) of the last head store and of the completion
+     * thread's first sight of the last completed seq (single writers) */
+    uint64_t pub_rt_ns, seen_rt_ns;
+    uint64_t launches;
+    uint64_t stall_ns; /* test hook, consumed by the next publish */
+    char fail_msg[256];
+    /* host_alloc blocks given back (host_free), freed in close (mu) */
+    struct host_blk *host_freed;
+};
+
+/* A host_alloc block given back, waiting for close; the link lies in it. */
+struct host_blk {
+    struct host_blk *next;
+};
+
+/* Repack every layer of src (or fill random weights) into one device
+ * allocation, with the per-layer scale table and layer pointers
+ * (backend_place_cuda.c); 0 or a MOED_E_* code with err. */
+int cuda_place_weights(struct cuda_backend *cb, const struct moed_cuda_src *src, char *err,
+                       size_t errlen);
+
+#endif

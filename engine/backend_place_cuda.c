@@ -1,0 +1,144 @@
+/* backend_place_cuda.c - the CUDA backend's weight placement: every expert of
+ * every MoE layer repacked on the host (moe_gpu_repack_expert, in parallel
+ * over experts) into the kernel's stream order and copied into one device
+ * allocation; each matrix's weight_scale_2 into a per-layer float table.
+ */
+#include <pthread.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "backend_cuda_int.h"
+#include "moe_gpu.h"
+#include "moed_check_cuda.h"
+#include "moed_err.h"
+#include "moed_log.h"
+
+struct pack_job {
+    const struct moe_layer *layer;
+    uint32_t e0, e1, H, I;
+    uint8_t *out; /* experts e0..e1 packed, gu then dn per expert */
+};
+
+static void *pack_worker(void *arg)
+{
+    struct pack_job *j = arg;
+    uint64_t gb = moe_gpu_gu_bytes(j->H, j->I), db = moe_gpu_dn_bytes(j->H, j->I);
+    for (uint32_t e = j->e0; e < j->e1; e++) {
+        uint8_t *o = j->out + (uint64_t)(e - j->e0) * (gb + db);
+        moe_gpu_repack_expert(&j->layer->experts[e], j->H, j->I, o, o + gb);
+    }
+    return NULL;
+}
+
+/* Repack experts [e0, e1) of `layer` into host buffer `out` using up to
+ * n_thr threads (falls back to this thread if thread creation fails). */
+static void pack_range(const struct moe_layer *layer, uint32_t e0, uint32_t e1, uint32_t H,
+                       uint32_t I, uint8_t *out, int n_thr)
+{
+    pthread_t th[64];
+    struct pack_job jobs[64];
+    int started[64] = {0};
+    uint32_t n = e1 - e0;
+    if (n_thr > 64)
+        n_thr = 64;
+    if (n_thr > (int)n)
+        n_thr = (int)n;
+    uint64_t per = moe_gpu_gu_bytes(H, I) + moe_gpu_dn_bytes(H, I);
+    for (int t = 0; t < n_thr; t++) {
+        uint32_t a = e0 + (uint32_t)((uint64_t)n * t / n_thr), b = e0 + (uint32_t)((uint64_t)n * (t + 1) / n_thr);
+        jobs[t] = (struct pack_job){layer, a, b, H, I, out + (uint64_t)(a - e0) * per};
+        started[t] = pthread_create(&th[t], NULL, pack_worker, &jobs[t]) == 0;
+        if (!started[t])
+            pack_worker(&jobs[t]);
+    }
+    for (int t = 0; t < n_thr; t++)
+        if (started[t])
+            pthread_join(th[t], NULL);
+}
+
+int cuda_place_weights(struct cuda_backend *cb, const struct moed_cuda_src *src, char *err,
+                       size_t errlen)
+{
+    int rc = 0;
+    const uint32_t H = cb->d.hidden, I = cb->d.inter, NE = cb->d.n_experts + cb->d.n_shared;
+    const uint64_t per = moe_gpu_gu_bytes(H, I) + moe_gpu_dn_bytes(H, I);
+    const uint64_t layer_bytes = per * NE;
+    uint8_t *host = NULL;
+    float *s2h = NULL;
+    struct moe_gpu_layer *lh = NULL;
+    uint32_t chunk = 0;
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    int n_thr = ncpu > 0 ? (int)ncpu : 1;
+
+    lh = calloc(cb->n_layers, sizeof *lh);
+    s2h = calloc((size_t)cb->n_layers * 3 * NE, sizeof *s2h);
+    if (!lh || !s2h) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "cuda backend: out of host memory");
+        goto cleanup;
+    }
+    MOED_CUDA_TRY(cudaMalloc((void **)&cb->wbuf, layer_bytes * cb->n_layers));
+    MOED_CUDA_TRY(cudaMalloc((void **)&cb->s2, sizeof(float) * 3 * NE * cb->n_layers));
+    MOED_CUDA_TRY(cudaMalloc((void **)&cb->layers_d, sizeof(struct moe_gpu_layer) * cb->n_layers));
+    for (uint32_t l = 0; l < cb->n_layers; l++) {
+        lh[l].gu = cb->wbuf + layer_bytes * l; /* gu and dn of expert e at gu + e*per */
+        lh[l].dn = cb->wbuf + layer_bytes * l + moe_gpu_gu_bytes(H, I);
+        lh[l].s2 = cb->s2 + (size_t)3 * NE * l;
+    }
+    if (src->random_weights) {
+        for (uint32_t l = 0; l < cb->n_layers; l++)
+            for (uint32_t e = 0; e < NE; e++) {
+                uint64_t x = src->seed * 0x9E3779B97F4A7C15ull + l * 1000003ull + e * 7919ull + 1;
+                for (int m = 0; m < 3; m++) {
+                    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+                    /* like ModelOpt's amax/(6*448) for unit-scale weights, gate != up */
+                    s2h[(size_t)3 * NE * l + (size_t)m * NE + e] =
+                        (1.0f + (float)(x % 1000) / 1000.0f) / (6.0f * 448.0f);
+                }
+            }
+        MOED_TRY(moe_gpu_fill_random(cb->wbuf, layer_bytes * cb->n_layers, src->seed, err, errlen));
+        MOED_CUDA_TRY(cudaDeviceSynchronize());
+    } else {
+        /* the kernel reads gu at e*per and dn at e*per + gu bytes: interleave
+         * experts as [gu dn][gu dn]..., which is what pack_range writes */
+        chunk = NE < 64 ? NE : 64;
+        host = malloc(per * chunk);
+        if (!host) {
+            rc = moed_seterr(err, errlen, MOED_E_NOMEM,
+                             "cuda backend: cannot allocate %llu bytes of repack buffer",
+                             (unsigned long long)(per * chunk));
+            goto cleanup;
+        }
+        uint64_t done = 0, total = layer_bytes * cb->n_layers, next_log = 0;
+        for (uint32_t l = 0; l < cb->n_layers; l++) {
+            const struct moe_layer *ly = src->layers[l];
+            for (uint32_t e = 0; e < NE; e++) {
+                s2h[(size_t)3 * NE * l + e] = ly->experts[e].gate.scale_2;
+                s2h[(size_t)3 * NE * l + NE + e] = ly->experts[e].up.scale_2;
+                s2h[(size_t)3 * NE * l + 2 * NE + e] = ly->experts[e].down.scale_2;
+            }
+            for (uint32_t e0 = 0; e0 < NE; e0 += chunk) {
+                uint32_t e1 = e0 + chunk < NE ? e0 + chunk : NE;
+                pack_range(ly, e0, e1, H, I, host, n_thr);
+                MOED_CUDA_TRY(cudaMemcpy(cb->wbuf + layer_bytes * l + per * e0, host, per * (e1 - e0),
+                              cudaMemcpyHostToDevice));
+                done += per * (e1 - e0);
+                if (cb->progress)
+                    cb->progress(cb->progress_ctx, done, total);
+                if (done >= next_log || done == total) {
+                    LOG_I("cuda: GPU %d: uploaded %.2f of %.2f GiB of expert weights (layer %u/%u)",
+                          cb->dev, done / 1073741824.0, total / 1073741824.0, l + 1, cb->n_layers);
+                    next_log = done + total / 10;
+                }
+            }
+        }
+    }
+    /* per-layer tables; the kernel indexes gu/dn by e*per: fix the layer
+     * pointers to that stride (gu at +0, dn at +gu bytes within each expert) */
+    MOED_CUDA_TRY(cudaMemcpy(cb->s2, s2h, sizeof(float) * 3 * NE * cb->n_layers, cudaMemcpyHostToDevice));
+    MOED_CUDA_TRY(cudaMemcpy(cb->layers_d, lh, sizeof *lh * cb->n_layers, cudaMemcpyHostToDevice));
+cleanup:
+    free(host);
+    free(s2h);
+    free(lh);
+    return rc;
+}

@@ -1,0 +1,72 @@
+/* config.cuh - the kernel's configuration: tuning values, derived sizes,
+ * the device counter block. Part of the one translation unit moe_gpu.cu.
+ *
+ * Tuning values are constants, each with the GPU and the measurement that
+ * chose it (bench/NOTES.md has every figure; a losing variant is recorded
+ * there, not kept as a switch). The one compile-time switch left is
+ * MOE_GPU_PHASES (instrumentation for the benchmark, off in a serving
+ * build). Layout constants shared with the host (MOE_GPU_MR, unit sizes,
+ * the ring) are in kernels/moe_gpu_abi.h.
+ */
+#ifndef MOE_GPU_PHASES /* 1: gate_up / down end timestamps (costs an atomic per tile) */
+#define MOE_GPU_PHASES 0
+#endif
+
+/* warps per CTA. H200 2026-11-29: 4 CTAs/SM of 4 warps beat 2 of 8 by 13-35%,
+ * and 2-warp CTAs lost at T = 1 (bench/NOTES.md v7) */
+constexpr int NWARPS = 4;
+constexpr int THREADS = NWARPS * 32;
+/* CTAs per SM the register budget must allow (__launch_bounds__: 128
+ * registers). H200: 24-32 warps per SM (6-8 CTAs, 80-64 registers) gained
+ * nothing on DeepSeek-V3 and lost at T = 1 (v9e) */
+constexpr int MINB = 16 / NWARPS;
+/* cp.async stages per warp (one weight unit + its activation rows each).
+ * H200 2026-11-29: 4 is 1-2% faster than 3 at every point (v15), 5 no better
+ * (v9b), 8 no better (v2) */
+constexpr int STAGES = 4;
+/* (token, slot) pairs per task chunk: one n-tile of 8 tokens. H200
+ * 2026-11-30: 16-pair chunks (two n-tiles) were 11-14% faster at T = 256 and
+ * 3-17% slower at T <= 64, Qwen3 slower everywhere (v14, v18); removed */
+constexpr int CHUNK_TOKENS = 8;
+/* row tiles per gate_up / down task, at most (task_mma_full's steady state).
+ * H200: 4 against 1, +1-4% (DeepSeek-V3), Qwen3 T = 64 +8%, T = 256 +18% (v9d);
+ * 2 at most: worse (v15) */
+constexpr int NTILE_MAX = 4;
+/* a batch uses NTILE_MAX tiles per task only while every CTA still gets this
+ * many tasks (v9d, v15: 1 wave per CTA for multi-tile tasks was worse) */
+constexpr int NTILE_WAVES = 2;
+/* task_mma_full keeps unit (v, j) of a task's NTILE_MAX tiles in weight slot
+ * j: its weight ring has NTILE_MAX slots and its activation ring as many,
+ * which fill exactly the warp's STAGES stages. */
+static_assert(NTILE_MAX == STAGES, "task_mma_full: one stage per tile of a full task");
+
+/* (int, as the macros they replace: the index arithmetic keeps its types) */
+constexpr int MR = MOE_GPU_MR;
+constexpr int X_ROW_BYTES = 144; /* 128 + 16: conflict-free 16-byte fragment reads */
+/* a stage of the one-n-tile pipeline: one weight unit + 8 activation rows */
+constexpr int STAGE_BYTES = MOE_GPU_UNIT_BYTES + CHUNK_TOKENS * X_ROW_BYTES;
+/* each warp's shared-memory stage region */
+constexpr int WARP_SMEM = STAGES * STAGE_BYTES;
+static_assert((size_t)THREADS * 16 >= sizeof(struct moe_gpu_slot), "one load per thread reads a ring slot");
+static_assert(sizeof(struct moe_gpu_desc) / 16 <= THREADS, "one load per thread reads the desc");
+
+/* 16-byte chunks of a weight unit, and how many lanes copy them (the largest
+ * divisor of UC that is at most 32: 72 -> 24 lanes x 3). */
+constexpr unsigned UC = MOE_GPU_UNIT_BYTES / 16;
+constexpr unsigned ul_for(unsigned c, unsigned l) { return c % l == 0 ? l : ul_for(c, l - 1); }
+constexpr unsigned UL = ul_for(UC, 32);
+
+/* Device counters; zeroed once at allocation, reset per batch by the last CTA. */
+struct moe_state {
+    unsigned long long dev_head; /* seq released to all CTAs by the dispatcher */
+    unsigned long long done_dev; /* last completed seq */
+    unsigned int stop_dev;
+    unsigned int task_ctr;
+    unsigned int cta_done;
+    unsigned int dn_done;
+    unsigned int exit_ctr;
+    unsigned int x_done; /* CTAs that finished their slice of the x staging */
+    unsigned int gu_all, dn_all; /* tiles done in this batch (phase timestamps) */
+    struct moe_gpu_desc desc; /* current batch */
+    unsigned int gu_done[1];  /* [E+S], allocated larger */
+};

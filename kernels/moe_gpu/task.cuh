@@ -1,0 +1,283 @@
+/* task.cuh - a gate_up or down task for the whole CTA (split-K over the
+ * warps, the fixed-order reduction, the epilogues), the combine unit, the
+ * tiles-per-task choice and the staging of a batch's routing inputs. Part of
+ * the one translation unit moe_gpu.cu. */
+
+/* Split-K of a task across the CTA: each tile's K units are dealt to the
+ * warps round robin (warp w: units w, w + NWARPS, ...: the CTA's warps move
+ * through the weights together, one contiguous window at a time), each warp
+ * parks its per-tile partials in its own (drained) stage buffer, and warp
+ * w < ntiles sums tile w's NWARPS partials in warp order (fixed:
+ * deterministic) into out. Every thread of the CTA calls this. */
+template <int NT, int NTILE>
+__device__ __forceinline__ void task_splitk(const uint8_t *wtask, unsigned tile_units,
+                                            unsigned ntiles, const xsrc &xs, uint8_t *sw,
+                                            uint8_t *sw_cta,
+                                            float (&out)[MR][NT][4])
+{
+    static_assert(NTILE * 32 * MR * NT * 4 * sizeof(float) <= WARP_SMEM,
+                  "partials of a task must fit a warp's stage buffer");
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const unsigned nuw = tile_units > warp ? (tile_units - warp + NWARPS - 1) / NWARPS : 0;
+    static_assert(NT == 1, "one n-tile per task (CHUNK_TOKENS 8)");
+    static_assert(NTILE == 1 || NTILE == NTILE_MAX, "one tile, or a full task's NTILE_MAX");
+    float acc[NTILE][MR][NT][4];
+    if constexpr (NTILE > 1) { /* tiles interleaved per K unit (v17) */
+        if (ntiles == NTILE) /* constant ring offsets (v19) */
+            task_mma_full<NTILE>(wtask, warp, nuw, tile_units, xs, sw, acc);
+        else
+            task_mma_il<1, NTILE, STAGES>(wtask, warp, nuw, ntiles, tile_units, xs, sw, acc);
+    } else {
+        if (tile_units % (NWARPS * STAGES) == 0) /* every warp: a multiple of STAGES units */
+            task_mma_full1(wtask, warp, nuw, xs, sw, acc);
+        else
+            task_mma<1, 1>(wtask, warp, nuw, ntiles, tile_units, xs, sw, acc);
+    }
+    constexpr int PER = MR * NT * 4; /* floats per lane per tile */
+#pragma unroll
+    for (int j = 0; j < NTILE; j++) {
+        if ((unsigned)j < ntiles) {
+            float *mine = reinterpret_cast<float *>(sw) + (j * 32 + lane) * PER;
+#pragma unroll
+            for (int m = 0; m < MR; m++)
+#pragma unroll
+                for (int n = 0; n < NT; n++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++)
+                        mine[(m * NT + n) * 4 + c] = acc[j][m][n][c];
+        }
+    }
+    __syncthreads();
+    zero_acc<NT>(out);
+    if (warp < ntiles) {
+        for (unsigned w = 0; w < NWARPS; w++) {
+            const float *part = reinterpret_cast<const float *>(sw_cta + w * WARP_SMEM) +
+                                (warp * 32 + lane) * PER;
+#pragma unroll
+            for (int m = 0; m < MR; m++)
+#pragma unroll
+                for (int n = 0; n < NT; n++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++)
+                        out[m][n][c] += part[(m * NT + n) * 4 + c];
+        }
+    }
+}
+
+/* Where a task's weights and activation rows are: gate_up tiles of expert
+ * e read x (the pairs' tokens), down tiles read h (the pairs' rows). */
+struct task_src {
+    const uint8_t *wt; /* the task's first tile */
+    unsigned units;    /* K units per tile */
+    xsrc xs;
+};
+__device__ __forceinline__ task_src gu_src(const struct moe_gpu_params &p,
+                                           const struct moe_gpu_layer &L, const route &r,
+                                           unsigned e, unsigned p0, unsigned cnt, unsigned rt0)
+{
+    const unsigned H = p.d.hidden, I = p.d.inter, units = H / MOE_GPU_UNIT_K;
+    return task_src{L.gu + (size_t)e * moe_gpu_expert_bytes(H, I) +
+                        (size_t)rt0 * units * MOE_GPU_UNIT_BYTES,
+                    units, xsrc{p.xs, r.tok, p0, H, cnt}};
+}
+__device__ __forceinline__ task_src dn_src(const struct moe_gpu_params &p,
+                                           const struct moe_gpu_layer &L, unsigned e, unsigned p0,
+                                           unsigned cnt, unsigned rt0)
+{
+    const unsigned H = p.d.hidden, I = p.d.inter, units = I / MOE_GPU_UNIT_K;
+    return task_src{L.dn + (size_t)e * moe_gpu_expert_bytes(H, I) +
+                        (size_t)rt0 * units * MOE_GPU_UNIT_BYTES,
+                    units, xsrc{p.h, nullptr, p0, I, cnt}};
+}
+
+/* gate_up epilogue of row tile rt (one warp): h = bf16(silu(gate) * up) of
+ * pairs [p0, p0 + cnt) */
+template <int NT>
+__device__ __forceinline__ void gu_epilogue(const struct moe_gpu_params &p,
+                                            const struct moe_gpu_layer &L, unsigned e,
+                                            unsigned p0, unsigned cnt, unsigned rt,
+                                            const float (&acc)[MR][NT][4])
+{
+    const unsigned I = p.d.inter, NE = p.d.n_experts + p.d.n_shared;
+    const unsigned lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const float sgate = __ldg(L.s2 + e) * 256.f, sup = __ldg(L.s2 + NE + e) * 256.f;
+#pragma unroll
+    for (int m = 0; m < MR; m++) {
+        unsigned i = (rt * MR + m) * 8 + g;
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                unsigned j = n * 8 + 2 * q + c;
+                if (j < cnt) {
+                    float gt = acc[m][n][c] * sgate, up = acc[m][n][2 + c] * sup;
+                    float hv = gt / (1.f + expf(-gt)) * up;
+                    p.h[(size_t)(p0 + j) * I + i] = __bfloat16_as_ushort(__float2bfloat16_rn(hv));
+                }
+            }
+        }
+    }
+}
+
+/* down epilogue of row tile rt (one warp): d[pair][row] = W_down h, fp32 */
+template <int NT>
+__device__ __forceinline__ void dn_epilogue(const struct moe_gpu_params &p,
+                                            const struct moe_gpu_layer &L, unsigned e,
+                                            unsigned p0, unsigned cnt, unsigned rt,
+                                            const float (&acc)[MR][NT][4])
+{
+    const unsigned H = p.d.hidden, NE = p.d.n_experts + p.d.n_shared;
+    const unsigned lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const float sd = __ldg(L.s2 + 2 * NE + e) * 256.f;
+#pragma unroll
+    for (int m = 0; m < MR; m++) {
+        unsigned row = (rt * MR + m) * 16 + g;
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                unsigned j = n * 8 + 2 * q + c;
+                if (j < cnt) {
+                    float *o = p.dout + (size_t)(p0 + j) * H + row;
+                    o[0] = acc[m][n][c] * sd;
+                    o[8] = acc[m][n][2 + c] * sd;
+                }
+            }
+        }
+    }
+}
+
+/* A gate_up (is_gu) or down task (whole CTA): expert e, pairs [p0, p0+cnt),
+ * row tiles [rt0, rt0 + ntiles) with up to NTILE tiles per pass; warp w <
+ * ntiles writes tile rt0 + w. One copy of the task code serves both kinds
+ * (one hot loop in the instruction cache, not two). */
+template <int NT, int NTILE>
+__device__ __forceinline__ void mm_task(const struct moe_gpu_params &p,
+                                        const struct moe_gpu_layer &L, const route &r,
+                                        bool is_gu, unsigned e, unsigned p0, unsigned cnt,
+                                        unsigned rt0, unsigned ntiles, uint8_t *sw,
+                                        uint8_t *sw_cta)
+{
+    const unsigned warp = threadIdx.x >> 5;
+    const task_src ts = is_gu ? gu_src(p, L, r, e, p0, cnt, rt0) : dn_src(p, L, e, p0, cnt, rt0);
+    float acc[MR][NT][4];
+    task_splitk<NT, NTILE>(ts.wt, ts.units, ntiles, ts.xs, sw, sw_cta, acc);
+    if (warp >= ntiles)
+        return;
+    if (is_gu)
+        gu_epilogue<NT>(p, L, e, p0, cnt, rt0 + warp, acc);
+    else
+        dn_epilogue<NT>(p, L, e, p0, cnt, rt0 + warp, acc);
+}
+
+/* One gate_up or down task (whole CTA), one n-tile: tile by tile when nt =
+ * 1, else up to NTILE_MAX tiles interleaved. Inlined: as a function of its
+ * own (own registers, the persistent loop saving its live registers around
+ * the call) it was 1-7% slower (H200 2026-11-30, bench/NOTES.md v20). */
+__device__ __forceinline__ void run_task(const struct moe_gpu_params &p,
+                                         const struct moe_gpu_layer &L, const route &r,
+                                         bool is_gu, unsigned nt, unsigned e, unsigned p0,
+                                         unsigned cnt, unsigned rt0, unsigned ntiles, uint8_t *sw,
+                                         uint8_t *sw_cta)
+{
+    if (nt > 1)
+        mm_task<1, NTILE_MAX>(p, L, r, is_gu, e, p0, cnt, rt0, ntiles, sw, sw_cta);
+    else
+        mm_task<1, 1>(p, L, r, is_gu, e, p0, cnt, rt0, ntiles, sw, sw_cta);
+}
+
+/* combine unit: token t, columns [256 blk, 256 blk + 256) (8 per lane).
+ * Slots in fixed order (routed j = 0..k-1 weighted, then shared s = 0..S-1
+ * with weight 1), fp32, one bf16 rounding: deterministic. Loads of up to 4
+ * slots are issued before they are summed (L2 latency, not one slot at a
+ * time). Writes y (device or mapped host memory) with 16-byte stores. */
+__device__ void combine_unit(const struct moe_gpu_params &p, const route &r, unsigned t,
+                             unsigned blk, uint16_t *y)
+{
+    const unsigned H = p.d.hidden, k = p.d.top_k, KS = k + p.d.n_shared;
+    const unsigned lane = threadIdx.x & 31;
+    const unsigned c = blk * 256 + lane * 8;
+    constexpr int CB = 2; /* slots loaded per round (4 spilled at 128 registers) */
+    if (c >= H)
+        return;
+    float a[8];
+#pragma unroll
+    for (int v = 0; v < 8; v++)
+        a[v] = 0.f;
+    for (unsigned j0 = 0; j0 < KS; j0 += CB) {
+        float4 d[CB][2];
+        float wj[CB];
+#pragma unroll
+        for (int u = 0; u < CB; u++) {
+            unsigned j = j0 + u;
+            if (j < KS) {
+                const float *src = p.dout + (size_t)r.pos[t * KS + j] * H + c;
+                d[u][0] = __ldcg(reinterpret_cast<const float4 *>(src));
+                d[u][1] = __ldcg(reinterpret_cast<const float4 *>(src + 4));
+                wj[u] = j < k ? __ldcg(p.w_s + (size_t)t * k + j) : 1.f;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < CB; u++) {
+            unsigned j = j0 + u;
+            if (j < KS) {
+                float dv[8] = {d[u][0].x, d[u][0].y, d[u][0].z, d[u][0].w,
+                               d[u][1].x, d[u][1].y, d[u][1].z, d[u][1].w};
+#pragma unroll
+                for (int v = 0; v < 8; v++)
+                    a[v] = j < k ? fmaf(wj[u], dv[v], a[v]) : a[v] + dv[v];
+            }
+        }
+    }
+    uint4 o;
+    __nv_bfloat162 b0 = __floats2bfloat162_rn(a[0], a[1]), b1 = __floats2bfloat162_rn(a[2], a[3]);
+    __nv_bfloat162 b2 = __floats2bfloat162_rn(a[4], a[5]), b3 = __floats2bfloat162_rn(a[6], a[7]);
+    o.x = *reinterpret_cast<uint32_t *>(&b0);
+    o.y = *reinterpret_cast<uint32_t *>(&b1);
+    o.z = *reinterpret_cast<uint32_t *>(&b2);
+    o.w = *reinterpret_cast<uint32_t *>(&b3);
+    *reinterpret_cast<uint4 *>(y + (size_t)t * H + c) = o;
+}
+
+/* Row tiles per task for a phase of `tiles` tiles on `grid` CTAs: as many as
+ * NTILE_MAX while every CTA still gets NTILE_WAVES tasks. Longer
+ * tasks pay the pipeline fill, the split-K barrier and the claim once per
+ * NTILE tiles; small batches keep one tile per task so every SM streams. */
+__device__ __forceinline__ unsigned ntile_for(unsigned tiles, unsigned grid)
+{
+    unsigned n = tiles / (NTILE_WAVES * grid);
+    return n < 1 ? 1u : n > NTILE_MAX ? (unsigned)NTILE_MAX : n;
+}
+
+/* CTA 0 copies a batch's ids and w (n entries each) from where the host put
+ * them (mapped host memory: PCIe) into device memory. Every load of a round
+ * is issued before any is used: one round trip per THREADS * XR entries, not
+ * per THREADS (H200: release 11.8 us at T = 64 and 39.9 at T = 256 when
+ * each thread waited for its load). XR = 2: more, inlined or not, makes the
+ * persistent kernel spill. */
+__device__ __forceinline__ void stage_routing(unsigned n, const int32_t *ids, const float *w,
+                                              int32_t *ids_s, float *w_s)
+{
+    constexpr unsigned XR = 2;
+    for (unsigned i0 = 0; i0 < n; i0 += THREADS * XR) {
+        int32_t a[XR];
+        float b[XR];
+#pragma unroll
+        for (unsigned j = 0; j < XR; j++) {
+            const unsigned i = i0 + j * THREADS + threadIdx.x;
+            if (i < n) {
+                a[j] = __ldcv(ids + i);
+                b[j] = __ldcv(w + i);
+            }
+        }
+#pragma unroll
+        for (unsigned j = 0; j < XR; j++) {
+            const unsigned i = i0 + j * THREADS + threadIdx.x;
+            if (i < n) {
+                ids_s[i] = a[j];
+                w_s[i] = b[j];
+            }
+        }
+    }
+}
+

@@ -1,0 +1,270 @@
+/* moe_gpu_abi.h - the host-device contract of the persistent MoE kernel.
+ *
+ * Everything here is compiled twice, by gcc (engine/backend_cuda.c, the
+ * packer kernels/moe_gpu_pack.c) and by nvcc (kernels/moe_gpu.cu, host and
+ * device passes), and must mean the same bytes on both sides:
+ *   - the weight stream geometry (MOE_GPU_MR, unit and sub-tile sizes) the
+ *     packer writes and the kernel reads, and the stream sizes of one expert
+ *     (one function, moe_gpu_gu_bytes / moe_gpu_dn_bytes, for both);
+ *   - the queue in mapped host memory: the batch descriptor, the ring slot
+ *     and the control block (moe_gpu_desc, moe_gpu_slot, moe_gpu_ctrl);
+ *   - the launch parameters passed by value (moe_gpu_params and the structs
+ *     it holds).
+ * Sizes and offsets are asserted at compile time on every side
+ * (MOE_GPU_STATIC_ASSERT below: gcc, and nvcc's host and device passes).
+ * moe_gpu_abi_fingerprint() hashes them; the kernel module reports the value
+ * it was compiled with (moe_gpu_kernel_abi) and the backend compares it with
+ * the host's at open (moe_gpu_abi_check), refusing to start when they differ
+ * (a header changed under a stale object, a compiler that lays a struct out
+ * otherwise).
+ *
+ * The host side of the queue protocol (publish a slot, poll completion, stop,
+ * heartbeat) is the set of inline helpers at the end; the device side is in
+ * kernels/moe_gpu/kernel.cuh. One writer per word.
+ */
+#ifndef MOE_GPU_ABI_H
+#define MOE_GPU_ABI_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define MOE_GPU_HD __host__ __device__
+#else
+#define MOE_GPU_HD
+#endif
+#if defined(__cplusplus)
+#define MOE_GPU_STATIC_ASSERT(c, msg) static_assert(c, msg)
+#define MOE_GPU_CONSTEXPR constexpr
+#else
+#define MOE_GPU_STATIC_ASSERT(c, msg) _Static_assert(c, msg)
+#define MOE_GPU_CONSTEXPR
+#endif
+
+/* Bump when the meaning of a field changes without a change of layout. */
+#define MOE_GPU_ABI_VERSION 1u
+
+/* ---- weight stream geometry (packer <-> kernel) ---- */
+#define MOE_GPU_MR 2            /* 16-row sub-tiles per warp tile (H200 2026-11-29: 4 is
+                                   5-7% faster at T >= 4, 24% slower at T = 1: bench/NOTES.md
+                                   v11) */
+#define MOE_GPU_TILE_ROWS (16 * MOE_GPU_MR)
+#define MOE_GPU_UNIT_K 64       /* K per pipeline unit */
+#define MOE_GPU_SUB_BYTES 576   /* one 16-row x 64-K sub-tile: 512 codes + 64 scales */
+#define MOE_GPU_UNIT_BYTES (MOE_GPU_MR * MOE_GPU_SUB_BYTES)
+#define MOE_GPU_SCALE_BIAS 0x7000u /* block scale encoding (moe_gpu.h) */
+
+/* Bytes of one expert's gate_up stream (2I interleaved rows of K = H) and
+ * down stream (H rows of K = I); an expert is stored [gate_up | down]. */
+MOE_GPU_HD MOE_GPU_CONSTEXPR static inline uint64_t moe_gpu_gu_bytes(uint32_t hidden, uint32_t inter)
+{
+    return (uint64_t)(2 * inter / 16) * (hidden / MOE_GPU_UNIT_K) * MOE_GPU_SUB_BYTES;
+}
+MOE_GPU_HD MOE_GPU_CONSTEXPR static inline uint64_t moe_gpu_dn_bytes(uint32_t hidden, uint32_t inter)
+{
+    return (uint64_t)(hidden / 16) * (inter / MOE_GPU_UNIT_K) * MOE_GPU_SUB_BYTES;
+}
+MOE_GPU_HD MOE_GPU_CONSTEXPR static inline uint64_t moe_gpu_expert_bytes(uint32_t hidden, uint32_t inter)
+{
+    return moe_gpu_gu_bytes(hidden, inter) + moe_gpu_dn_bytes(hidden, inter);
+}
+
+/* ---- the queue (mapped host memory) ---- */
+#define MOE_GPU_RING 8          /* batch descriptors in flight per GPU */
+
+/* One batch, written by the host into ring[seq % MOE_GPU_RING] before head
+ * is released. Pointers are device-visible (device memory or mapped host).
+ * The kernel copies it with 16-byte loads: its size is a multiple of 16. */
+struct moe_gpu_desc {
+    uint64_t seq;
+    uint32_t layer;     /* index into the kernel's layer table */
+    uint32_t n_tokens;  /* T */
+    uint64_t x;         /* bf16 [T, H] */
+    uint64_t ids;       /* int32 [T, k] */
+    uint64_t w;         /* fp32 [T, k] */
+    uint64_t y;         /* bf16 [T, H] output */
+    uint64_t stall_ns;  /* test hook: dispatcher sleeps this long first (0) */
+    uint64_t inl;       /* 1: ids then w are inline in the slot (ids, w unused) */
+};
+
+/* A ring slot: the descriptor and, for small batches (T * top_k * 8 <=
+ * MOE_GPU_INLINE_BYTES), ids (int32 [T, k]) then w (fp32 [T, k]) inline, so
+ * that the kernel reads all it needs to route in one PCIe round trip (one
+ * 16-byte load per thread of one CTA). */
+#define MOE_GPU_INLINE_BYTES 448
+struct moe_gpu_slot {
+    struct moe_gpu_desc d;
+    uint8_t inl[MOE_GPU_INLINE_BYTES];
+};
+
+/* Control block in mapped host memory; each word on its own 64-byte line. */
+struct moe_gpu_ctrl {
+    uint64_t head;      /* host: highest published seq (release) */
+    uint64_t pad0[7];
+    uint64_t stop;      /* host: non-zero asks the kernel to exit when idle */
+    uint64_t pad1[7];
+    uint64_t heartbeat; /* device: advances while the kernel runs */
+    uint64_t pad2[7];
+    uint64_t done_seq;  /* device: highest completed seq (release) */
+    uint64_t pad3[7];
+    uint64_t exited;    /* device: 1 once every CTA has left */
+    uint64_t pad4[7];
+    /* device: %globaltimer (ns) of the last batch's phases, for the benchmark:
+     * [0] head seen, [1] batch released to CTAs, [2] x staged, [3] last
+     * gate_up tile done, [4] last down tile done, [5] batch complete */
+    uint64_t phase_ns[8];
+    struct moe_gpu_slot ring[MOE_GPU_RING];
+};
+
+/* ---- launch parameters (passed by value) ---- */
+
+/* Device pointers of one layer's repacked weights. */
+struct moe_gpu_layer {
+    const uint8_t *gu;  /* expert e's gate_up stream at gu + e * moe_gpu_expert_bytes */
+    const uint8_t *dn;  /* expert e's down stream at dn + e * moe_gpu_expert_bytes */
+    const float *s2;    /* [3][E+S]: gate, up, down weight_scale_2 */
+};
+
+struct moe_gpu_dims {
+    uint32_t hidden, inter, n_experts, n_shared, top_k, max_tokens;
+};
+
+/* Everything the kernel needs, passed by value at launch. */
+struct moe_gpu_params {
+    struct moe_gpu_dims d;
+    const struct moe_gpu_layer *layers; /* device array */
+    struct moe_gpu_ctrl *ctrl;          /* device pointer of the mapped block */
+    void *state;        /* device: counters (moe_gpu_state_bytes) */
+    uint16_t *xs;       /* device: staged x [max_tokens, H] */
+    int32_t *ids_s;     /* device: staged ids [max_tokens, k] */
+    float *w_s;         /* device: staged w [max_tokens, k] */
+    uint16_t *h;        /* device: [max_tokens*(k+S), I] bf16 */
+    float *dout;        /* device: [max_tokens*(k+S), H] fp32 */
+    uint64_t start_seq; /* first seq this launch processes */
+    uint32_t smem_route;/* bytes of the routing part of dynamic smem */
+    uint16_t *route_g;  /* device: per-CTA pos/tok tables, moe_gpu_route_gmem_bytes each */
+};
+
+/* ---- layout asserts (every compiler that includes this checks them) ---- */
+MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_desc) == 64, "desc: 64 bytes");
+MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_desc) % 16 == 0, "desc: copied as uint4");
+MOE_GPU_STATIC_ASSERT(offsetof(struct moe_gpu_desc, layer) == 8 &&
+                          offsetof(struct moe_gpu_desc, n_tokens) == 12 &&
+                          offsetof(struct moe_gpu_desc, x) == 16 &&
+                          offsetof(struct moe_gpu_desc, ids) == 24 &&
+                          offsetof(struct moe_gpu_desc, w) == 32 &&
+                          offsetof(struct moe_gpu_desc, y) == 40 &&
+                          offsetof(struct moe_gpu_desc, stall_ns) == 48 &&
+                          offsetof(struct moe_gpu_desc, inl) == 56,
+                      "desc: field offsets");
+MOE_GPU_STATIC_ASSERT(MOE_GPU_INLINE_BYTES % 16 == 0, "inline area: copied as uint4");
+MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_slot) == 512 &&
+                          offsetof(struct moe_gpu_slot, inl) == 64,
+                      "slot: descriptor then inline ids/w, 512 bytes");
+MOE_GPU_STATIC_ASSERT(offsetof(struct moe_gpu_ctrl, head) == 0 &&
+                          offsetof(struct moe_gpu_ctrl, stop) == 64 &&
+                          offsetof(struct moe_gpu_ctrl, heartbeat) == 128 &&
+                          offsetof(struct moe_gpu_ctrl, done_seq) == 192 &&
+                          offsetof(struct moe_gpu_ctrl, exited) == 256 &&
+                          offsetof(struct moe_gpu_ctrl, phase_ns) == 320 &&
+                          offsetof(struct moe_gpu_ctrl, ring) == 384,
+                      "ctrl: one 64-byte line per word, ring after the phases");
+MOE_GPU_STATIC_ASSERT(offsetof(struct moe_gpu_ctrl, ring) % 16 == 0, "ring: uint4 loads");
+MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_ctrl) == 384 + MOE_GPU_RING * 512, "ctrl: size");
+MOE_GPU_STATIC_ASSERT(sizeof(void *) == 8, "64-bit pointers on both sides");
+MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_layer) == 24, "layer: three pointers");
+MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_dims) == 24, "dims: six uint32");
+MOE_GPU_STATIC_ASSERT(offsetof(struct moe_gpu_params, layers) == 24 &&
+                          offsetof(struct moe_gpu_params, start_seq) == 88 &&
+                          offsetof(struct moe_gpu_params, smem_route) == 96 &&
+                          offsetof(struct moe_gpu_params, route_g) == 104 &&
+                          sizeof(struct moe_gpu_params) == 112,
+                      "params: layout");
+MOE_GPU_STATIC_ASSERT(MOE_GPU_UNIT_BYTES % 16 == 0, "units are copied in 16-byte chunks");
+
+/* FNV-1a over every size, offset and constant above: equal on both sides
+ * iff they agree on the layout (the asserts pin most of it; this catches the
+ * rest, e.g. a header edited on one side of a stale build). */
+MOE_GPU_HD MOE_GPU_CONSTEXPR static inline uint64_t moe_gpu_abi_fingerprint(void)
+{
+    const uint64_t v[] = {
+        MOE_GPU_ABI_VERSION, MOE_GPU_MR, MOE_GPU_UNIT_K, MOE_GPU_SUB_BYTES, MOE_GPU_SCALE_BIAS,
+        MOE_GPU_RING, MOE_GPU_INLINE_BYTES,
+        sizeof(struct moe_gpu_desc), offsetof(struct moe_gpu_desc, seq),
+        offsetof(struct moe_gpu_desc, layer), offsetof(struct moe_gpu_desc, n_tokens),
+        offsetof(struct moe_gpu_desc, x), offsetof(struct moe_gpu_desc, ids),
+        offsetof(struct moe_gpu_desc, w), offsetof(struct moe_gpu_desc, y),
+        offsetof(struct moe_gpu_desc, stall_ns), offsetof(struct moe_gpu_desc, inl),
+        sizeof(struct moe_gpu_slot), offsetof(struct moe_gpu_slot, inl),
+        sizeof(struct moe_gpu_ctrl), offsetof(struct moe_gpu_ctrl, head),
+        offsetof(struct moe_gpu_ctrl, stop), offsetof(struct moe_gpu_ctrl, heartbeat),
+        offsetof(struct moe_gpu_ctrl, done_seq), offsetof(struct moe_gpu_ctrl, exited),
+        offsetof(struct moe_gpu_ctrl, phase_ns), offsetof(struct moe_gpu_ctrl, ring),
+        sizeof(struct moe_gpu_layer), offsetof(struct moe_gpu_layer, gu),
+        offsetof(struct moe_gpu_layer, dn), offsetof(struct moe_gpu_layer, s2),
+        sizeof(struct moe_gpu_dims), offsetof(struct moe_gpu_dims, hidden),
+        offsetof(struct moe_gpu_dims, inter), offsetof(struct moe_gpu_dims, n_experts),
+        offsetof(struct moe_gpu_dims, n_shared), offsetof(struct moe_gpu_dims, top_k),
+        offsetof(struct moe_gpu_dims, max_tokens),
+        sizeof(struct moe_gpu_params), offsetof(struct moe_gpu_params, d),
+        offsetof(struct moe_gpu_params, layers), offsetof(struct moe_gpu_params, ctrl),
+        offsetof(struct moe_gpu_params, state), offsetof(struct moe_gpu_params, xs),
+        offsetof(struct moe_gpu_params, ids_s), offsetof(struct moe_gpu_params, w_s),
+        offsetof(struct moe_gpu_params, h), offsetof(struct moe_gpu_params, dout),
+        offsetof(struct moe_gpu_params, start_seq), offsetof(struct moe_gpu_params, smem_route),
+        offsetof(struct moe_gpu_params, route_g),
+        /* stream sizes of a reference shape (H 7168, I 2048) */
+        moe_gpu_gu_bytes(7168, 2048), moe_gpu_dn_bytes(7168, 2048)};
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) {
+        h ^= v[i];
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
+/* ---- host side of the queue protocol (gcc; x86: plain loads and stores
+ * with compiler ordering, the kernel uses acquire/release at system scope) ---- */
+#if !defined(__CUDACC__)
+/* The slot batch `seq` is written into. */
+static inline struct moe_gpu_slot *moe_gpu_slot_for(struct moe_gpu_ctrl *c, uint64_t seq)
+{
+    return &c->ring[seq % MOE_GPU_RING];
+}
+/* Publish every slot up to `seq` (written before this call). */
+static inline void moe_gpu_publish(struct moe_gpu_ctrl *c, uint64_t seq)
+{
+    __atomic_store_n(&c->head, seq, __ATOMIC_RELEASE);
+}
+/* The highest completed seq: outputs of batches up to it are written. */
+static inline uint64_t moe_gpu_poll_done(const struct moe_gpu_ctrl *c)
+{
+    return __atomic_load_n(&c->done_seq, __ATOMIC_ACQUIRE);
+}
+static inline uint64_t moe_gpu_heartbeat(const struct moe_gpu_ctrl *c)
+{
+    return __atomic_load_n(&c->heartbeat, __ATOMIC_RELAXED);
+}
+/* Phase stamp i (< 6) of the last batch (acquire: kernel_time_ns orders them). */
+static inline uint64_t moe_gpu_phase(const struct moe_gpu_ctrl *c, unsigned i)
+{
+    return __atomic_load_n(&c->phase_ns[i], __ATOMIC_ACQUIRE);
+}
+/* Before a launch: no stop request, not exited. */
+static inline void moe_gpu_arm(struct moe_gpu_ctrl *c)
+{
+    c->stop = 0;
+    __atomic_store_n(&c->exited, 0, __ATOMIC_RELEASE);
+}
+/* Ask an idle kernel to exit; moe_gpu_exited turns 1 once every CTA left. */
+static inline void moe_gpu_request_stop(struct moe_gpu_ctrl *c)
+{
+    __atomic_store_n(&c->stop, 1, __ATOMIC_RELEASE);
+}
+static inline int moe_gpu_exited(const struct moe_gpu_ctrl *c)
+{
+    return __atomic_load_n(&c->exited, __ATOMIC_ACQUIRE) != 0;
+}
+#endif
+
+#endif
