@@ -22,6 +22,9 @@ DEBUG      ?= 0
 SANITIZE   ?= 0
 PREFIX     ?= /usr/local
 DESTDIR    ?=
+SYSCONFDIR  ?= $(if $(filter /usr,$(PREFIX)),/etc,$(if $(filter /usr/local,$(PREFIX)),/etc,$(PREFIX)/etc))
+UNITDIR     ?= $(if $(filter /usr,$(PREFIX)),/lib/systemd/system,$(PREFIX)/lib/systemd/system)
+SYSUSERSDIR ?= $(if $(filter /usr,$(PREFIX)),/usr/lib/sysusers.d,$(PREFIX)/lib/sysusers.d)
 PYTHON     ?= python3
 VENV       ?= .venv
 
@@ -59,7 +62,7 @@ ALL_C    := $(wildcard common/*.c config/*.c kernels/*.c engine/*.c ipc/*.c)
 LIB_C    := $(filter-out $(MAINS),$(ALL_C))
 ifeq ($(CUDA),1)
 LIB_C    := $(filter-out %_nocuda.c,$(LIB_C))
-CFLAGS   += -DMOED_HAVE_CUDA=1 -I$(CUDA_HOME)/include
+CFLAGS   += -DMOED_HAVE_CUDA=1 -DMOED_CUDA_ARCHS='"$(CUDA_ARCHS)"' -I$(CUDA_HOME)/include
 CU_SRC   := $(wildcard kernels/*.cu)
 CU_OBJ   := $(patsubst %.cu,$(BUILD)/%.o,$(CU_SRC))
 LIBS     += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lnccl -lstdc++
@@ -89,8 +92,9 @@ BENCH_CU_OBJ := $(patsubst %.cu,$(BUILD)/%.o,$(wildcard bench/*.cu))
 BENCH_LIBS ?= -L$(CUDA_HOME)/lib64 -lcublas
 
 .PHONY: all run test unit-test py-test asan test-gpu bench fuzz install clean venv \
-        config-doc check-cuda-compile
-all: $(BUILD)/moed $(BUILD)/moectl $(BUILD)/libmoedclient.so $(BUILD)/moed-client.pc
+        config-doc check-cuda-compile FORCE
+all: $(BUILD)/moed $(BUILD)/moectl $(BUILD)/libmoedclient.so $(BUILD)/moed-client.pc \
+     $(BUILD)/moed.service
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -114,12 +118,26 @@ $(BUILD)/moed: $(BUILD)/engine/moed_main.o $(BUILD)/libmoed.a
 $(BUILD)/moectl: $(BUILD)/engine/moectl.o $(BUILD)/libmoed.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
 
-$(BUILD)/libmoedclient.so: $(CLIENT_OBJ)
-	$(CC) $(LDFLAGS) -shared -Wl,-soname,libmoedclient.so.1 -o $@ $^
+# Only the moedc_* API is exported (version script); `nm -D` shows it.
+$(BUILD)/libmoedclient.so: $(CLIENT_OBJ) ipc/libmoedclient.map
+	$(CC) $(LDFLAGS) -shared -Wl,-soname,libmoedclient.so.1 \
+	  -Wl,--version-script=ipc/libmoedclient.map -o $@ $(CLIENT_OBJ)
 
-$(BUILD)/moed-client.pc: ipc/moed-client.pc.in
+# Files that name PREFIX are rebuilt when it changes: they depend on a stamp
+# that holds its value (rewritten only when it differs).
+$(BUILD)/prefix.stamp: FORCE
+	@mkdir -p $(dir $@)
+	@echo '$(PREFIX) $(SYSCONFDIR)' | cmp -s - $@ || echo '$(PREFIX) $(SYSCONFDIR)' > $@
+
+$(BUILD)/moed-client.pc: ipc/moed-client.pc.in $(BUILD)/prefix.stamp
 	@mkdir -p $(dir $@)
 	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' $< > $@
+
+$(BUILD)/moed.service: scripts/moed.service $(BUILD)/prefix.stamp
+	@mkdir -p $(dir $@)
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@SYSCONFDIR@|$(SYSCONFDIR)|g' $< > $@
+
+FORCE:
 
 $(BUILD)/tests/%: tests/unit/%.c $(BUILD)/libmoed.a
 	@mkdir -p $(dir $@)
@@ -175,14 +193,30 @@ fuzz:
 config-doc: $(BUILD)/moed
 	$(BUILD)/moed --config-reference > config/README.md
 
+# Layout under $(DESTDIR)$(PREFIX): bin/moed, bin/moectl, lib/libmoedclient.so.1
+# (+ .so link), include/moed/*.h, lib/pkgconfig/moed-client.pc,
+# share/doc/moed/; the systemd unit, its sysusers.d entry and an example
+# config go to $(UNITDIR), $(SYSUSERSDIR) and $(SYSCONFDIR)/moed (an existing
+# moed.json is kept). The library's directory must be known to the dynamic
+# linker: /usr/local/lib and /usr/lib are (run `ldconfig` after installing
+# there as root); for another PREFIX see README (ld.so.conf.d or rpath).
 install: all
-	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include \
-	           $(DESTDIR)$(PREFIX)/lib/pkgconfig
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include/moed \
+	           $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/share/doc/moed \
+	           $(DESTDIR)$(UNITDIR) $(DESTDIR)$(SYSUSERSDIR) $(DESTDIR)$(SYSCONFDIR)/moed
 	install -m 755 $(BUILD)/moed $(BUILD)/moectl $(DESTDIR)$(PREFIX)/bin/
 	install -m 755 $(BUILD)/libmoedclient.so $(DESTDIR)$(PREFIX)/lib/libmoedclient.so.1
 	ln -sf libmoedclient.so.1 $(DESTDIR)$(PREFIX)/lib/libmoedclient.so
-	install -m 644 ipc/moed_client.h ipc/moed_proto.h common/moed_err.h $(DESTDIR)$(PREFIX)/include/
+	install -m 644 ipc/moed_client.h ipc/moed_proto.h common/moed_err.h \
+	  $(DESTDIR)$(PREFIX)/include/moed/
 	install -m 644 $(BUILD)/moed-client.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/
+	install -m 644 $(BUILD)/moed.service $(DESTDIR)$(UNITDIR)/moed.service
+	install -m 644 scripts/moed.sysusers $(DESTDIR)$(SYSUSERSDIR)/moed.conf
+	install -m 644 config/moed.json $(DESTDIR)$(SYSCONFDIR)/moed/moed.json.example
+	test -e $(DESTDIR)$(SYSCONFDIR)/moed/moed.json || \
+	  install -m 644 config/moed.json $(DESTDIR)$(SYSCONFDIR)/moed/moed.json
+	install -m 644 README.md $(DESTDIR)$(PREFIX)/share/doc/moed/README.md
+	install -m 644 config/README.md $(DESTDIR)$(PREFIX)/share/doc/moed/config.md
 
 clean:
 	rm -rf build build-asan

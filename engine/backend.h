@@ -125,6 +125,8 @@ int moed_backend_cuda_open(struct moed_model *m, const struct moed_backend_cfg *
                            struct moed_backend **out, char *err, size_t errlen);
 /* 1 if this build has CUDA and at least one device is visible. */
 int moed_backend_cuda_available(void);
+/* CUDA devices visible to this process (0 without CUDA or without a GPU). */
+int moed_backend_cuda_device_count(void);
 
 static inline int moed_backend_submit(struct moed_backend *be, struct moed_batch *b)
 {

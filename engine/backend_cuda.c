@@ -965,8 +965,13 @@ cleanup:
 
 int moed_backend_cuda_available(void)
 {
+    return moed_backend_cuda_device_count() > 0;
+}
+
+int moed_backend_cuda_device_count(void)
+{
     int n = 0;
-    return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess && n > 0 ? n : 0;
 }
 
 uint64_t moed_backend_cuda_heartbeat(struct moed_backend *be)

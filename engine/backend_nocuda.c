@@ -29,3 +29,8 @@ int moed_backend_cuda_available(void)
 {
     return 0;
 }
+
+int moed_backend_cuda_device_count(void)
+{
+    return 0;
+}
