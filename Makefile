@@ -155,20 +155,26 @@ $(BUILD)/bench/%: bench/%.c $(BUILD)/libmoed.a $(BENCH_CU_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(BENCH_CU_OBJ) $(BUILD)/libmoed.a $(LDFLAGS) $(LIBS) $(BENCH_LIBS)
 
-# Python virtual environment for the test helpers (numpy, ml_dtypes, safetensors).
-venv: $(VENV)/.stamp
+# Python virtual environment for the test helpers (numpy, ml_dtypes,
+# safetensors, pytest, prometheus_client). The package index is asked only
+# when tests/requirements.txt changes; the client package (ipc/python) is
+# reinstalled from the tree, offline, when its files change.
+venv: $(VENV)/.stamp $(VENV)/.client-stamp
 $(VENV)/.stamp: tests/requirements.txt
-	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -r tests/requirements.txt
-	$(VENV)/bin/pip install -q ./ipc/python
+	touch $@
+$(VENV)/.client-stamp: $(VENV)/.stamp ipc/python/pyproject.toml $(wildcard ipc/python/*.md ipc/python/moed_client/*)
+	$(VENV)/bin/pip install -q --no-deps --no-index --no-build-isolation ./ipc/python
 	touch $@
 
 run: all
 	$(BUILD)/moed --config config/example.json
 
 test: all $(UNIT_BIN) $(TOOL_BIN) venv
-	BUILD=$(BUILD) VENV=$(VENV) MOED_SANITIZE=$(SANITIZE) scripts/run-tests.sh
+	BUILD=$(BUILD) VENV=$(VENV) MOED_SANITIZE=$(SANITIZE) \
+	  MOED_MAKE_ARGS="BUILD=$(BUILD) CUDA=$(CUDA) SANITIZE=$(SANITIZE) DEBUG=$(DEBUG)" \
+	  scripts/run-tests.sh
 
 asan:
 	$(MAKE) BUILD=build-asan SANITIZE=1 CUDA=0 DEBUG=1 test

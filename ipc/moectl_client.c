@@ -320,8 +320,8 @@ static void print_summary(const struct opts *o, const cJSON *r)
                js_(r, "model.family"), jd(r, "model.hidden"), jd(r, "model.inter"),
                jd(r, "model.n_experts"), jd(r, "model.top_k"), jd(r, "model.n_shared"),
                jd(r, "model.n_moe_layers"), jd(r, "model.n_layers"));
-    printf("\nbackend   %s%s%s\n", js_(r, "backend.name"), *js_(r, "backend.description") ? ": " : "",
-           js_(r, "backend.description"));
+    printf("\nbackend   %s\n", *js_(r, "backend.description") ? js_(r, "backend.description")
+                                                            : js_(r, "backend.name"));
     printf("clients   %.0f connected (%.0f accepted, %.0f refused)\n", jd(r, "clients.connected"),
            jd(r, "clients.total"), jd(r, "clients.refused"));
     printf("requests  %.0f served, %.0f tokens, %.0f in flight; errors:",
@@ -390,10 +390,9 @@ static int cmd_experts(const struct opts *o)
     int ret = 1;
     const cJSON *x = jget(root, "experts");
     const cJSON *lc = jget(root, "experts.logical_count");
-    const cJSON *layers = jget(root, "experts.layers");
-    if (!cJSON_IsArray(lc) || !cJSON_IsArray(layers)) {
+    if (!cJSON_IsArray(lc)) {
         fprintf(stderr, "moectl experts: the daemon's status has no experts.logical_count "
-                "(model still loading, or an older moed)\n");
+                "(an older moed)\n");
         goto out;
     }
     if (o->json) {
@@ -405,9 +404,10 @@ static int cmd_experts(const struct opts *o)
         ret = 0;
         goto out;
     }
-    printf("%6s %12s %8s %12s %9s\n", "layer", "tokens", "hottest", "its tokens", "max/mean");
-    const cJSON *ly = layers->child;
-    for (const cJSON *row = lc->child; row && ly; row = row->next, ly = ly->next) {
+    printf("%6s %12s %8s %12s %9s   (routed experts; layers without tokens not shown)\n",
+           "layer", "tokens", "hottest", "its tokens", "max/mean");
+    int layer = 0;
+    for (const cJSON *row = lc->child; row; row = row->next, layer++) {
         double sum = 0, mx = -1;
         int n = 0, arg = -1;
         for (const cJSON *v = row->child; v; v = v->next, n++) {
@@ -417,8 +417,8 @@ static int cmd_experts(const struct opts *o)
                 arg = n;
             }
         }
-        printf("%6.0f %12.0f %8d %12.0f %9.2f\n", ly->valuedouble, sum, arg, mx,
-               sum > 0 ? mx / (sum / n) : 0.0);
+        if (sum > 0)
+            printf("%6d %12.0f %8d %12.0f %9.2f\n", layer, sum, arg, mx, mx / (sum / n));
     }
     ret = 0;
 out:
