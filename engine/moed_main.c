@@ -87,7 +87,7 @@ static void usage(FILE *f)
             "signals: SIGTERM/SIGINT stop accepting, answer every request in flight,\n"
             "remove the socket file and exit 0.\n"
             "\n"
-            "exit codes (and what scripts/moed.service makes systemd do):\n"
+            "exit codes: (in brackets: what scripts/moed.service makes systemd do)\n"
             "  0  clean shutdown                                     (not restarted)\n"
             "  1  runtime failure (socket or status port in use, out\n"
             "     of memory, ...)                                    (restarted)\n"
@@ -456,6 +456,9 @@ static int run_daemon(const struct moed_cfg *cfg)
     d.boot.start_ns = uv_hrtime();
     d.boot.model_path = cfg->model;
     d.boot.backend = "";
+    /* the phase /status shows from the first request on */
+    d.boot.load_phase = strncmp(cfg->model, "synthetic:", 10) == 0 ? "generating synthetic model"
+                                                                   : "checkpoint";
 
     /* status first: it reports the load */
     if (cfg->status_port != 0) {

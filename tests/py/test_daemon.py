@@ -435,7 +435,8 @@ def test_status_port_in_use_exit_1(models_dir):
     try:
         tmp = short_tmp()
         cfg = du.base_config(tmp, models_dir, status__port=busy.getsockname()[1])
-        start_expect_fail(cfg, tmp, 1, "127.0.0.1:%d" % busy.getsockname()[1])
+        start_expect_fail(cfg, tmp, 1, "status port %d on 127.0.0.1 is already in use"
+                          % busy.getsockname()[1])
         assert not os.path.exists(cfg["server"]["socket"])
     finally:
         busy.close()
