@@ -50,6 +50,9 @@ def daemon(tmp_path_factory, models_dir):
 
 def run(cmd, **kw):
     kw.setdefault("timeout", du.wait_s(60))
+    if cmd[0] == "make":  # not a job of the `make test` that runs pytest
+        kw["env"] = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS",
+                                                                      "MAKELEVEL")}
     return subprocess.run(cmd, capture_output=True, text=True, **kw)
 
 
@@ -423,3 +426,19 @@ def test_moectl_forward_check_finds_the_model(daemon):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "check: model %s" % du.synth_dir(daemon.cfg["model"]["synthetic_dir"]) in r.stdout
     assert "check: ok" in r.stdout, r.stdout
+
+
+def test_grafana_dashboard_names_real_metrics(daemon, expert_counts):
+    """Every metric the dashboard in docs/ queries is one /metrics serves
+    (the kernel ones only with a GPU backend)."""
+    with open(os.path.join(ROOT, "docs/grafana-moed.json")) as f:
+        dash = json.load(f)
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    names = set(re.findall(r"\b((?:moed|process)_[a-z0-9_]+)", " ".join(exprs)))
+    text = http_get(daemon, "/metrics")
+    served = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
+    for n in sorted(names):
+        fam = re.sub(r"_(bucket|sum|count)$", "", n)
+        if fam.startswith("moed_kernel_") and du.TEST_BACKEND == "cpu":
+            continue
+        assert fam in served, (n, sorted(served))
