@@ -7,7 +7,8 @@
 #   make test-gpu   GPU correctness tests (needs an NVIDIA GPU)
 #   make bench      GPU benchmark table (needs an NVIDIA GPU)
 #   make fuzz       build libFuzzer targets (clang)
-#   make install    PREFIX=/usr/local DESTDIR=
+#   make install    PREFIX=/usr/local DESTDIR=  (unit, sysusers entry, example config too)
+#   make deb        Debian package of the build (PREFIX=/usr)
 #
 # Knobs (override on the command line):
 CC         ?= gcc
@@ -91,7 +92,7 @@ BENCH_BIN := $(patsubst bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 BENCH_CU_OBJ := $(patsubst %.cu,$(BUILD)/%.o,$(wildcard bench/*.cu))
 BENCH_LIBS ?= -L$(CUDA_HOME)/lib64 -lcublas
 
-.PHONY: all run test unit-test py-test asan test-gpu bench fuzz install clean venv \
+.PHONY: all run test unit-test py-test asan test-gpu bench fuzz install deb clean venv \
         config-doc check-cuda-compile FORCE
 all: $(BUILD)/moed $(BUILD)/moectl $(BUILD)/libmoedclient.so $(BUILD)/moed-client.pc \
      $(BUILD)/moed.service
@@ -224,7 +225,33 @@ install: all
 	install -m 644 README.md $(DESTDIR)$(PREFIX)/share/doc/moed/README.md
 	install -m 644 config/README.md $(DESTDIR)$(PREFIX)/share/doc/moed/config.md
 
+# A Debian package of this build (PREFIX=/usr): `make deb` -> $(BUILD)/moed_$(VERSION)_ARCH.deb.
+# postinst creates the moed user (systemd-sysusers) and reloads systemd; the
+# unit is not enabled (systemctl enable --now moed). A CUDA build also needs
+# the CUDA runtime it was linked against (not a Debian dependency).
+DEB_ARCH = $(shell dpkg --print-architecture 2>/dev/null || echo amd64)
+DEB_ROOT = $(BUILD)/deb/root
+deb:
+	rm -rf $(BUILD)/deb
+	$(MAKE) install PREFIX=/usr DESTDIR=$(abspath $(DEB_ROOT))
+	mkdir -p $(DEB_ROOT)/DEBIAN
+	mv $(DEB_ROOT)/etc/moed/moed.json.example $(DEB_ROOT)/usr/share/doc/moed/
+	printf '%s\n' 'Package: moed' 'Version: $(VERSION)' 'Architecture: $(DEB_ARCH)' \
+	  'Maintainer: moed developers <moed@localhost>' 'Section: misc' 'Priority: optional' \
+	  'Depends: libc6, libuv1, libcjson1, libsystemd0' \
+	  'Description: persistent fused Mixture-of-Experts decode daemon' \
+	  ' moed serves the MoE layers of an LLM (NVFP4 experts) over a Unix socket;' \
+	  ' with moectl, the C client library (libmoedclient) and a hardened systemd unit.' \
+	  > $(DEB_ROOT)/DEBIAN/control
+	echo /etc/moed/moed.json > $(DEB_ROOT)/DEBIAN/conffiles
+	printf '%s\n' '#!/bin/sh' 'set -e' 'if [ "$$1" = configure ]; then' \
+	  '  systemd-sysusers moed.conf || true' '  ldconfig' \
+	  '  [ -d /run/systemd/system ] && systemctl daemon-reload || true' 'fi' \
+	  > $(DEB_ROOT)/DEBIAN/postinst
+	chmod 755 $(DEB_ROOT)/DEBIAN/postinst
+	dpkg-deb --root-owner-group --build $(DEB_ROOT) $(BUILD)/moed_$(VERSION)_$(DEB_ARCH).deb
+
 clean:
 	rm -rf build build-asan
 
--include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
+-include $(shell find $(BUILD) -name '*.d' -type f 2>/dev/null)

@@ -442,3 +442,34 @@ def test_grafana_dashboard_names_real_metrics(daemon, expert_counts):
         if fam.startswith("moed_kernel_") and du.TEST_BACKEND == "cpu":
             continue
         assert fam in served, (n, sorted(served))
+
+
+def test_make_deb(tmp_path):
+    """`make deb` packages the PREFIX=/usr install: binaries, library,
+    headers, .pc, unit, sysusers entry, the config as a conffile."""
+    if not shutil.which("dpkg-deb"):
+        pytest.skip("dpkg-deb not installed")
+    try:
+        r = run(["make", "-s", "-C", ROOT, *MAKE_ARGS, "deb"], timeout=du.wait_s(300))
+        assert r.returncode == 0, r.stdout + r.stderr
+        debs = [f for f in os.listdir(du.BUILD) if f.startswith("moed_") and f.endswith(".deb")]
+        assert len(debs) == 1, debs
+        deb = os.path.join(du.BUILD, debs[0])
+        files = run(["dpkg-deb", "-c", deb]).stdout
+        for f in ["./usr/bin/moed", "./usr/lib/libmoedclient.so.1", "./usr/include/moed/moed_client.h",
+                  "./usr/lib/pkgconfig/moed-client.pc", "./lib/systemd/system/moed.service",
+                  "./usr/lib/sysusers.d/moed.conf", "./etc/moed/moed.json"]:
+            assert f in files, (f, files)
+        info = run(["dpkg-deb", "-I", deb]).stdout
+        assert "Package: moed" in info and "libuv1" in info, info
+        assert run(["dpkg-deb", "-e", deb, str(tmp_path / "ctl")]).returncode == 0
+        assert (tmp_path / "ctl" / "conffiles").read_text() == "/etc/moed/moed.json\n"
+        assert run(["dpkg-deb", "-x", deb, str(tmp_path / "fs")]).returncode == 0
+        unit = (tmp_path / "fs/lib/systemd/system/moed.service").read_text()
+        assert "ExecStart=/usr/bin/moed --config /etc/moed/moed.json" in unit
+        pc = (tmp_path / "fs/usr/lib/pkgconfig/moed-client.pc").read_text()
+        assert pc.startswith("prefix=/usr\n"), pc
+    finally:
+        run(["make", "-s", "-C", ROOT, *MAKE_ARGS, os.path.join(du.BUILD, "moed-client.pc"),
+             os.path.join(du.BUILD, "moed.service")])
+        shutil.rmtree(os.path.join(du.BUILD, "deb"), ignore_errors=True)
