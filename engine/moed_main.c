@@ -494,10 +494,25 @@ static int run_daemon(const struct moed_cfg *cfg)
     int use_cuda = cfg->backend == MOED_CFG_BACKEND_CUDA ||
                    (cfg->backend == MOED_CFG_BACKEND_AUTO && moed_backend_cuda_available());
     /* The CPU backend computes from the host mapping: the weights must fit in
-     * the memory available now. The CUDA backend checks device memory itself. */
-    uint64_t budget = use_cuda ? 0 : mem_available();
+     * the memory available now. On CUDA they must fit in the device's free
+     * memory: checked against the checkpoint's header before any weight is
+     * read (the backend checks again with its scratch memory). */
+    uint64_t budget = mem_available(), dev_total = 0;
+    const char *budget_of = "host memory";
+    if (use_cuda) {
+        int dev = cfg->n_gpus == 1 ? cfg->gpus[0] : 0;
+        rc = moed_backend_cuda_mem(dev, &budget, &dev_total);
+        if (rc < 0) {
+            boot_loop_join(&d);
+            LOG_E("engine: cannot query the memory of CUDA device %d (driver or device error)",
+                  dev);
+            d.exit_code = EXIT_BACKEND;
+            goto out_loop;
+        }
+        budget_of = "free GPU memory";
+    }
     sd_notifyf(0, "STATUS=loading model %s", dir);
-    LOG_I("loading model %s (memory budget %" PRIu64 " MiB%s)", dir, budget >> 20,
+    LOG_I("loading model %s (budget: %" PRIu64 " MiB of %s%s)", dir, budget >> 20, budget_of,
           budget ? "" : ", unlimited");
     struct moed_model *model = NULL;
     boot_phase(&d, "checkpoint");
