@@ -9,7 +9,8 @@
 #   make fuzz       build libFuzzer targets (clang)
 #   make fuzz-run   run each fuzz target FUZZ_RUNS times (CI: a short pass)
 #   make soak       DURATION=30m mixed-load soak on the CPU backend (not in CI)
-#   make install    PREFIX=/usr/local DESTDIR=
+#   make install    PREFIX=/usr/local DESTDIR=  (unit, sysusers entry, example config too)
+#   make deb        Debian package of the build (PREFIX=/usr)
 #
 # Knobs (override on the command line):
 CC         ?= gcc
@@ -24,6 +25,9 @@ DEBUG      ?= 0
 SANITIZE   ?= 0
 PREFIX     ?= /usr/local
 DESTDIR    ?=
+SYSCONFDIR  ?= $(if $(filter /usr,$(PREFIX)),/etc,$(if $(filter /usr/local,$(PREFIX)),/etc,$(PREFIX)/etc))
+UNITDIR     ?= $(if $(filter /usr,$(PREFIX)),/lib/systemd/system,$(PREFIX)/lib/systemd/system)
+SYSUSERSDIR ?= $(if $(filter /usr,$(PREFIX)),/usr/lib/sysusers.d,$(PREFIX)/lib/sysusers.d)
 PYTHON     ?= python3
 VENV       ?= .venv
 
@@ -61,7 +65,7 @@ ALL_C    := $(wildcard common/*.c config/*.c kernels/*.c engine/*.c ipc/*.c)
 LIB_C    := $(filter-out $(MAINS),$(ALL_C))
 ifeq ($(CUDA),1)
 LIB_C    := $(filter-out %_nocuda.c,$(LIB_C))
-CFLAGS   += -DMOED_HAVE_CUDA=1 -I$(CUDA_HOME)/include
+CFLAGS   += -DMOED_HAVE_CUDA=1 -DMOED_CUDA_ARCHS='"$(CUDA_ARCHS)"' -I$(CUDA_HOME)/include
 CU_SRC   := $(wildcard kernels/*.cu)
 CU_OBJ   := $(patsubst %.cu,$(BUILD)/%.o,$(CU_SRC))
 LIBS     += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lnccl -lstdc++
@@ -90,9 +94,10 @@ BENCH_BIN := $(patsubst bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 BENCH_CU_OBJ := $(patsubst %.cu,$(BUILD)/%.o,$(wildcard bench/*.cu))
 BENCH_LIBS ?= -L$(CUDA_HOME)/lib64 -lcublas
 
-.PHONY: all run test unit-test py-test asan test-gpu bench fuzz fuzz-run soak install clean \
-        venv config-doc check-cuda-compile
-all: $(BUILD)/moed $(BUILD)/moectl $(BUILD)/libmoedclient.so $(BUILD)/moed-client.pc
+.PHONY: all run test unit-test py-test asan test-gpu bench fuzz fuzz-run soak install deb clean \
+        venv config-doc check-cuda-compile FORCE
+all: $(BUILD)/moed $(BUILD)/moectl $(BUILD)/libmoedclient.so $(BUILD)/moed-client.pc \
+     $(BUILD)/moed.service
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -116,12 +121,26 @@ $(BUILD)/moed: $(BUILD)/engine/moed_main.o $(BUILD)/libmoed.a
 $(BUILD)/moectl: $(BUILD)/engine/moectl.o $(BUILD)/libmoed.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
 
-$(BUILD)/libmoedclient.so: $(CLIENT_OBJ)
-	$(CC) $(LDFLAGS) -shared -Wl,-soname,libmoedclient.so.1 -o $@ $^
+# Only the moedc_* API is exported (version script); `nm -D` shows it.
+$(BUILD)/libmoedclient.so: $(CLIENT_OBJ) ipc/libmoedclient.map
+	$(CC) $(LDFLAGS) -shared -Wl,-soname,libmoedclient.so.1 \
+	  -Wl,--version-script=ipc/libmoedclient.map -o $@ $(CLIENT_OBJ)
 
-$(BUILD)/moed-client.pc: ipc/moed-client.pc.in
+# Files that name PREFIX are rebuilt when it changes: they depend on a stamp
+# that holds its value (rewritten only when it differs).
+$(BUILD)/prefix.stamp: FORCE
+	@mkdir -p $(dir $@)
+	@echo '$(PREFIX) $(SYSCONFDIR)' | cmp -s - $@ || echo '$(PREFIX) $(SYSCONFDIR)' > $@
+
+$(BUILD)/moed-client.pc: ipc/moed-client.pc.in $(BUILD)/prefix.stamp
 	@mkdir -p $(dir $@)
 	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' $< > $@
+
+$(BUILD)/moed.service: scripts/moed.service $(BUILD)/prefix.stamp
+	@mkdir -p $(dir $@)
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@SYSCONFDIR@|$(SYSCONFDIR)|g' $< > $@
+
+FORCE:
 
 $(BUILD)/tests/%: tests/unit/%.c $(BUILD)/libmoed.a
 	@mkdir -p $(dir $@)
@@ -139,20 +158,26 @@ $(BUILD)/bench/%: bench/%.c $(BUILD)/libmoed.a $(BENCH_CU_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(BENCH_CU_OBJ) $(BUILD)/libmoed.a $(LDFLAGS) $(LIBS) $(BENCH_LIBS)
 
-# Python virtual environment for the test helpers (numpy, ml_dtypes, safetensors).
-venv: $(VENV)/.stamp
-$(VENV)/.stamp: tests/requirements.txt $(wildcard ipc/python/moed_client/*.py)
-	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
+# Python virtual environment for the test helpers (numpy, ml_dtypes,
+# safetensors, pytest, prometheus_client). The package index is asked only
+# when tests/requirements.txt changes; the client package (ipc/python) is
+# reinstalled from the tree, offline, when its files change.
+venv: $(VENV)/.stamp $(VENV)/.client-stamp
+$(VENV)/.stamp: tests/requirements.txt
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -r tests/requirements.txt
-	$(VENV)/bin/pip install -q ./ipc/python
+	touch $@
+$(VENV)/.client-stamp: $(VENV)/.stamp ipc/python/pyproject.toml $(wildcard ipc/python/*.md ipc/python/moed_client/*)
+	$(VENV)/bin/pip install -q --no-deps --no-index --no-build-isolation ./ipc/python
 	touch $@
 
 run: all
 	$(BUILD)/moed --config config/example.json
 
 test: all $(UNIT_BIN) $(TOOL_BIN) venv
-	BUILD=$(BUILD) VENV=$(VENV) MOED_SANITIZE=$(SANITIZE) scripts/run-tests.sh
+	BUILD=$(BUILD) VENV=$(VENV) MOED_SANITIZE=$(SANITIZE) \
+	  MOED_MAKE_ARGS="BUILD=$(BUILD) CUDA=$(CUDA) SANITIZE=$(SANITIZE) DEBUG=$(DEBUG)" \
+	  scripts/run-tests.sh
 
 asan:
 	$(MAKE) BUILD=build-asan SANITIZE=1 CUDA=0 DEBUG=1 test
@@ -198,16 +223,58 @@ soak: all venv
 config-doc: $(BUILD)/moed
 	$(BUILD)/moed --config-reference > config/README.md
 
+# Layout under $(DESTDIR)$(PREFIX): bin/moed, bin/moectl, lib/libmoedclient.so.1
+# (+ .so link), include/moed/*.h, lib/pkgconfig/moed-client.pc,
+# share/doc/moed/; the systemd unit, its sysusers.d entry and an example
+# config go to $(UNITDIR), $(SYSUSERSDIR) and $(SYSCONFDIR)/moed (an existing
+# moed.json is kept). The library's directory must be known to the dynamic
+# linker: /usr/local/lib and /usr/lib are (run `ldconfig` after installing
+# there as root); for another PREFIX see README (ld.so.conf.d or rpath).
 install: all
-	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include \
-	           $(DESTDIR)$(PREFIX)/lib/pkgconfig
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include/moed \
+	           $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/share/doc/moed \
+	           $(DESTDIR)$(UNITDIR) $(DESTDIR)$(SYSUSERSDIR) $(DESTDIR)$(SYSCONFDIR)/moed
 	install -m 755 $(BUILD)/moed $(BUILD)/moectl $(DESTDIR)$(PREFIX)/bin/
 	install -m 755 $(BUILD)/libmoedclient.so $(DESTDIR)$(PREFIX)/lib/libmoedclient.so.1
 	ln -sf libmoedclient.so.1 $(DESTDIR)$(PREFIX)/lib/libmoedclient.so
-	install -m 644 ipc/moed_client.h ipc/moed_proto.h common/moed_err.h $(DESTDIR)$(PREFIX)/include/
+	install -m 644 ipc/moed_client.h ipc/moed_proto.h common/moed_err.h \
+	  $(DESTDIR)$(PREFIX)/include/moed/
 	install -m 644 $(BUILD)/moed-client.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/
+	install -m 644 $(BUILD)/moed.service $(DESTDIR)$(UNITDIR)/moed.service
+	install -m 644 scripts/moed.sysusers $(DESTDIR)$(SYSUSERSDIR)/moed.conf
+	install -m 644 config/moed.json $(DESTDIR)$(SYSCONFDIR)/moed/moed.json.example
+	test -e $(DESTDIR)$(SYSCONFDIR)/moed/moed.json || \
+	  install -m 644 config/moed.json $(DESTDIR)$(SYSCONFDIR)/moed/moed.json
+	install -m 644 README.md $(DESTDIR)$(PREFIX)/share/doc/moed/README.md
+	install -m 644 config/README.md $(DESTDIR)$(PREFIX)/share/doc/moed/config.md
+
+# A Debian package of this build (PREFIX=/usr): `make deb` -> $(BUILD)/moed_$(VERSION)_ARCH.deb.
+# postinst creates the moed user (systemd-sysusers) and reloads systemd; the
+# unit is not enabled (systemctl enable --now moed). A CUDA build also needs
+# the CUDA runtime it was linked against (not a Debian dependency).
+DEB_ARCH = $(shell dpkg --print-architecture 2>/dev/null || echo amd64)
+DEB_ROOT = $(BUILD)/deb/root
+deb:
+	rm -rf $(BUILD)/deb
+	$(MAKE) install PREFIX=/usr DESTDIR=$(abspath $(DEB_ROOT))
+	mkdir -p $(DEB_ROOT)/DEBIAN
+	mv $(DEB_ROOT)/etc/moed/moed.json.example $(DEB_ROOT)/usr/share/doc/moed/
+	printf '%s\n' 'Package: moed' 'Version: $(VERSION)' 'Architecture: $(DEB_ARCH)' \
+	  'Maintainer: moed developers <moed@localhost>' 'Section: misc' 'Priority: optional' \
+	  'Depends: libc6, libuv1, libcjson1, libsystemd0' \
+	  'Description: persistent fused Mixture-of-Experts decode daemon' \
+	  ' moed serves the MoE layers of an LLM (NVFP4 experts) over a Unix socket;' \
+	  ' with moectl, the C client library (libmoedclient) and a hardened systemd unit.' \
+	  > $(DEB_ROOT)/DEBIAN/control
+	echo /etc/moed/moed.json > $(DEB_ROOT)/DEBIAN/conffiles
+	printf '%s\n' '#!/bin/sh' 'set -e' 'if [ "$$1" = configure ]; then' \
+	  '  systemd-sysusers moed.conf || true' '  ldconfig' \
+	  '  [ -d /run/systemd/system ] && systemctl daemon-reload || true' 'fi' \
+	  > $(DEB_ROOT)/DEBIAN/postinst
+	chmod 755 $(DEB_ROOT)/DEBIAN/postinst
+	dpkg-deb --root-owner-group --build $(DEB_ROOT) $(BUILD)/moed_$(VERSION)_$(DEB_ARCH).deb
 
 clean:
 	rm -rf build build-asan
 
--include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
+-include $(shell find $(BUILD) -name '*.d' -type f 2>/dev/null)

@@ -125,6 +125,11 @@ int moed_backend_cuda_open(struct moed_model *m, const struct moed_backend_cfg *
                            struct moed_backend **out, char *err, size_t errlen);
 /* 1 if this build has CUDA and at least one device is visible. */
 int moed_backend_cuda_available(void);
+/* CUDA devices visible to this process (0 without CUDA or without a GPU). */
+int moed_backend_cuda_device_count(void);
+/* Free and total memory of CUDA device `dev` (creates its primary context);
+ * MOED_E_UNSUPPORTED without CUDA, MOED_E_BACKEND if the query fails. */
+int moed_backend_cuda_mem(int dev, uint64_t *free_bytes, uint64_t *total_bytes);
 
 static inline int moed_backend_submit(struct moed_backend *be, struct moed_batch *b)
 {

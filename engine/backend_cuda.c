@@ -778,8 +778,24 @@ cleanup:
 
 int moed_backend_cuda_available(void)
 {
+    return moed_backend_cuda_device_count() > 0;
+}
+
+int moed_backend_cuda_device_count(void)
+{
     int n = 0;
-    return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess && n > 0 ? n : 0;
+}
+
+int moed_backend_cuda_mem(int dev, uint64_t *free_bytes, uint64_t *total_bytes)
+{
+    size_t f = 0, t = 0;
+    *free_bytes = *total_bytes = 0;
+    if (cudaSetDevice(dev) != cudaSuccess || cudaMemGetInfo(&f, &t) != cudaSuccess)
+        return MOED_E_BACKEND;
+    *free_bytes = f;
+    *total_bytes = t;
+    return 0;
 }
 
 uint64_t moed_backend_cuda_heartbeat(struct moed_backend *be)

@@ -29,3 +29,15 @@ int moed_backend_cuda_available(void)
 {
     return 0;
 }
+
+int moed_backend_cuda_device_count(void)
+{
+    return 0;
+}
+
+int moed_backend_cuda_mem(int dev, uint64_t *free_bytes, uint64_t *total_bytes)
+{
+    (void)dev;
+    *free_bytes = *total_bytes = 0;
+    return MOED_E_UNSUPPORTED;
+}

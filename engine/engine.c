@@ -563,16 +563,18 @@ static int eng_forward(void *ctx, struct moed_conn *c, uint64_t request_id, cons
     r->t = *t;
     r->layer = fr.layer;
     r->n_tokens = fr.n_tokens;
-    /* Per-expert hits: routed ids (validated in range), then every shared
-     * expert once per token. */
+    /* Per-layer, per-expert hits (row fr.layer, an MoE layer < n_layers):
+     * routed ids (validated in range), then every shared expert once per
+     * token. */
     const uint8_t *ids = r->data + x_bytes(e, fr.n_tokens);
     for (size_t i = 0; i < (size_t)fr.n_tokens * d->top_k; i++) {
         int32_t id;
         memcpy(&id, ids + 4 * i, 4);
-        e->stats.expert_hits[id]++;
+        e->stats.expert_hits[(size_t)fr.layer * e->stats.n_expert_hits + (uint32_t)id]++;
     }
     for (uint32_t s = 0; s < d->n_shared; s++)
-        e->stats.expert_hits[d->n_experts + s] += fr.n_tokens;
+        e->stats.expert_hits[(size_t)fr.layer * e->stats.n_expert_hits + d->n_experts + s] +=
+            fr.n_tokens;
     if (e->wait_tail)
         e->wait_tail->next = r;
     else
@@ -722,7 +724,9 @@ int moed_engine_open(uv_loop_t *loop, struct moed_model *model, const struct moe
     e->stats.model_path = moed_model_dir(model);
     e->stats.backend = "";
     e->stats.n_expert_hits = e->dims->n_experts + e->dims->n_shared;
-    e->stats.expert_hits = calloc(e->stats.n_expert_hits, sizeof(uint64_t));
+    e->stats.n_hit_layers = e->dims->n_layers; /* rows by absolute layer (validated < this) */
+    e->stats.expert_hits =
+        calloc((size_t)e->stats.n_hit_layers * e->stats.n_expert_hits, sizeof(uint64_t));
     if (!e->stats.expert_hits) {
         rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
         goto fail_model;

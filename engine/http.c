@@ -789,10 +789,11 @@ int moed_http_start(uv_loop_t *loop, const char *addr, uint16_t port, moed_http_
 
 close_listener:
     /* libuv often reports EADDRINUSE at listen, not bind: name both. */
-    moed_seterr(err, errlen, MOED_E_IO, "http: listen on %s:%" PRIu16 " failed: %s (%s)", addr,
-                port, uv_strerror(rc), call);
+    moed_seterr(err, errlen, rc == UV_EADDRINUSE ? MOED_E_BUSY : MOED_E_IO,
+                "http: listen on %s:%" PRIu16 " failed: %s (%s)", addr, port, uv_strerror(rc),
+                call);
     uv_close((uv_handle_t *)&h->listener, listener_on_close);
-    return MOED_E_IO;
+    return rc == UV_EADDRINUSE ? MOED_E_BUSY : MOED_E_IO; /* BUSY: the port is taken */
 }
 
 uint16_t moed_http_port(const struct moed_http *h)

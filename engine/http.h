@@ -90,7 +90,8 @@ struct moed_http; /* opaque */
 
 /* Bind addr:port (IPv4 or IPv6 literal; port 0 picks a free port, see
  * moed_http_port) and listen on `loop`. On success *out owns the listener
- * until moed_http_stop. On failure returns MOED_E_IO (or MOED_E_CONFIG for a
+ * until moed_http_stop. On failure returns MOED_E_BUSY when addr:port is in
+ * use, MOED_E_IO otherwise (or MOED_E_CONFIG for a
  * bad address) with err naming addr:port and the libuv error; memory already
  * taken is freed in a close callback on the loop's next pass. */
 int moed_http_start(uv_loop_t *loop, const char *addr, uint16_t port, moed_http_snapshot_fn fn,

@@ -10,6 +10,7 @@
  */
 #include <errno.h>
 #include <ftw.h>
+#include <getopt.h>
 #include <pthread.h>
 #include <inttypes.h>
 #include <signal.h>
@@ -26,6 +27,7 @@
 #include <malloc.h>
 #endif
 
+#include "backend.h"
 #include "config.h"
 #include "engine.h"
 #include "genmodel.h"
@@ -35,6 +37,12 @@
 #include "moed_log.h"
 #include "server.h"
 
+#ifndef MOED_DEFAULT_CONFIG
+#define MOED_DEFAULT_CONFIG "/etc/moed/moed.json" /* used without --config / MOED_CONFIG */
+#endif
+#ifndef MOED_CUDA_ARCHS
+#define MOED_CUDA_ARCHS "?"
+#endif
 #define SYNTH_MARKER ".moed-complete"        /* written last into a generated model */
 #define SYNTH_DEFAULT_LAYERS 2u
 #define SYNTH_DEFAULT_SEED 1u
@@ -53,31 +61,58 @@ enum exit_code {
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: moed [--config FILE]\n"
-            "       moed --check-config FILE | --config-reference | --help | --version\n"
+            "usage: moed [-c FILE | --builtin]\n"
+            "       moed --check-config FILE | --config-reference | -h | -V\n"
             "\n"
             "Serves Mixture-of-Experts layers (NVFP4 expert weights) over a Unix socket.\n"
             "Runs in the foreground and logs to stderr; systemd Type=notify aware.\n"
             "\n"
             "options:\n"
-            "  --config FILE        JSON config (without it: built-in defaults, a tiny\n"
-            "                       synthetic model)\n"
-            "  --check-config FILE  validate FILE, print the effective config as JSON\n"
-            "                       (or every error) and exit\n"
-            "  --config-reference   print the reference of every config key (Markdown)\n"
-            "  --version            print the version\n"
-            "  --help               this text\n"
+            "  -c, --config FILE    JSON config (default: $MOED_CONFIG, else " MOED_DEFAULT_CONFIG ")\n"
+            "      --builtin        no config file: built-in defaults, a tiny synthetic model\n"
+            "                       on /tmp/moed.sock (what a quick try needs)\n"
+            "      --check-config FILE  validate FILE and that this machine can honour it\n"
+            "                       (GPUs named in engine.gpus, backend \"cuda\"), print the\n"
+            "                       effective config as JSON (or every error) and exit\n"
+            "      --config-reference  print the reference of every config key (Markdown)\n"
+            "  -V, --version        print the version and the build's features\n"
+            "  -h, --help           this text\n"
+            "\n"
+            "environment (applied over the config file, also by --check-config):\n"
+            "  MOED_CONFIG          config file used when -c is not given\n"
+            "  MOED_SOCKET          server.socket\n"
+            "  MOED_STATUS_PORT     status.port (0 turns the HTTP status server off)\n"
             "\n"
             "signals: SIGTERM/SIGINT stop accepting, answer every request in flight,\n"
             "remove the socket file and exit 0.\n"
             "\n"
-            "exit codes:\n"
-            "  0  clean shutdown\n"
-            "  1  runtime failure (socket in use or not creatable, out of memory, ...)\n"
-            "  2  config or usage error\n"
-            "  3  model load error (checkpoint missing, malformed, does not fit)\n"
-            "  4  backend failure (no device, sticky device error, stalled kernel,\n"
-            "     self-check mismatch)\n");
+            "exit codes: (in brackets: what scripts/moed.service makes systemd do)\n"
+            "  0  clean shutdown                                     (not restarted)\n"
+            "  1  runtime failure (socket or status port in use, out\n"
+            "     of memory, ...)                                    (restarted)\n"
+            "  2  config or usage error, or a config this machine cannot\n"
+            "     honour (no GPU for engine.gpus / backend \"cuda\"),\n"
+            "     found before the weights are loaded                (not restarted)\n"
+            "  3  model load error (checkpoint missing, malformed, does\n"
+            "     not fit)                                           (not restarted)\n"
+            "  4  backend failure (sticky device error, stalled kernel,\n"
+            "     self-check mismatch)                               (restarted)\n");
+}
+
+/* The build's features for --version: backends, CUDA archs, NCCL. */
+static void print_version(void)
+{
+    printf("moed %s\n", MOED_VERSION);
+#ifdef MOED_HAVE_CUDA
+    int n = moed_backend_cuda_device_count();
+    printf("backends: cpu, cuda\n");
+    printf("cuda: yes (archs %s; %d device%s visible)\n", MOED_CUDA_ARCHS, n, n == 1 ? "" : "s");
+    printf("nccl: linked, not used (one GPU per daemon; expert parallelism not implemented)\n");
+#else
+    printf("backends: cpu\n");
+    printf("cuda: no (built with CUDA=0)\n");
+    printf("nccl: no\n");
+#endif
 }
 
 /* ---- model location ------------------------------------------------------ */
@@ -464,6 +499,9 @@ static int run_daemon(const struct moed_cfg *cfg)
     d.boot.start_ns = uv_hrtime();
     d.boot.model_path = cfg->model;
     d.boot.backend = "";
+    /* the phase /status shows from the first request on */
+    d.boot.load_phase = strncmp(cfg->model, "synthetic:", 10) == 0 ? "generating synthetic model"
+                                                                   : "checkpoint";
 
     rc = check_socket_dir(cfg->socket_path, err, sizeof err);
     if (rc < 0) {
@@ -475,6 +513,13 @@ static int run_daemon(const struct moed_cfg *cfg)
     /* status first: it reports the load */
     if (cfg->status_port != 0) {
         rc = start_status(&d, cfg, err, sizeof err);
+        if (rc == MOED_E_BUSY) {
+            LOG_E("status port %u on %s is already in use (another moed?); set status.port or "
+                  "MOED_STATUS_PORT (0 turns the status server off)",
+                  (unsigned)cfg->status_port, cfg->status_addr);
+            d.exit_code = EXIT_RUNTIME;
+            goto out_loop;
+        }
         if (rc < 0) {
             LOG_E("status: %s", err);
             d.exit_code = rc == MOED_E_CONFIG ? EXIT_USAGE : EXIT_RUNTIME;
@@ -499,10 +544,25 @@ static int run_daemon(const struct moed_cfg *cfg)
     int use_cuda = cfg->backend == MOED_CFG_BACKEND_CUDA ||
                    (cfg->backend == MOED_CFG_BACKEND_AUTO && moed_backend_cuda_available());
     /* The CPU backend computes from the host mapping: the weights must fit in
-     * the memory available now. The CUDA backend checks device memory itself. */
-    uint64_t budget = use_cuda ? 0 : mem_available();
+     * the memory available now. On CUDA they must fit in the device's free
+     * memory: checked against the checkpoint's header before any weight is
+     * read (the backend checks again with its scratch memory). */
+    uint64_t budget = mem_available(), dev_total = 0;
+    const char *budget_of = "host memory";
+    if (use_cuda) {
+        int dev = cfg->n_gpus == 1 ? cfg->gpus[0] : 0;
+        rc = moed_backend_cuda_mem(dev, &budget, &dev_total);
+        if (rc < 0) {
+            boot_loop_join(&d);
+            LOG_E("engine: cannot query the memory of CUDA device %d (driver or device error)",
+                  dev);
+            d.exit_code = EXIT_BACKEND;
+            goto out_loop;
+        }
+        budget_of = "free GPU memory";
+    }
     sd_notifyf(0, "STATUS=loading model %s", dir);
-    LOG_I("loading model %s (memory budget %" PRIu64 " MiB%s)", dir, budget >> 20,
+    LOG_I("loading model %s (budget: %" PRIu64 " MiB of %s%s)", dir, budget >> 20, budget_of,
           budget ? "" : ", unlimited");
     struct moed_model *model = NULL;
     boot_phase(&d, "checkpoint");
@@ -608,20 +668,130 @@ out_loop:
     return d.exit_code;
 }
 
+/* ---- config: file, environment, what this machine can honour ------------- */
+
+/* MOED_SOCKET and MOED_STATUS_PORT over the file's values, bounded like the
+ * keys they replace. */
+static int apply_env(struct moed_cfg *cfg, char *err, size_t errlen)
+{
+    const char *v = getenv("MOED_SOCKET");
+    if (v && *v) {
+        if (strlen(v) > MOED_SOCKET_PATH_MAX)
+            return moed_seterr(err, errlen, MOED_E_CONFIG,
+                               "MOED_SOCKET: a Unix socket path may be at most %d bytes",
+                               MOED_SOCKET_PATH_MAX);
+        snprintf(cfg->socket_path, sizeof cfg->socket_path, "%s", v);
+    }
+    v = getenv("MOED_STATUS_PORT");
+    if (v && *v) {
+        char *end;
+        errno = 0;
+        unsigned long p = strtoul(v, &end, 10);
+        if (errno || end == v || *end || v[0] == '-' || p > 65535)
+            return moed_seterr(err, errlen, MOED_E_CONFIG,
+                               "MOED_STATUS_PORT \"%s\": not a port number in 0 .. 65535", v);
+        cfg->status_port = (uint32_t)p;
+    }
+    return 0;
+}
+
+/* A config the file parser accepts but this machine cannot serve: found
+ * before anything is loaded, by --check-config and at start (exit 2, which
+ * the unit does not restart). */
+static int check_runtime(const struct moed_cfg *cfg, char *err, size_t errlen)
+{
+    int want_cuda = cfg->backend == MOED_CFG_BACKEND_CUDA || cfg->n_gpus > 0;
+    if (!want_cuda)
+        return 0;
+    const char *what = cfg->n_gpus > 0 ? "engine.gpus names GPUs" : "engine.backend is \"cuda\"";
+#ifndef MOED_HAVE_CUDA
+    return moed_seterr(err, errlen, MOED_E_CONFIG,
+                       "%s but this moed was built without CUDA (CUDA=0); rebuild with nvcc "
+                       "installed, or use engine.backend \"cpu\" and engine.gpus []", what);
+#else
+    if (cfg->backend == MOED_CFG_BACKEND_CPU && cfg->n_gpus > 0)
+        return moed_seterr(err, errlen, MOED_E_CONFIG,
+                           "engine.gpus names GPUs but engine.backend is \"cpu\"; empty "
+                           "engine.gpus or use backend \"auto\" or \"cuda\"");
+    int n = moed_backend_cuda_device_count();
+    if (n == 0)
+        return moed_seterr(err, errlen, MOED_E_CONFIG,
+                           "%s but no CUDA GPU is visible (driver loaded? /dev/nvidia* "
+                           "reachable, e.g. DeviceAllow= in the unit? CUDA_VISIBLE_DEVICES?)",
+                           what);
+    if (cfg->n_gpus > 1)
+        return moed_seterr(err, errlen, MOED_E_CONFIG,
+                           "engine.gpus lists %u GPUs; this version serves one GPU per daemon "
+                           "(expert parallelism over NCCL is not implemented yet): run one "
+                           "moed per GPU", (unsigned)cfg->n_gpus);
+    for (uint32_t i = 0; i < cfg->n_gpus; i++)
+        if (cfg->gpus[i] < 0 || cfg->gpus[i] >= n)
+            return moed_seterr(err, errlen, MOED_E_CONFIG,
+                               "engine.gpus[%u] = %d but %d CUDA device%s visible (0 .. %d)", i,
+                               (int)cfg->gpus[i], n, n == 1 ? " is" : "s are", n - 1);
+    return 0;
+#endif
+}
+
+/* The config: FILE, or $MOED_CONFIG, or MOED_DEFAULT_CONFIG, or (--builtin)
+ * the defaults; then the environment and the runtime check. */
+static int load_config(const char *path, int builtin, struct moed_cfg *cfg, const char **used,
+                       char *err, size_t errlen)
+{
+    int rc;
+    *used = "built-in defaults";
+    if (builtin) {
+        moed_cfg_defaults(cfg);
+    } else {
+        const char *env = getenv("MOED_CONFIG");
+        if (!path && env && *env)
+            path = env;
+        if (!path) {
+            path = MOED_DEFAULT_CONFIG;
+            if (access(path, F_OK) != 0)
+                return moed_seterr(err, errlen, MOED_E_CONFIG,
+                                   "no config file: %s does not exist (%s); give one with "
+                                   "--config FILE or MOED_CONFIG, or start the built-in tiny "
+                                   "synthetic model with --builtin (`make run` uses "
+                                   "config/example.json)", path, strerror(errno));
+        }
+        rc = moed_cfg_load(path, cfg, err, errlen);
+        if (rc < 0)
+            return rc;
+        *used = path;
+    }
+    rc = apply_env(cfg, err, errlen);
+    if (rc < 0)
+        return rc;
+    return check_runtime(cfg, err, errlen);
+}
+
 int main(int argc, char **argv)
 {
+    enum { OPT_CHECK = 256, OPT_REFERENCE, OPT_BUILTIN };
+    static const struct option longopts[] = {
+        {"config", required_argument, NULL, 'c'},
+        {"check-config", required_argument, NULL, OPT_CHECK},
+        {"config-reference", no_argument, NULL, OPT_REFERENCE},
+        {"builtin", no_argument, NULL, OPT_BUILTIN},
+        {"version", no_argument, NULL, 'V'},
+        {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
+    };
     const char *config_path = NULL;
     const char *check_path = NULL;
+    int builtin = 0;
     char err[MOED_ERRLEN * 8] = "";
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+    opterr = 0; /* our own messages, below */
+    for (int c; (c = getopt_long(argc, argv, ":c:hV", longopts, NULL)) != -1;) {
+        switch (c) {
+        case 'h':
             usage(stdout);
             return EXIT_CLEAN;
-        } else if (strcmp(a, "--version") == 0) {
-            printf("moed %s\n", MOED_VERSION);
+        case 'V':
+            print_version();
             return EXIT_CLEAN;
-        } else if (strcmp(a, "--config-reference") == 0) {
+        case OPT_REFERENCE: {
             char *md = moed_cfg_reference_md();
             if (!md) {
                 fprintf(stderr, "moed: out of memory\n");
@@ -630,24 +800,34 @@ int main(int argc, char **argv)
             fputs(md, stdout);
             free(md);
             return EXIT_CLEAN;
-        } else if ((strcmp(a, "--config") == 0 || strcmp(a, "--check-config") == 0) && i + 1 < argc) {
-            if (strcmp(a, "--config") == 0)
-                config_path = argv[++i];
-            else
-                check_path = argv[++i];
-        } else if (strncmp(a, "--config=", 9) == 0) {
-            config_path = a + 9;
-        } else if (strncmp(a, "--check-config=", 15) == 0) {
-            check_path = a + 15;
-        } else {
-            fprintf(stderr, "moed: %s '%s'\n",
-                    (strcmp(a, "--config") == 0 || strcmp(a, "--check-config") == 0)
-                        ? "missing FILE after"
-                        : "unknown argument",
-                    a);
+        }
+        case 'c':
+            config_path = optarg;
+            break;
+        case OPT_CHECK:
+            check_path = optarg;
+            break;
+        case OPT_BUILTIN:
+            builtin = 1;
+            break;
+        case ':':
+            fprintf(stderr, "moed: missing FILE after '%s'\n", argv[optind - 1]);
+            usage(stderr);
+            return EXIT_USAGE;
+        default:
+            fprintf(stderr, "moed: unknown argument '%s'\n", argv[optind - 1]);
             usage(stderr);
             return EXIT_USAGE;
         }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "moed: unknown argument '%s'\n", argv[optind]);
+        usage(stderr);
+        return EXIT_USAGE;
+    }
+    if (builtin && config_path) {
+        fprintf(stderr, "moed: --builtin and --config exclude each other\n");
+        return EXIT_USAGE;
     }
 
     struct moed_cfg *cfg = calloc(1, sizeof *cfg);
@@ -656,8 +836,9 @@ int main(int argc, char **argv)
         return EXIT_RUNTIME;
     }
     int code = EXIT_CLEAN;
+    const char *used;
     if (check_path) {
-        if (moed_cfg_load(check_path, cfg, err, sizeof err) < 0) {
+        if (load_config(check_path, 0, cfg, &used, err, sizeof err) < 0) {
             fprintf(stderr, "%s\n", err);
             code = EXIT_USAGE;
         } else {
@@ -672,17 +853,13 @@ int main(int argc, char **argv)
         }
         goto out;
     }
-    if (config_path) {
-        if (moed_cfg_load(config_path, cfg, err, sizeof err) < 0) {
-            fprintf(stderr, "moed: %s\n", err);
-            code = EXIT_USAGE;
-            goto out;
-        }
-    } else {
-        moed_cfg_defaults(cfg);
+    if (load_config(config_path, builtin, cfg, &used, err, sizeof err) < 0) {
+        fprintf(stderr, "moed: %s\n", err);
+        code = EXIT_USAGE;
+        goto out;
     }
     moed_log_set_level((enum moed_log_level)cfg->log_level);
-    LOG_I("moed %s starting (config %s)", MOED_VERSION, config_path ? config_path : "built-in defaults");
+    LOG_I("moed %s starting (config %s)", MOED_VERSION, used);
     code = run_daemon(cfg);
 out:
     free(cfg);

@@ -108,11 +108,16 @@ struct moed_stats {
                                     samples (and ring index) of the kernel stages */
     uint64_t stage_sum_ns[MOED_STAGE__COUNT];
     uint32_t stage_win[MOED_STAGE__COUNT][MOED_STAGE_WINDOW];
+    /* every sample of each stage since start, in the latency buckets (us) */
+    uint64_t stage_hist[MOED_STAGE__COUNT][MOED_LAT_BUCKETS];
     /* backend busy accounting: ns with at least one batch queued or running */
     uint64_t busy_ns;
-    /* per-expert hits (routed + shared), n_experts + n_shared entries */
+    /* per-layer, per-expert hits: n_hit_layers rows (row = the checkpoint's
+     * absolute layer index; dense layers stay 0) of n_expert_hits entries
+     * (routed experts, then shared); n_hit_layers 0 reads as one row */
     uint64_t *expert_hits;
     uint32_t n_expert_hits;
+    uint32_t n_hit_layers;
     /* host buffers (ipc/bufpool.h): backend host memory (CUDA: pinned) held,
      * of it on the free lists, its cap, allocator calls, plain spares kept */
     uint64_t pinned_bytes, pinned_free_bytes, pinned_limit, pinned_allocs, spare_bytes;

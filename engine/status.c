@@ -14,15 +14,18 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <dirent.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <cjson/cJSON.h>
 
 /* Buckets per octave; see the MOED_LAT_BUCKETS comment in stats.h. */
 #define LAT_PER_OCTAVE 3
 
-/* Prometheus exposes only the power-of-two bucket bounds (every
- * LAT_PER_OCTAVE-th): cumulative buckets stay exact at those bounds and a
- * scrape carries 22 series instead of 64. */
-#define PROM_BUCKET_STEP LAT_PER_OCTAVE
+/* Prometheus gets every bucket bound (1 us .. 1.66 s, 26 % apart): fine
+ * enough to read 5-500 us (a GPU decode step) and 1-50 ms (a CPU forward)
+ * with histogram_quantile(). */
 
 /* Upper bound of bucket i in microseconds, 2^(i/3); the overflow bucket has
  * none and reports its lower bound 2^(62/3). */
@@ -133,6 +136,7 @@ void moed_stats_record_stages(struct moed_stats *s, const struct moed_req_times 
         uint64_t slot = moed_stats_stage_samples(s, (enum moed_stage)i) % MOED_STAGE_WINDOW;
         s->stage_sum_ns[i] += d[i];
         s->stage_win[i][slot] = d[i] > UINT32_MAX ? UINT32_MAX : (uint32_t)d[i];
+        s->stage_hist[i][lat_bucket((double)d[i] / 1000.0)]++;
     }
     s->stage_count++;
     s->stage_kernel_count += t->kernel_ns != 0;
@@ -270,6 +274,69 @@ static int json_stages(cJSON *root, const struct moed_stats *s)
     return 0;
 }
 
+static uint32_t hit_layers(const struct moed_stats *s)
+{
+    return s->expert_hits ? (s->n_hit_layers ? s->n_hit_layers : 1) : 0;
+}
+
+/* One row of counts as a JSON array of entries [from, to). */
+static cJSON *json_row(const uint64_t *v, uint32_t from, uint32_t to)
+{
+    cJSON *a = cJSON_CreateArray();
+    for (uint32_t i = from; a && i < to; i++) {
+        cJSON *n = cJSON_CreateNumber((double)v[i]);
+        if (!n) {
+            cJSON_Delete(a);
+            return NULL;
+        }
+        cJSON_AddItemToArray(a, n);
+    }
+    return a;
+}
+
+/* experts: hits (per expert, summed over layers: routed then shared) and the
+ * per-layer counts in the layout of SGLang's expert-distribution dump:
+ * logical_count [num_layers][num_logical_experts] by absolute layer, routed
+ * experts only; shared_count [num_layers][n_shared] beside it. */
+static int json_experts(cJSON *root, const struct moed_stats *s)
+{
+    cJSON *x = cJSON_AddObjectToObject(root, "experts");
+    cJSON *hits = x ? cJSON_AddArrayToObject(x, "hits") : NULL;
+    if (!hits)
+        return -1;
+    uint32_t nl = hit_layers(s), ne = s->n_expert_hits;
+    for (uint32_t i = 0; i < ne && nl; i++) {
+        uint64_t sum = 0;
+        for (uint32_t l = 0; l < nl; l++)
+            sum += s->expert_hits[(size_t)l * ne + i];
+        cJSON *n = cJSON_CreateNumber((double)sum);
+        if (!n)
+            return -1;
+        cJSON_AddItemToArray(hits, n);
+    }
+    uint32_t routed = s->dims ? s->dims->n_experts : ne;
+    if (routed > ne)
+        routed = ne;
+    if (jnum(x, "num_layers", nl) || jnum(x, "num_logical_experts", routed))
+        return -1;
+    cJSON *lc = cJSON_AddArrayToObject(x, "logical_count");
+    cJSON *sc = cJSON_AddArrayToObject(x, "shared_count");
+    if (!lc || !sc)
+        return -1;
+    for (uint32_t l = 0; l < nl; l++) {
+        const uint64_t *row = s->expert_hits + (size_t)l * ne;
+        cJSON *a = json_row(row, 0, routed), *b = json_row(row, routed, ne);
+        if (!a || !b) {
+            cJSON_Delete(a);
+            cJSON_Delete(b);
+            return -1;
+        }
+        cJSON_AddItemToArray(lc, a);
+        cJSON_AddItemToArray(sc, b);
+    }
+    return 0;
+}
+
 static int json_body(cJSON *root, const struct moed_stats *s, uint64_t now_ns)
 {
     double up = uptime_s(s, now_ns);
@@ -339,16 +406,8 @@ static int json_body(cJSON *root, const struct moed_stats *s, uint64_t now_ns)
         jnum(hb, "spare_bytes", (double)s->spare_bytes))
         return -1;
 
-    cJSON *x = cJSON_AddObjectToObject(root, "experts");
-    cJSON *hits = x ? cJSON_AddArrayToObject(x, "hits") : NULL;
-    if (!hits)
+    if (json_experts(root, s))
         return -1;
-    for (uint32_t i = 0; s->expert_hits && i < s->n_expert_hits; i++) {
-        cJSON *n = cJSON_CreateNumber((double)s->expert_hits[i]);
-        if (!n)
-            return -1;
-        cJSON_AddItemToArray(hits, n);
-    }
 
     if (!have_kernel(s))
         return cJSON_AddNullToObject(root, "kernel") ? 0 : -1;
@@ -506,63 +565,122 @@ static void prom_dbl(struct sbuf *b, const char *name, const char *type, const c
     sb_printf(b, "\n");
 }
 
+/* The samples of one histogram (latency buckets, us) with `labels` (e.g.
+ * `stage="recv",`; "" for none); _count is the +Inf bucket by construction. */
+static void prom_hist_series(struct sbuf *b, const char *n, const char *labels,
+                             const uint64_t hist[MOED_LAT_BUCKETS], double sum_s)
+{
+    uint64_t cum = 0;
+    for (int i = 0; i < MOED_LAT_BUCKETS - 1; i++) {
+        cum += hist[i];
+        sb_printf(b, "%s_bucket{%sle=\"", n, labels);
+        sb_double(b, bucket_upper_us(i) / 1e6);
+        sb_printf(b, "\"} %" PRIu64 "\n", cum);
+    }
+    cum += hist[MOED_LAT_BUCKETS - 1];
+    sb_printf(b, "%s_bucket{%sle=\"+Inf\"} %" PRIu64 "\n", n, labels, cum);
+    size_t ll = strlen(labels);
+    /* _sum/_count take the labels without the trailing comma */
+    sb_printf(b, "%s_sum%s%.*s%s ", n, ll ? "{" : "", ll ? (int)ll - 1 : 0, labels,
+              ll ? "}" : "");
+    sb_double(b, sum_s);
+    sb_printf(b, "\n%s_count%s%.*s%s %" PRIu64 "\n", n, ll ? "{" : "", ll ? (int)ll - 1 : 0,
+              labels, ll ? "}" : "", cum);
+}
+
 static void prom_latency(struct sbuf *b, const struct moed_stats *s)
 {
     const char *n = "moed_request_latency_seconds";
     sb_head(b, n, "histogram", "FORWARD latency, frame complete to reply queued.");
-    uint64_t cum = 0;
-    for (int i = 0; i < MOED_LAT_BUCKETS - 1; i++) {
-        cum += s->lat_hist[i];
-        if (i % PROM_BUCKET_STEP)
-            continue;
-        sb_printf(b, "%s_bucket{le=\"", n);
-        sb_double(b, bucket_upper_us(i) / 1e6);
-        sb_printf(b, "\"} %" PRIu64 "\n", cum);
-    }
-    cum += s->lat_hist[MOED_LAT_BUCKETS - 1];
-    /* +Inf is the bucket total, so _count equals it by construction even if
-     * lat_count was written separately. */
-    sb_printf(b, "%s_bucket{le=\"+Inf\"} %" PRIu64 "\n", n, cum);
-    sb_printf(b, "%s_sum ", n);
-    sb_double(b, s->lat_sum_us / 1e6);
-    sb_printf(b, "\n%s_count %" PRIu64 "\n", n, cum);
+    prom_hist_series(b, n, "", s->lat_hist, s->lat_sum_us / 1e6);
 }
 
+/* One histogram per stage (label stage): aggregatable across instances, for
+ * histogram_quantile(); /status keeps the exact window percentiles. */
 static void prom_stages(struct sbuf *b, const struct moed_stats *s)
 {
-    prom_u64(b, "moed_request_stage_samples_total", "counter",
-             "FORWARD requests timed stage by stage (answered OK, reply fully written).",
-             s->stage_count);
-    prom_u64(b, "moed_request_stage_kernel_samples_total", "counter",
-             "Of those, requests whose batch's kernel time was known (samples of the kernel "
-             "and added_kernel stages).",
-             s->stage_kernel_count);
-    sb_head(b, "moed_request_stage_seconds_total", "counter",
-            "Seconds spent in each stage of a FORWARD request, summed over the stage's samples.");
+    const char *n = "moed_request_stage_seconds";
+    sb_head(b, n, "histogram",
+            "Time of each stage of a FORWARD request (answered OK, reply fully written); the "
+            "kernel stages only for batches whose kernel time is known.");
     for (int i = 0; i < MOED_STAGE__COUNT; i++) {
-        sb_printf(b, "moed_request_stage_seconds_total{stage=\"%s\"} ", stage_names[i]);
-        sb_double(b, (double)s->stage_sum_ns[i] / 1e9);
-        sb_printf(b, "\n");
+        char labels[48];
+        snprintf(labels, sizeof labels, "stage=\"%s\",", stage_names[i]);
+        prom_hist_series(b, n, labels, s->stage_hist[i], (double)s->stage_sum_ns[i] / 1e9);
     }
-    static const struct {
-        const char *name, *help;
-        double p;
-    } q[] = {{"moed_request_stage_p50_seconds",
-              "Median of each stage over the last timed FORWARD requests (window in /status).",
-              0.50},
-             {"moed_request_stage_p99_seconds",
-              "99th percentile of each stage over the last timed FORWARD requests.", 0.99}};
-    uint32_t v[MOED_STAGE__COUNT][MOED_STAGE_WINDOW];
-    size_t n[MOED_STAGE__COUNT];
-    for (int i = 0; i < MOED_STAGE__COUNT; i++)
-        n[i] = stage_sorted(s, (enum moed_stage)i, v[i]);
-    for (size_t k = 0; k < sizeof q / sizeof q[0]; k++) {
-        sb_head(b, q[k].name, "gauge", q[k].help);
-        for (int i = 0; i < MOED_STAGE__COUNT; i++) {
-            sb_printf(b, "%s{stage=\"%s\"} ", q[k].name, stage_names[i]);
-            sb_double(b, sorted_pct_us(v[i], n[i], q[k].p) / 1e6);
-            sb_printf(b, "\n");
-        }
+}
+
+/* process_* metrics of the Prometheus client conventions, from /proc/self. */
+static void prom_process(struct sbuf *b)
+{
+    long tck = sysconf(_SC_CLK_TCK), page = sysconf(_SC_PAGESIZE);
+    char buf[1024];
+    FILE *f = fopen("/proc/self/stat", "r");
+    size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    if (f)
+        fclose(f);
+    buf[n] = 0;
+    /* fields after the command (which may hold spaces): from the last ')' */
+    const char *p = strrchr(buf, ')');
+    unsigned long long ut = 0, st = 0, start = 0, vsize = 0, rss = 0;
+    int ok = p && tck > 0 &&
+             sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu %*d %*d %*d "
+                           "%*d %*d %*d %llu %llu %llu", &ut, &st, &start, &vsize, &rss) == 5;
+    if (ok) {
+        prom_dbl(b, "process_cpu_seconds_total", "counter",
+                 "Total user and system CPU time spent in seconds.",
+                 (double)(ut + st) / (double)tck);
+        prom_u64(b, "process_virtual_memory_bytes", "gauge", "Virtual memory size in bytes.",
+                 vsize);
+        prom_u64(b, "process_resident_memory_bytes", "gauge", "Resident memory size in bytes.",
+                 rss * (unsigned long long)(page > 0 ? page : 4096));
+        unsigned long long btime = 0;
+        FILE *fs = fopen("/proc/stat", "r");
+        char line[256];
+        while (fs && fgets(line, sizeof line, fs))
+            if (sscanf(line, "btime %llu", &btime) == 1)
+                break;
+        if (fs)
+            fclose(fs);
+        if (btime)
+            prom_dbl(b, "process_start_time_seconds", "gauge",
+                     "Start time of the process since unix epoch in seconds.",
+                     (double)btime + (double)start / (double)tck);
+    }
+    DIR *d = opendir("/proc/self/fd");
+    if (d) {
+        uint64_t fds = 0;
+        for (struct dirent *e; (e = readdir(d));)
+            fds += e->d_name[0] != '.';
+        closedir(d);
+        prom_u64(b, "process_open_fds", "gauge", "Number of open file descriptors.",
+                 fds ? fds - 1 : 0); /* less the one opendir holds */
+    }
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY)
+        prom_u64(b, "process_max_fds", "gauge", "Maximum number of open file descriptors.",
+                 (uint64_t)rl.rlim_cur);
+}
+
+/* moed_expert_hits_total{layer,expert}: tokens routed to each expert of each
+ * layer (routed experts, then shared), for the layers that have had any (a
+ * series appears with a layer's first request). */
+static void prom_experts(struct sbuf *b, const struct moed_stats *s)
+{
+    uint32_t nl = hit_layers(s), ne = s->n_expert_hits;
+    if (!nl || !ne)
+        return;
+    sb_head(b, "moed_expert_hits_total", "counter",
+            "Tokens routed to each expert (routed experts, then shared) of each MoE layer "
+            "(the checkpoint's layer index) that has had requests.");
+    for (uint32_t l = 0; l < nl; l++) {
+        const uint64_t *row = s->expert_hits + (size_t)l * ne;
+        uint64_t any = 0;
+        for (uint32_t i = 0; i < ne; i++)
+            any |= row[i];
+        for (uint32_t i = 0; any && i < ne; i++)
+            sb_printf(b, "moed_expert_hits_total{layer=\"%" PRIu32 "\",expert=\"%" PRIu32
+                         "\"} %" PRIu64 "\n", l, i, row[i]);
     }
 }
 
@@ -640,22 +758,18 @@ char *moed_status_prometheus(const struct moed_stats *s, uint64_t now_ns)
     prom_u64(&b, "moed_buffer_spare_bytes", "gauge",
              "Ordinary memory kept as spare buffers for reuse.", s->spare_bytes);
 
-    if (s->expert_hits && s->n_expert_hits) {
-        sb_head(&b, "moed_expert_hits_total", "counter",
-                "Tokens routed to each expert (routed experts, then shared).");
-        for (uint32_t i = 0; i < s->n_expert_hits; i++)
-            sb_printf(&b, "moed_expert_hits_total{expert=\"%" PRIu32 "\"} %" PRIu64 "\n", i,
-                      s->expert_hits[i]);
-    }
+    prom_experts(&b, s);
 
     if (have_kernel(s)) {
-        prom_u64(&b, "moed_kernel_heartbeat", "gauge",
-                 "Persistent-kernel heartbeat counter (advances while the kernel runs).",
+        prom_u64(&b, "moed_kernel_heartbeats_total", "counter",
+                 "Persistent-kernel heartbeats (advances while the kernel runs).",
                  s->heartbeat);
         prom_dbl(&b, "moed_kernel_heartbeat_age_seconds", "gauge",
                  "Seconds since the heartbeat last advanced.",
                  (double)s->heartbeat_age_ms / 1e3);
     }
+
+    prom_process(&b);
 
     if (b.failed) {
         free(b.p);

@@ -5,6 +5,7 @@
  */
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <getopt.h>
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
@@ -64,11 +65,12 @@ static const struct opt_def {
     size_t off;
     const char *help;
 } opt_table[] = {
-    {"--socket", OPT_STR, "status ping forward bench", 0, 0, offsetof(struct opts, socket),
+    {"--socket", OPT_STR, "status experts ping forward bench", 0, 0, offsetof(struct opts, socket),
      "daemon socket (default $MOED_SOCKET or " DEFAULT_SOCKET ")"},
-    {"--timeout-ms", OPT_U64, "status ping forward bench", 1, 3600000,
+    {"--timeout-ms", OPT_U64, "status experts ping forward bench", 1, 3600000,
      offsetof(struct opts, timeout_ms), "reply timeout in ms (default 30000)"},
-    {"--json", OPT_FLAG, "status", 0, 0, offsetof(struct opts, json), "print the raw JSON"},
+    {"--json", OPT_FLAG, "status experts", 0, 0, offsetof(struct opts, json),
+     "print the JSON document instead of the summary"},
     {"--count", OPT_U64, "ping", 1, MAX_PING_COUNT, offsetof(struct opts, count),
      "number of pings (default 4)"},
     {"--layer", OPT_U64, "forward bench", 0, MOED_MAX_LAYERS - 1, offsetof(struct opts, layer),
@@ -78,9 +80,9 @@ static const struct opt_def {
     {"--seed", OPT_U64, "forward bench", 0, UINT64_MAX, offsetof(struct opts, seed),
      "random seed (default 1)"},
     {"--check", OPT_FLAG, "forward", 0, 0, offsetof(struct opts, check),
-     "compare with the CPU reference (needs --model)"},
+     "compare with the CPU reference of the daemon's checkpoint"},
     {"--model", OPT_STR, "forward", 0, 0, offsetof(struct opts, model),
-     "checkpoint directory the daemon serves (for --check)"},
+     "checkpoint directory for --check (default: the one the daemon names)"},
     {"--connections", OPT_U64, "bench", 1, MAX_CONNECTIONS, offsetof(struct opts, connections),
      "concurrent connections, one thread each (default 1)"},
     {"--duration", OPT_U64, "bench", 1, MAX_DURATION_S, offsetof(struct opts, duration),
@@ -93,7 +95,10 @@ static const struct opt_def {
 static const char *cmd_summary(const char *cmd)
 {
     if (strcmp(cmd, "status") == 0)
-        return "print a readable summary of the daemon's status";
+        return "print a short summary of the daemon's status (--json: the whole document)";
+    if (strcmp(cmd, "experts") == 0)
+        return "per-layer, per-expert token counts since start (--json: experts.logical_count "
+               "[layers][experts], the layout of SGLang's expert-distribution dump)";
     if (strcmp(cmd, "ping") == 0)
         return "round-trip PINGs and print their latency";
     if (strcmp(cmd, "forward") == 0)
@@ -127,7 +132,8 @@ static void usage(FILE *f, const char *cmd)
     fprintf(f, "  --help           this text\n");
 }
 
-/* Returns 0, 1 for --help (printed), or 2 for a usage error (printed). */
+/* Returns 0, 1 for --help (printed), or 2 for a usage error (printed).
+ * getopt_long over the options of opt_table that `cmd` takes. */
 static int parse_opts(const char *cmd, int argc, char **argv, struct opts *o)
 {
     *o = (struct opts){.cmd = cmd, .count = 4, .tokens = 1, .seed = 1, .connections = 1,
@@ -135,42 +141,44 @@ static int parse_opts(const char *cmd, int argc, char **argv, struct opts *o)
     o->socket = getenv("MOED_SOCKET");
     if (!o->socket || !*o->socket)
         o->socket = DEFAULT_SOCKET;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+    struct option lo[N_OPTS + 2];
+    size_t n = 0;
+    for (size_t k = 0; k < N_OPTS; k++)
+        if (cmd_takes(&opt_table[k], cmd))
+            lo[n++] = (struct option){opt_table[k].name + 2,
+                                      opt_table[k].kind == OPT_FLAG ? no_argument
+                                                                    : required_argument,
+                                      NULL, 256 + (int)k};
+    lo[n++] = (struct option){"help", no_argument, NULL, 'h'};
+    lo[n] = (struct option){NULL, 0, NULL, 0};
+    optind = 1;
+    opterr = 0;
+    for (int c; (c = getopt_long(argc, argv, ":h", lo, NULL)) != -1;) {
+        if (c == 'h') {
             usage(stdout, cmd);
             return 1;
         }
-        const char *val = NULL;
-        const char *eq = strchr(a, '=');
-        size_t nlen = eq ? (size_t)(eq - a) : strlen(a);
-        const struct opt_def *d = NULL;
-        for (size_t k = 0; k < N_OPTS; k++)
-            if (strlen(opt_table[k].name) == nlen && strncmp(a, opt_table[k].name, nlen) == 0 &&
-                cmd_takes(&opt_table[k], cmd))
-                d = &opt_table[k];
-        if (!d) {
-            fprintf(stderr, "moectl %s: unknown option '%s'\n", cmd, a);
+        if (c == ':') {
+            fprintf(stderr, "moectl %s: %s needs a value\n", cmd, argv[optind - 1]);
+            return 2;
+        }
+        if (c < 256) {
+            const char *a = argv[optind - 1];
+            if (strncmp(a, "--", 2) == 0 && strchr(a, '='))
+                fprintf(stderr, "moectl %s: %.*s takes no value\n", cmd,
+                        (int)(strchr(a, '=') - a), a);
+            else
+                fprintf(stderr, "moectl %s: unknown option '%s'\n", cmd, a);
             usage(stderr, cmd);
             return 2;
         }
+        const struct opt_def *d = &opt_table[c - 256];
         char *field = (char *)o + d->off;
         if (d->kind == OPT_FLAG) {
-            if (eq) {
-                fprintf(stderr, "moectl %s: %s takes no value\n", cmd, d->name);
-                return 2;
-            }
             *(int *)(void *)field = 1;
             continue;
         }
-        if (eq)
-            val = eq + 1;
-        else if (i + 1 < argc)
-            val = argv[++i];
-        else {
-            fprintf(stderr, "moectl %s: %s needs a value\n", cmd, d->name);
-            return 2;
-        }
+        const char *val = optarg;
         if (d->kind == OPT_STR) {
             if (!*val) {
                 fprintf(stderr, "moectl %s: %s needs a non-empty value\n", cmd, d->name);
@@ -191,8 +199,9 @@ static int parse_opts(const char *cmd, int argc, char **argv, struct opts *o)
         if (strcmp(d->name, "--layer") == 0)
             o->have_layer = 1;
     }
-    if (o->check && !o->model) {
-        fprintf(stderr, "moectl %s: --check needs --model DIR\n", cmd);
+    if (optind < argc) {
+        fprintf(stderr, "moectl %s: unknown option '%s'\n", cmd, argv[optind]);
+        usage(stderr, cmd);
         return 2;
     }
     return 0;
@@ -219,94 +228,201 @@ static int connect_hello(const struct opts *o, struct moedc **c, struct moed_hel
 
 /* --- status ------------------------------------------------------------- */
 
-/* A readable, schema-agnostic rendering: nested objects indent, long numeric
- * arrays (per-expert hit counts) are summarised. */
-static void print_json(const cJSON *it, int depth)
+/* The daemon's STATUS document, parsed; NULL (message printed) on failure. */
+static cJSON *fetch_status(const struct opts *o, struct moedc *c, char **raw)
 {
-    for (const cJSON *c = it->child; c; c = c->next) {
-        const char *key = c->string ? c->string : "-";
-        printf("%*s%s:", 2 * depth, "", key);
-        if (cJSON_IsObject(c)) {
-            printf("\n");
-            print_json(c, depth + 1);
-        } else if (cJSON_IsArray(c)) {
-            int n = cJSON_GetArraySize(c), all_num = 1;
-            double sum = 0, max = -INFINITY;
-            int argmax = -1, i = 0;
-            for (const cJSON *e = c->child; e; e = e->next, i++) {
-                if (!cJSON_IsNumber(e)) {
-                    all_num = 0;
-                    break;
-                }
-                sum += e->valuedouble;
-                if (e->valuedouble > max) {
-                    max = e->valuedouble;
-                    argmax = i;
-                }
-            }
-            if (n == 0) {
-                printf(" []\n");
-            } else if (all_num && n > 8) {
-                printf(" %d values, sum %.6g, mean %.6g, max %.6g at [%d]\n", n, sum, sum / n,
-                       max, argmax);
-            } else if (all_num) {
-                for (const cJSON *e = c->child; e; e = e->next)
-                    printf(" %.6g", e->valuedouble);
-                printf("\n");
-            } else {
-                printf("\n");
-                print_json(c, depth + 1);
-            }
-        } else if (cJSON_IsString(c)) {
-            printf(" %s\n", c->valuestring);
-        } else if (cJSON_IsBool(c)) {
-            printf(" %s\n", cJSON_IsTrue(c) ? "yes" : "no");
-        } else if (cJSON_IsNull(c)) {
-            printf(" -\n");
-        } else if (cJSON_IsNumber(c)) {
-            double v = c->valuedouble;
-            if (v == floor(v) && fabs(v) < 9e15)
-                printf(" %.0f\n", v);
-            else
-                printf(" %.6g\n", v);
-        } else {
-            printf(" ?\n");
-        }
+    char err[MOED_ERRLEN];
+    char *js = NULL;
+    int rc = moedc_status(c, &js, err, sizeof err);
+    if (rc) {
+        fprintf(stderr, "moectl %s: STATUS: %s (%s)\n", o->cmd, err, moedc_strerror(rc));
+        return NULL;
     }
+    cJSON *root = cJSON_Parse(js);
+    if (!root || !cJSON_IsObject(root)) {
+        fprintf(stderr, "moectl %s: the daemon's status is not a JSON object: %.200s\n", o->cmd,
+                js);
+        cJSON_Delete(root);
+        root = NULL;
+    }
+    if (raw && root)
+        *raw = js;
+    else
+        free(js);
+    return root;
+}
+
+/* Field lookups by a dotted path; NAN / "" / -1 when absent. */
+static const cJSON *jget(const cJSON *root, const char *path)
+{
+    char key[64];
+    const cJSON *it = root;
+    while (it && *path) {
+        size_t n = strcspn(path, ".");
+        if (n >= sizeof key)
+            return NULL;
+        memcpy(key, path, n);
+        key[n] = 0;
+        it = cJSON_GetObjectItemCaseSensitive(it, key);
+        path += n + (path[n] == '.');
+    }
+    return it;
+}
+
+static double jd(const cJSON *root, const char *path)
+{
+    const cJSON *v = jget(root, path);
+    return cJSON_IsNumber(v) ? v->valuedouble : NAN;
+}
+
+static const char *js_(const cJSON *root, const char *path)
+{
+    const cJSON *v = jget(root, path);
+    return cJSON_IsString(v) ? v->valuestring : "";
+}
+
+static int jb(const cJSON *root, const char *path)
+{
+    const cJSON *v = jget(root, path);
+    return cJSON_IsBool(v) ? cJSON_IsTrue(v) : -1;
+}
+
+/* "123 us" / "1.23 ms" / "1.23 s" */
+static const char *fmt_us(char *buf, size_t n, double us)
+{
+    if (!(us == us))
+        snprintf(buf, n, "-");
+    else if (us < 1000)
+        snprintf(buf, n, "%.0f us", us);
+    else if (us < 1e6)
+        snprintf(buf, n, "%.2f ms", us / 1e3);
+    else
+        snprintf(buf, n, "%.2f s", us / 1e6);
+    return buf;
+}
+
+/* A few lines an operator reads at a glance; `--json` gives everything. */
+static void print_summary(const struct opts *o, const cJSON *r)
+{
+    char a[32], b[32], c3[32];
+    double up = jd(r, "uptime_s");
+    int loaded = jb(r, "load.loaded"), healthy = jb(r, "backend.healthy");
+    printf("moed %s at %s: %s, up %.0fh%02.0fm%02.0fs\n", js_(r, "version"), o->socket,
+           loaded != 1 ? "loading" : healthy == 1 ? "serving (healthy)" : "UNHEALTHY",
+           floor(up / 3600), floor(fmod(up, 3600) / 60), fmod(up, 60));
+    if (loaded != 1)
+        printf("load      %s: %.0f%% (%.0f of %.0f MiB)\n", js_(r, "load.phase"),
+               100 * jd(r, "load.fraction"), jd(r, "load.done_bytes") / 1048576,
+               jd(r, "load.total_bytes") / 1048576);
+    printf("model     %s", js_(r, "model.path"));
+    if (jd(r, "model.hidden") == jd(r, "model.hidden"))
+        printf(" (%s: H=%.0f I=%.0f E=%.0f k=%.0f shared=%.0f, %.0f MoE layers of %.0f)",
+               js_(r, "model.family"), jd(r, "model.hidden"), jd(r, "model.inter"),
+               jd(r, "model.n_experts"), jd(r, "model.top_k"), jd(r, "model.n_shared"),
+               jd(r, "model.n_moe_layers"), jd(r, "model.n_layers"));
+    printf("\nbackend   %s\n", *js_(r, "backend.description") ? js_(r, "backend.description")
+                                                            : js_(r, "backend.name"));
+    printf("clients   %.0f connected (%.0f accepted, %.0f refused)\n", jd(r, "clients.connected"),
+           jd(r, "clients.total"), jd(r, "clients.refused"));
+    printf("requests  %.0f served, %.0f tokens, %.0f in flight; errors:",
+           jd(r, "requests.served"), jd(r, "requests.tokens"), jd(r, "requests.in_flight"));
+    const cJSON *errs = jget(r, "requests.errors");
+    int any = 0;
+    for (const cJSON *e = errs ? errs->child : NULL; e; e = e->next, any = 1)
+        printf("%s %s %.0f", any ? "," : "", e->string, e->valuedouble);
+    printf("%s\n", any ? "" : " none");
+    printf("latency   p50 %s, p99 %s, p999 %s over %.0f requests\n",
+           fmt_us(a, sizeof a, jd(r, "latency_us.p50")), fmt_us(b, sizeof b, jd(r, "latency_us.p99")),
+           fmt_us(c3, sizeof c3, jd(r, "latency_us.p999")), jd(r, "latency_us.count"));
+    if (jd(r, "stages_us.count") > 0) {
+        printf("stages    p50:");
+        static const char *const st[] = {"recv", "submit", "backend", "reply", "write", "kernel"};
+        for (size_t i = 0; i < sizeof st / sizeof st[0]; i++) {
+            char path[64];
+            snprintf(path, sizeof path, "stages_us.%s.p50", st[i]);
+            if (jd(r, path) == jd(r, path) && (i < 5 || jd(r, "stages_us.kernel.count") > 0))
+                printf(" %s %s", st[i], fmt_us(a, sizeof a, jd(r, path)));
+        }
+        printf("; added p50 %s p99 %s\n", fmt_us(a, sizeof a, jd(r, "stages_us.added.p50")),
+               fmt_us(b, sizeof b, jd(r, "stages_us.added.p99")));
+    }
+    printf("batches   %.0f, mean %.1f tokens; busy %.1f%%\n", jd(r, "batches.count"),
+           jd(r, "batches.mean_tokens"), 100 * jd(r, "busy_fraction"));
+    if (jget(r, "kernel") && cJSON_IsObject(jget(r, "kernel")))
+        printf("kernel    heartbeat %.0f, last advanced %.0f ms ago\n", jd(r, "kernel.heartbeat"),
+               jd(r, "kernel.heartbeat_age_ms"));
+    printf("(moectl status --json: the whole document; moectl experts: per-layer expert load)\n");
 }
 
 static int cmd_status(const struct opts *o)
 {
     struct moedc *c;
-    char err[MOED_ERRLEN];
     char *js = NULL;
-    int ret = 1;
     if (connect_hello(o, &c, NULL))
         return 1;
-    int rc = moedc_status(c, &js, err, sizeof err);
-    if (rc) {
-        fprintf(stderr, "moectl status: %s (%s)\n", err, moedc_strerror(rc));
-        goto close_c;
+    cJSON *root = fetch_status(o, c, &js);
+    moedc_close(c);
+    if (!root)
+        return 1;
+    if (o->json)
+        printf("%s\n", js);
+    else
+        print_summary(o, root);
+    free(js);
+    cJSON_Delete(root);
+    return 0;
+}
+
+/* `moectl experts`: tokens routed to each expert of each MoE layer since the
+ * daemon started, from STATUS experts.logical_count ([layers][experts], the
+ * layout of SGLang's expert-distribution dump, for EPLB tools). --json
+ * prints that object; otherwise a table: per layer the total, the hottest
+ * expert and the max/mean imbalance. */
+static int cmd_experts(const struct opts *o)
+{
+    struct moedc *c;
+    if (connect_hello(o, &c, NULL))
+        return 1;
+    cJSON *root = fetch_status(o, c, NULL);
+    moedc_close(c);
+    if (!root)
+        return 1;
+    int ret = 1;
+    const cJSON *x = jget(root, "experts");
+    const cJSON *lc = jget(root, "experts.logical_count");
+    if (!cJSON_IsArray(lc)) {
+        fprintf(stderr, "moectl experts: the daemon's status has no experts.logical_count "
+                "(an older moed)\n");
+        goto out;
     }
     if (o->json) {
-        printf("%s\n", js);
+        char *s = cJSON_PrintUnformatted(x);
+        if (!s)
+            goto out;
+        printf("%s\n", s);
+        free(s);
         ret = 0;
-        goto free_js;
+        goto out;
     }
-    cJSON *root = cJSON_Parse(js);
-    if (!root || !cJSON_IsObject(root)) {
-        fprintf(stderr, "moectl status: the daemon's status is not a JSON object: %.200s\n", js);
-        cJSON_Delete(root);
-        goto free_js;
+    printf("%6s %12s %8s %12s %9s   (routed experts; layers without tokens not shown)\n",
+           "layer", "tokens", "hottest", "its tokens", "max/mean");
+    int layer = 0;
+    for (const cJSON *row = lc->child; row; row = row->next, layer++) {
+        double sum = 0, mx = -1;
+        int n = 0, arg = -1;
+        for (const cJSON *v = row->child; v; v = v->next, n++) {
+            sum += v->valuedouble;
+            if (v->valuedouble > mx) {
+                mx = v->valuedouble;
+                arg = n;
+            }
+        }
+        if (sum > 0)
+            printf("%6d %12.0f %8d %12.0f %9.2f\n", layer, sum, arg, mx, mx / (sum / n));
     }
-    printf("moed at %s\n", o->socket);
-    print_json(root, 0);
-    cJSON_Delete(root);
     ret = 0;
-free_js:
-    free(js);
-close_c:
-    moedc_close(c);
+out:
+    cJSON_Delete(root);
     return ret;
 }
 
@@ -549,6 +665,22 @@ static int cmd_forward(const struct opts *o)
     }
     printf("forward: layer %" PRIu32 ", %" PRIu32 " tokens, H=%" PRIu32 ", k=%" PRIu32
            ", backend %s: %.1f us\n", layer, b.T, b.H, b.k, h.backend, (t1 - t0) / 1e3);
+    if (o->check && !o->model) {
+        /* the checkpoint the daemon serves (same file system assumed) */
+        cJSON *st = fetch_status(o, c, NULL);
+        const char *mp = st ? js_(st, "model.path") : "";
+        if (!*mp) {
+            fprintf(stderr, "moectl forward: the daemon did not name its model; give --model DIR\n");
+            cJSON_Delete(st);
+            goto free_y;
+        }
+        struct opts o2 = *o;
+        o2.model = mp;
+        printf("check: model %s (from the daemon's status)\n", mp);
+        ret = check_against_ref(&o2, &h, layer, &b, y);
+        cJSON_Delete(st);
+        goto free_y;
+    }
     ret = o->check ? check_against_ref(o, &h, layer, &b, y) : 0;
 free_y:
     free(y);
@@ -993,6 +1125,8 @@ int moectl_client_main(const char *cmd, int argc, char **argv)
         return rc == 1 ? 0 : 2;
     if (strcmp(cmd, "status") == 0)
         return cmd_status(&o);
+    if (strcmp(cmd, "experts") == 0)
+        return cmd_experts(&o);
     if (strcmp(cmd, "ping") == 0)
         return cmd_ping(&o);
     if (strcmp(cmd, "forward") == 0)

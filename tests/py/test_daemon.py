@@ -11,6 +11,7 @@ import signal
 import socket
 import stat
 import subprocess
+import shutil
 import tempfile
 import time
 import urllib.request
@@ -255,14 +256,22 @@ def test_model_missing_exit_3(models_dir):
 
 
 @pytest.mark.skipif(du.TEST_BACKEND != "cpu", reason="needs a machine without a GPU")
-def test_cuda_without_gpu_exit_4(models_dir):
+def test_cuda_without_gpu_exit_2_before_load(models_dir):
+    """backend "cuda" on a machine without a GPU is a config this machine
+    cannot honour: exit 2 (not restarted by the unit), found before the model
+    is opened (a missing checkpoint would otherwise give 3), and
+    --check-config says the same."""
     tmp = short_tmp()
     cfg = du.base_config(tmp, models_dir, engine__backend="cuda")
+    cfg["model"]["path"] = os.path.join(tmp, "no-such-model")
     r = subprocess.run(["nvidia-smi"], capture_output=True) if os.path.exists("/usr/bin/nvidia-smi") \
         else None
     if r is not None and r.returncode == 0:
         pytest.skip("a GPU is visible")
-    start_expect_fail(cfg, tmp, 4, "engine.backend is \"cuda\" but")
+    start_expect_fail(cfg, tmp, 2, "engine.backend is \"cuda\" but")
+    r = run_moed("--check-config", os.path.join(tmp, "c.json"))
+    assert r.returncode == 2 and "engine.backend is \"cuda\" but" in r.stderr, r.stderr
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_max_frame_too_small_for_max_tokens(models_dir):
@@ -426,7 +435,8 @@ def test_status_port_in_use_exit_1(models_dir):
     try:
         tmp = short_tmp()
         cfg = du.base_config(tmp, models_dir, status__port=busy.getsockname()[1])
-        start_expect_fail(cfg, tmp, 1, "127.0.0.1:%d" % busy.getsockname()[1])
+        start_expect_fail(cfg, tmp, 1, "status port %d on 127.0.0.1 is already in use"
+                          % busy.getsockname()[1])
         assert not os.path.exists(cfg["server"]["socket"])
     finally:
         busy.close()

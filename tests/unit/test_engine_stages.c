@@ -208,20 +208,26 @@ START_TEST(json_and_metrics)
     txt = moed_status_prometheus(s, 1000000001ull);
     ck_assert_ptr_nonnull(txt);
     const char *want[] = {
-        "# TYPE moed_request_stage_samples_total counter\nmoed_request_stage_samples_total 2\n",
-        "# TYPE moed_request_stage_seconds_total counter\n",
-        "moed_request_stage_seconds_total{stage=\"backend\"} 0.0004\n",
-        "moed_request_stage_seconds_total{stage=\"added\"} 2.6e-05\n",
-        "# TYPE moed_request_stage_p50_seconds gauge\n",
-        "moed_request_stage_p50_seconds{stage=\"recv\"} 1e-06\n",
-        "# TYPE moed_request_stage_p99_seconds gauge\n",
-        "moed_request_stage_p99_seconds{stage=\"total\"} 0.000316\n",
+        "# TYPE moed_request_stage_seconds histogram\n",
+        /* recv: 1 us and 3 us */
+        "moed_request_stage_seconds_bucket{stage=\"recv\",le=\"1e-06\"} 1\n",
+        "moed_request_stage_seconds_bucket{stage=\"recv\",le=\"3.1748021e-06\"} 2\n",
+        "moed_request_stage_seconds_bucket{stage=\"recv\",le=\"+Inf\"} 2\n",
+        "moed_request_stage_seconds_count{stage=\"recv\"} 2\n",
+        "moed_request_stage_seconds_sum{stage=\"backend\"} 0.0004\n",
+        "moed_request_stage_seconds_sum{stage=\"added\"} 2.6e-05\n",
+        /* total: 110 us and 316 us */
+        "moed_request_stage_seconds_bucket{stage=\"total\",le=\"0.000101593667\"} 0\n",
+        "moed_request_stage_seconds_bucket{stage=\"total\",le=\"0.000128\"} 1\n",
+        "moed_request_stage_seconds_bucket{stage=\"total\",le=\"0.000256\"} 1\n",
+        "moed_request_stage_seconds_bucket{stage=\"total\",le=\"0.000322539789\"} 2\n",
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
         ck_assert_msg(strstr(txt, want[i]) != NULL, "metrics lack %s in\n%s", want[i], txt);
+    ck_assert_ptr_null(strstr(txt, "_p50_seconds")); /* histograms, not percentile gauges */
     for (int i = 0; i < MOED_STAGE__COUNT; i++) {
         char line[128];
-        snprintf(line, sizeof line, "moed_request_stage_p99_seconds{stage=\"%s\"} ", names[i]);
+        snprintf(line, sizeof line, "moed_request_stage_seconds_count{stage=\"%s\"} ", names[i]);
         ck_assert_msg(strstr(txt, line) != NULL, "metrics lack %s", line);
     }
     free(txt);
@@ -296,13 +302,14 @@ START_TEST(kernel_stages_only_with_kernel_time)
     txt = moed_status_prometheus(s, 1000000001ull);
     ck_assert_ptr_nonnull(txt);
     const char *want[] = {
-        "moed_request_stage_samples_total 4\n",
-        "# TYPE moed_request_stage_kernel_samples_total counter\n"
-        "moed_request_stage_kernel_samples_total 3\n",
-        "moed_request_stage_seconds_total{stage=\"kernel\"} 0.00029\n",
-        "moed_request_stage_seconds_total{stage=\"added_kernel\"} 0.0001\n",
-        "moed_request_stage_p50_seconds{stage=\"kernel\"} 2e-05\n",
-        "moed_request_stage_p99_seconds{stage=\"added_kernel\"} 6.6e-05\n",
+        "moed_request_stage_seconds_count{stage=\"total\"} 4\n",
+        "moed_request_stage_seconds_count{stage=\"kernel\"} 3\n",
+        "moed_request_stage_seconds_sum{stage=\"kernel\"} 0.00029\n",
+        "moed_request_stage_seconds_sum{stage=\"added_kernel\"} 0.0001\n",
+        /* kernel: 20, 20, 250 us; added_kernel: 66, 34, 0 us */
+        "moed_request_stage_seconds_bucket{stage=\"kernel\",le=\"2.01587368e-05\"} 2\n",
+        "moed_request_stage_seconds_bucket{stage=\"kernel\",le=\"0.000256\"} 3\n",
+        "moed_request_stage_seconds_bucket{stage=\"added_kernel\",le=\"1e-06\"} 1\n",
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
         ck_assert_msg(strstr(txt, want[i]) != NULL, "metrics lack %s in\n%s", want[i], txt);

@@ -439,8 +439,8 @@ START_TEST(prometheus_grammar_and_values)
     ck_assert_double_eq(sample(t, "moed_errors_total{code=\"busy\"}"), 2);
     ck_assert_double_eq(sample(t, "moed_errors_total{code=\"timeout\"}"), 0);
     ck_assert(isnan(sample(t, "moed_errors_total{code=\"ok\"}")));
-    ck_assert_double_eq(sample(t, "moed_expert_hits_total{expert=\"2\"}"), 9);
-    ck_assert_double_eq(sample(t, "moed_expert_hits_total{expert=\"4\"}"), 40);
+    ck_assert_double_eq(sample(t, "moed_expert_hits_total{layer=\"0\",expert=\"2\"}"), 9);
+    ck_assert_double_eq(sample(t, "moed_expert_hits_total{layer=\"0\",expert=\"4\"}"), 40);
     ck_assert_double_eq(sample(t, "moed_request_latency_seconds_count"), 4);
     ck_assert_double_eq_tol(sample(t, "moed_request_latency_seconds_sum"), 2110e-6, 1e-12);
     /* 10 us <= 16 us, 100 us <= 128 us, both 1000 us <= 1024 us */
@@ -449,7 +449,7 @@ START_TEST(prometheus_grammar_and_values)
     ck_assert_double_eq(sample(t, "moed_request_latency_seconds_bucket{le=\"0.000128\"}"), 2);
     ck_assert_double_eq(sample(t, "moed_request_latency_seconds_bucket{le=\"0.001024\"}"), 4);
     ck_assert_double_eq(sample(t, "moed_request_latency_seconds_bucket{le=\"+Inf\"}"), 4);
-    ck_assert(isnan(sample(t, "moed_kernel_heartbeat"))); /* no GPU */
+    ck_assert(isnan(sample(t, "moed_kernel_heartbeats_total"))); /* no GPU */
     free(t);
 
     /* still loading, with a GPU: no model info, kernel gauges present */
@@ -469,7 +469,7 @@ START_TEST(prometheus_grammar_and_values)
     ck_assert_double_eq(sample(t, "moed_loaded"), 0);
     ck_assert_double_eq(sample(t, "moed_load_done_bytes"), 5);
     ck_assert_double_eq(sample(t, "moed_load_total_bytes"), 10);
-    ck_assert_double_eq(sample(t, "moed_kernel_heartbeat"), 77);
+    ck_assert_double_eq(sample(t, "moed_kernel_heartbeats_total"), 77);
     ck_assert_double_eq_tol(sample(t, "moed_kernel_heartbeat_age_seconds"), 1.5, 1e-12);
     ck_assert_double_eq(sample(t, "moed_request_latency_seconds_bucket{le=\"1.048576\"}"), 0);
     ck_assert_double_eq(sample(t, "moed_request_latency_seconds_bucket{le=\"+Inf\"}"), 1);

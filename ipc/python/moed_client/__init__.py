@@ -37,8 +37,10 @@ import time
 
 __all__ = [
     "Client", "MoedError", "Hello", "fused_experts", "encode_frame", "decode_header",
-    "encode_forward", "ERROR_NAMES", "DEFAULT_SOCKET",
+    "encode_forward", "ERROR_NAMES", "DEFAULT_SOCKET", "__version__",
 ]
+
+__version__ = "0.1.0"  # the daemon's version it was released with (Makefile VERSION)
 
 PROTO_MAGIC = 0x44454F4D  # b"MOED" read as a little-endian u32
 PROTO_VERSION = 1
