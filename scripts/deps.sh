@@ -20,4 +20,20 @@ if [ ${#missing[@]} -gt 0 ]; then
     $SUDO apt-get update -qq
     $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+# promtool (make test lints /metrics with it): only the one binary out of
+# Debian's prometheus package, unpacked, so that no Prometheus server is
+# installed or started.
+if ! command -v promtool >/dev/null; then
+    SUDO=""
+    [ "$(id -u)" -ne 0 ] && SUDO=sudo
+    d=$(mktemp -d)
+    if (cd "$d" && apt-get download -qq prometheus >/dev/null 2>&1 &&
+        dpkg-deb -x prometheus_*.deb x); then
+        $SUDO install -m 755 "$d/x/usr/bin/promtool" /usr/local/bin/promtool
+        echo "deps: promtool from $(basename "$d"/prometheus_*.deb)"
+    else
+        echo "deps: promtool not available (apt-get download prometheus failed); its check skips"
+    fi
+    rm -rf "$d"
+fi
 echo "deps: all of ${PKGS[*]} installed"
