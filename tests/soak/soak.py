@@ -306,7 +306,11 @@ class Soak:
         end = time.monotonic() + 120
         seen = []
         while time.monotonic() < end:
-            n, f = self.connected(), self.fds()
+            # fds first: the STATUS connection connected() opens is closed by
+            # the daemon a moment after it returns, so counted after it, it
+            # is there or not by chance (a soak once saw 12 fds at the start
+            # and 11 at the end for that reason alone)
+            f, n = self.fds(), self.connected()
             seen = seen[-3:] + [f] if n == 0 else []
             if len(seen) == 4 and len(set(seen)) == 1:  # stable for 1.5 s
                 break
