@@ -14,9 +14,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "moed_proto.h" /* MOED_SOCKET_PATH_MAX */
+
 #define MOED_CFG_MAX_IDS 64   /* allowed uids/gids, GPUs */
 #define MOED_CFG_PATH_MAX 4096
-#define MOED_SOCKET_PATH_MAX 107 /* sun_path (108) minus the NUL */
 
 enum moed_cfg_backend { MOED_CFG_BACKEND_AUTO = 0, MOED_CFG_BACKEND_CUDA, MOED_CFG_BACKEND_CPU };
 

@@ -1,7 +1,7 @@
 /* engine.c - FORWARD requests -> batches -> backend -> replies.
  *
  * Flow (loop thread unless noted):
- *   forward()   validate (moed_forward_validate) before anything reaches a
+ *   forward()   validate (moed_server_forward_parse) before anything reaches a
  *               backend; keep the inputs where they are when the server lends
  *               its read buffer (the frame was all it held), else copy them
  *               out into the request; append it to the waiting FIFO,
@@ -38,7 +38,6 @@
 #include "moe_ref.h"
 #include "moed_err.h"
 #include "moed_log.h"
-#include "moed_proto.h"
 
 struct eng_req {
     struct eng_req *next;
@@ -100,20 +99,20 @@ struct moed_engine {
     int attached;             /* moed_engine_attach ran: handles to close */
     int closes_pending;       /* handles still to close before freeing */
     uint64_t hb_last, hb_changed_ns;
+    const struct moed_server *srv; /* its counters go into the stats (NULL: none) */
 };
 
 #define HEALTH_POLL_MS 250
 #define STATUS_CACHE_MS 100 /* a STATUS frame body is at most this old (same counters) */
 
-/* y's offset in a FORWARD reply frame (frame header, then the reply head). */
-#define REPLY_Y_OFF (MOED_PROTO_HDR_SIZE + sizeof(struct moed_forward_rep))
+/* y's offset in a FORWARD reply frame (the server's framing). */
+#define REPLY_Y_OFF MOED_SERVER_FWD_Y_OFF
 /* A direct batch's reply frame starts this far into its buffer, so that y
  * lies at MOED_BUF_ALIGN for the backend to write in place (pool buffers are
  * at least that aligned: malloc's 16, pinned ones page-aligned). */
-#define REPLY_PAD ((MOED_BUF_ALIGN - REPLY_Y_OFF % MOED_BUF_ALIGN) % MOED_BUF_ALIGN)
-/* x in a lent read buffer, after the frame header and the FORWARD head. */
-_Static_assert((MOED_PROTO_HDR_SIZE + sizeof(struct moed_forward_req)) % MOED_BUF_ALIGN == 0,
-               "x in a lent read buffer is aligned for in-place use");
+#define REPLY_PAD MOED_SERVER_FWD_PAD
+_Static_assert(MOED_BUF_ALIGN == 16 && (REPLY_PAD + REPLY_Y_OFF) % MOED_BUF_ALIGN == 0,
+               "y in a direct batch's reply frame is aligned for in-place use");
 
 static uint64_t now_ns(void) { return uv_hrtime(); }
 
@@ -259,27 +258,22 @@ static void batch_complete(struct moed_engine *e, struct eng_batch *eb)
             moed_server_reply(r->conn, NULL, 0, 0, NULL);
         } else {
             size_t ylen = x_bytes(e, r->n_tokens);
-            size_t plen = sizeof(struct moed_forward_rep) + ylen;
             struct moed_hbuf f = eb->frame; /* direct: y is already in place */
             size_t off = REPLY_PAD;
             eb->frame = (struct moed_hbuf){0};
             if (!f.base) {
                 off = 0;
-                if (moed_bufpool_get(e->pool, MOED_PROTO_HDR_SIZE + plen, 0, &f) == 0)
+                if (moed_bufpool_get(e->pool, REPLY_Y_OFF + ylen, 0, &f) == 0)
                     memcpy(f.base + REPLY_Y_OFF, (uint8_t *)b->y.ptr + (size_t)row * H * 2, ylen);
             }
             if (!f.base) {
                 moed_server_reply_error(r->conn, r->request_id, MOED_E_NOMEM,
                                         "out of memory building the reply");
             } else {
-                uint8_t *fr = f.base + off;
-                moed_frame_encode(fr, MOED_MSG_FORWARD | MOED_PROTO_REPLY, r->request_id, plen);
-                struct moed_forward_rep rep = {.n_tokens = r->n_tokens, .hidden = H};
-                memcpy(fr + MOED_PROTO_HDR_SIZE, &rep, sizeof rep);
                 r->t.submit_ns = eb->submit_ns;
                 r->t.done_ns = eb->done_ns;
                 r->t.kernel_ns = b->kernel_ns;
-                moed_server_reply(r->conn, &f, off, MOED_PROTO_HDR_SIZE + plen, &r->t);
+                moed_server_reply_forward(r->conn, &f, off, r->request_id, r->n_tokens, H, &r->t);
                 e->stats.requests++;
                 e->stats.tokens += r->n_tokens;
                 moed_stats_record_latency(&e->stats,
@@ -538,25 +532,25 @@ static int eng_forward(void *ctx, struct moed_conn *c, uint64_t request_id, cons
     if (e->failed)
         return moed_seterr(err, errlen, MOED_E_BACKEND, "backend failed; moed is not serving");
     const struct moed_dims *d = e->dims;
-    struct moed_forward_req fr;
-    int rc = moed_forward_validate(payload, len, d->hidden, d->n_experts, d->top_k, e->max_tokens,
-                                   is_moe_layer_cb, e->model, &fr, err, errlen);
+    struct moed_server_fwd fr;
+    int rc = moed_server_forward_parse(payload, len, d->hidden, d->n_experts, d->top_k,
+                                       e->max_tokens, is_moe_layer_cb, e->model, &fr, err, errlen);
     if (rc < 0)
         return rc;
     struct eng_req *r = calloc(1, sizeof *r);
-    size_t body = (size_t)len - sizeof(struct moed_forward_req);
+    size_t body = fr.body_len;
     if (r && rx) {
         /* Keep the server's buffer: the inputs are used where they were read
          * (a 256 KiB copy less at T=64, H=2048). Pool buffers are aligned
          * for anything, so x at 32 + 16 is too. */
         r->rx = *rx;
         rx->base = NULL;
-        r->data = (uint8_t *)(uintptr_t)(payload + sizeof fr);
+        r->data = (uint8_t *)(uintptr_t)fr.body;
     } else if (!r || !(r->data = malloc(body))) {
         free(r);
         return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory for a %zu-byte request", body);
     } else {
-        memcpy(r->data, payload + sizeof fr, body);
+        memcpy(r->data, fr.body, body);
     }
     r->conn = c;
     r->request_id = request_id;
@@ -609,11 +603,20 @@ static const char *eng_status_json(void *ctx, size_t *len)
                                    STATUS_CACHE_MS * 1000000ull, len);
 }
 
+static void eng_reply_written(void *ctx, const struct moed_req_times *t, uint64_t now)
+{
+    struct moed_engine *e = ctx;
+    moed_stats_record_stages(&e->stats, t, now);
+}
+
 static const struct moed_server_ops engine_ops = {
     .forward = eng_forward,
     .hello = eng_hello,
     .status_json = eng_status_json,
+    .reply_written = eng_reply_written,
 };
+
+void moed_engine_set_server(struct moed_engine *e, const struct moed_server *srv) { e->srv = srv; }
 
 const struct moed_server_ops *moed_engine_server_ops(void) { return &engine_ops; }
 
@@ -833,6 +836,13 @@ struct moed_stats *moed_engine_stats(struct moed_engine *e)
         uint64_t t = now_ns();
         e->stats.busy_ns += t - e->busy_since_ns;
         e->busy_since_ns = t;
+    }
+    if (e->srv) {
+        const struct moed_server_counters *sc = moed_server_counters(e->srv);
+        e->stats.clients = sc->clients;
+        e->stats.clients_total = sc->clients_total;
+        e->stats.clients_refused = sc->clients_refused;
+        memcpy(e->stats.errors, sc->errors, sizeof e->stats.errors);
     }
     if (e->be && e->be->ops->healthy && !e->failed)
         e->stats.healthy = e->be->ops->healthy(e->be) ? 1 : 0;

@@ -134,10 +134,10 @@ struct moed_conn {
 
 struct moed_server {
     uv_loop_t *loop;
-    struct moed_cfg cfg;
+    struct moed_server_limits cfg;
     const struct moed_server_ops *ops;
     void *ctx;
-    struct moed_stats *stats;
+    struct moed_server_counters counters;
     uv_pipe_t listener;
     uv_idle_t closer;
     uv_idle_t runner;     /* serves deferred clients on later loop passes */
@@ -197,8 +197,8 @@ static void on_write(uv_write_t *req, int status)
     struct write_req *wr = (struct write_req *)req;
     struct moed_conn *c = wr->c;
     struct moed_server *srv = c->srv;
-    if (status >= 0 && wr->timed)
-        moed_stats_record_stages(srv->stats, &wr->t, uv_hrtime());
+    if (status >= 0 && wr->timed && srv->ops->reply_written)
+        srv->ops->reply_written(srv->ctx, &wr->t, uv_hrtime());
     int was_blocked = conn_blocked(c);
     c->unwritten--;
     c->wq_cost -= wr->cost;
@@ -348,7 +348,7 @@ static void conn_send_error(struct moed_conn *c, uint64_t request_id, int code, 
 {
     struct moed_server *srv = c->srv;
     if (code < 0 && -code < MOED_E__COUNT)
-        srv->stats->errors[-code]++;
+        srv->counters.errors[-code]++;
     LOG_D("client %llu: error %s (request %llu): %s", (unsigned long long)c->id,
           moed_errname(code), (unsigned long long)request_id, msg);
     if (!conn_writable(c))
@@ -508,7 +508,7 @@ static void conn_close(struct moed_conn *c, int graceful)
     if (c->counted) {
         c->counted = 0;
         srv->n_clients--;
-        srv->stats->clients = srv->n_clients;
+        srv->counters.clients = srv->n_clients;
     }
     if (!c->queued) {
         c->queued = 1;
@@ -1035,11 +1035,46 @@ void moed_server_reply_error(struct moed_conn *c, uint64_t request_id, int code,
     if (!c->closing)
         conn_send_error(c, request_id, code, msg);
     else if (code < 0 && -code < MOED_E__COUNT)
-        c->srv->stats->errors[-code]++;
+        c->srv->counters.errors[-code]++;
     conn_request_done(c);
 }
 
+void moed_server_reply_forward(struct moed_conn *c, struct moed_hbuf *frame, size_t off,
+                               uint64_t request_id, uint32_t n_tokens, uint32_t hidden,
+                               const struct moed_req_times *t)
+{
+    uint64_t plen = sizeof(struct moed_forward_rep) + (uint64_t)n_tokens * hidden * 2;
+    uint8_t *fr = frame->base + off;
+    moed_frame_encode(fr, MOED_MSG_FORWARD | MOED_PROTO_REPLY, request_id, plen);
+    struct moed_forward_rep rep = {.n_tokens = n_tokens, .hidden = hidden};
+    memcpy(fr + MOED_PROTO_HDR_SIZE, &rep, sizeof rep);
+    moed_server_reply(c, frame, off, MOED_PROTO_HDR_SIZE + (size_t)plen, t);
+}
+
+int moed_server_forward_parse(const uint8_t *payload, uint64_t len, uint32_t hidden,
+                              uint32_t n_experts, uint32_t top_k, uint32_t max_tokens,
+                              int (*is_moe_layer)(const void *ctx, uint32_t layer),
+                              const void *ctx, struct moed_server_fwd *out, char *err,
+                              size_t errlen)
+{
+    struct moed_forward_req fr;
+    int rc = moed_forward_validate(payload, len, hidden, n_experts, top_k, max_tokens,
+                                   is_moe_layer, ctx, &fr, err, errlen);
+    if (rc < 0)
+        return rc;
+    out->layer = fr.layer;
+    out->n_tokens = fr.n_tokens;
+    out->body = payload + sizeof fr;
+    out->body_len = (size_t)len - sizeof fr;
+    return 0;
+}
+
 int moed_server_conn_gone(const struct moed_conn *c) { return c->closing; }
+
+const struct moed_server_counters *moed_server_counters(const struct moed_server *srv)
+{
+    return &srv->counters;
+}
 
 /* ---- accept ---------------------------------------------------------------- */
 
@@ -1133,7 +1168,7 @@ static void on_connection(uv_stream_t *ls, int status)
     }
     char msg[160];
     if (!peer_allowed(srv, cred.uid, cred.gid)) {
-        srv->stats->clients_refused++;
+        srv->counters.clients_refused++;
         snprintf(msg, sizeof msg, "peer uid %u gid %u is not allowed (server.allowed_uids/allowed_gids)",
                  (unsigned)cred.uid, (unsigned)cred.gid);
         LOG_W("client %llu (pid %d): %s", (unsigned long long)c->id, (int)cred.pid, msg);
@@ -1143,7 +1178,7 @@ static void on_connection(uv_stream_t *ls, int status)
         return;
     }
     if (srv->n_clients >= srv->cfg.max_clients) {
-        srv->stats->clients_refused++;
+        srv->counters.clients_refused++;
         snprintf(msg, sizeof msg, "too many clients (limit %u)", srv->cfg.max_clients);
         LOG_W("client %llu (pid %d): %s", (unsigned long long)c->id, (int)cred.pid, msg);
         conn_send_error(c, 0, MOED_E_BUSY, msg);
@@ -1154,8 +1189,8 @@ static void on_connection(uv_stream_t *ls, int status)
     conn_set_sndbuf(c, fd);
     c->counted = 1;
     srv->n_clients++;
-    srv->stats->clients = srv->n_clients;
-    srv->stats->clients_total++;
+    srv->counters.clients = srv->n_clients;
+    srv->counters.clients_total++;
     LOG_D("client %llu connected (pid %d uid %u)", (unsigned long long)c->id, (int)cred.pid,
           (unsigned)cred.uid);
     conn_update(c);
@@ -1231,8 +1266,8 @@ static void on_server_handle_closed(uv_handle_t *h)
     server_maybe_done(srv);
 }
 
-int moed_server_open(uv_loop_t *loop, const struct moed_cfg *cfg, const struct moed_server_ops *ops,
-                     void *ctx, struct moed_bufpool *pool, struct moed_stats *stats,
+int moed_server_open(uv_loop_t *loop, const struct moed_server_limits *cfg,
+                     const struct moed_server_ops *ops, void *ctx, struct moed_bufpool *pool,
                      struct moed_server **out, char *err, size_t errlen)
 {
     int rc;
@@ -1258,7 +1293,6 @@ int moed_server_open(uv_loop_t *loop, const struct moed_cfg *cfg, const struct m
     srv->ops = ops;
     srv->ctx = ctx;
     srv->pool = pool;
-    srv->stats = stats;
     uv_pipe_init(loop, &srv->listener, 0);
     srv->listener.data = srv;
     uv_idle_init(loop, &srv->closer);

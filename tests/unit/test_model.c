@@ -17,6 +17,7 @@
 #include "moed_err.h"
 #include "moed_log.h"
 #include "safetensors.h"
+#include "check_main.h"
 
 static char dir[64];
 static char err[MOED_ERRLEN];
@@ -1023,9 +1024,5 @@ int main(void)
     suite_add_tcase(s, good);
     suite_add_tcase(s, alias);
     suite_add_tcase(s, bad);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? 1 : 0;
+    return moed_check_run(s);
 }

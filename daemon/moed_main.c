@@ -260,15 +260,48 @@ struct daemon {
     int abandoned;             /* drain gave up: skip the orderly teardown */
     struct moed_engine *engine;
     struct moed_server *server;
+    struct moed_server_limits limits;
     struct moed_http *http;
     int stopping;
     int exit_code;
 };
 
+/* The server.* keys the socket server reads. */
+_Static_assert(sizeof((struct moed_cfg *)0)->socket_path ==
+                   sizeof((struct moed_server_limits *)0)->socket_path &&
+               sizeof((struct moed_cfg *)0)->socket_group ==
+                   sizeof((struct moed_server_limits *)0)->socket_group &&
+               sizeof((struct moed_cfg *)0)->allowed_uids ==
+                   sizeof((struct moed_server_limits *)0)->allowed_uids &&
+               sizeof((struct moed_cfg *)0)->allowed_gids ==
+                   sizeof((struct moed_server_limits *)0)->allowed_gids,
+               "server limits hold every configurable value");
+static void server_limits(const struct moed_cfg *cfg, struct moed_server_limits *l)
+{
+    memset(l, 0, sizeof *l);
+    memcpy(l->socket_path, cfg->socket_path, sizeof l->socket_path);
+    l->socket_mode = cfg->socket_mode;
+    memcpy(l->socket_group, cfg->socket_group, sizeof l->socket_group);
+    memcpy(l->allowed_uids, cfg->allowed_uids, sizeof l->allowed_uids);
+    l->n_allowed_uids = cfg->n_allowed_uids;
+    memcpy(l->allowed_gids, cfg->allowed_gids, sizeof l->allowed_gids);
+    l->n_allowed_gids = cfg->n_allowed_gids;
+    l->max_clients = cfg->max_clients;
+    l->max_pending_per_client = cfg->max_pending_per_client;
+    l->max_frame_bytes = cfg->max_frame_bytes;
+    l->max_client_buffer_bytes = cfg->max_client_buffer_bytes;
+    l->frame_timeout_ms = cfg->frame_timeout_ms;
+    l->read_buffer_keep_bytes = cfg->read_buffer_keep_bytes;
+    l->socket_buffer_bytes = cfg->socket_buffer_bytes;
+    l->idle_timeout_ms = cfg->idle_timeout_ms;
+    l->max_reply_bytes = cfg->max_reply_bytes;
+}
+
 static void on_server_closed(void *arg)
 {
     struct daemon *d = arg;
     d->server = NULL;
+    moed_engine_set_server(d->engine, NULL); /* its counters were freed */
     uv_close((uv_handle_t *)&d->sigterm, NULL);
     uv_close((uv_handle_t *)&d->sigint, NULL);
     uv_close((uv_handle_t *)&d->watchdog, NULL);
@@ -616,13 +649,15 @@ static int run_daemon(const struct moed_cfg *cfg)
     tune_malloc();
 
     /* socket */
-    rc = moed_server_open(&d.loop, cfg, moed_engine_server_ops(), d.engine,
-                          moed_engine_bufpool(d.engine), st, &d.server, err, sizeof err);
+    server_limits(cfg, &d.limits);
+    rc = moed_server_open(&d.loop, &d.limits, moed_engine_server_ops(), d.engine,
+                          moed_engine_bufpool(d.engine), &d.server, err, sizeof err);
     if (rc < 0) {
         LOG_E("%s", err);
         d.exit_code = rc == MOED_E_CONFIG ? EXIT_USAGE : EXIT_RUNTIME;
         goto out_engine;
     }
+    moed_engine_set_server(d.engine, d.server);
     moed_engine_on_failure(d.engine, on_backend_failure, &d);
 
     uv_signal_init(&d.loop, &d.sigterm);
