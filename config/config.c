@@ -220,16 +220,6 @@ static const struct cfg_key keys[] = {
             "(exit 4, the rest unanswered) only when no batch has completed for "
             "engine.batch_deadline_ms plus this many milliseconds (a hung backend). Every "
             "completed batch restarts the wait, so a long queue drains completely."},
-    {.path = "engine.cpu_host_alloc", .type = T_BOOL, .def = "false", FIELD(cpu_host_alloc),
-     .doc = "For tests: the CPU backend offers a host allocator (page-aligned ordinary "
-            "memory, reported as pinned) the way the CUDA backend offers pinned memory, so "
-            "that the pinned-buffer path (server.pinned_pool_bytes, /status buffers) runs "
-            "without a GPU."},
-    {.path = "engine.cpu_kernel_time", .type = T_BOOL, .def = "false", FIELD(cpu_kernel_time),
-     .doc = "For tests: the CPU backend reports each batch's compute time as its kernel time "
-            "(otherwise only the CUDA backend knows one), so that the kernel and added_kernel "
-            "stages of /status stages_us, and moectl bench's latency added over the kernel, "
-            "run without a GPU."},
     /* log */
     {.path = "log.level", .type = T_LOGLEVEL, .def = "info", FIELD(log_level),
      .names = loglevel_names, .doc = "Lines above this level are not written to stderr."},

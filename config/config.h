@@ -55,8 +55,6 @@ struct moed_cfg {
     uint32_t batch_deadline_ms;
     uint32_t idle_exit_ms;
     uint32_t drain_stall_ms;          /* drain gives up after batch_deadline_ms + this without progress */
-    bool cpu_host_alloc;              /* CPU backend offers host_alloc (tests) */
-    bool cpu_kernel_time;             /* CPU backend reports compute time as kernel_ns (tests) */
     /* log */
     int log_level;                    /* enum moed_log_level */
 };

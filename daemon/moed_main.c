@@ -34,6 +34,7 @@
 #include "http.h"
 #include "model.h"
 #include "moed_err.h"
+#include "moed_check_uv.h"
 #include "moed_log.h"
 #include "server.h"
 
@@ -335,7 +336,7 @@ static void on_drain_timeout(uv_timer_t *t)
 static void on_drain_progress(void *arg)
 {
     struct daemon *d = arg;
-    uv_timer_start(&d->drain_timer, on_drain_timeout, d->drain_ms, 0);
+    MOED_UV_CHECK(uv_timer_start(&d->drain_timer, on_drain_timeout, d->drain_ms, 0));
 }
 
 static void daemon_stop(struct daemon *d, const char *why)
@@ -350,7 +351,7 @@ static void daemon_stop(struct daemon *d, const char *why)
         d->http = NULL;
     }
     moed_server_stop_listening(d->server);
-    uv_timer_start(&d->drain_timer, on_drain_timeout, d->drain_ms, 0);
+    MOED_UV_CHECK(uv_timer_start(&d->drain_timer, on_drain_timeout, d->drain_ms, 0));
     moed_engine_drain(d->engine, on_drained, on_drain_progress, d);
 }
 
@@ -433,7 +434,7 @@ static void boot_loop_join(struct daemon *d)
 {
     if (!d->loop_thread_on)
         return;
-    uv_async_send(&d->boot_stop);
+    MOED_UV_CHECK(uv_async_send(&d->boot_stop));
     pthread_join(d->loop_thread, NULL);
     d->loop_thread_on = 0;
     uv_close((uv_handle_t *)&d->boot_stop, NULL);
@@ -448,7 +449,7 @@ static int start_status(struct daemon *d, const struct moed_cfg *cfg, char *err,
     moed_http_set_client_limits(d->http, cfg->status_header_timeout_ms,
                                 cfg->status_max_conns_per_addr);
     LOG_I("status on http://%s:%u/status", cfg->status_addr, moed_http_port(d->http));
-    if (uv_async_init(&d->loop, &d->boot_stop, on_boot_stop) != 0)
+    if (MOED_UV_CHECK(uv_async_init(&d->loop, &d->boot_stop, on_boot_stop)) != 0)
         return 0; /* no loop thread: /status answers once loaded */
     if (pthread_create(&d->loop_thread, NULL, loop_thread_main, d) != 0) {
         uv_close((uv_handle_t *)&d->boot_stop, NULL);
@@ -525,7 +526,8 @@ static int run_daemon(const struct moed_cfg *cfg)
     struct daemon d;
     memset(&d, 0, sizeof d);
     signal(SIGPIPE, SIG_IGN);
-    uv_loop_init(&d.loop);
+    if (MOED_UV_CHECK(uv_loop_init(&d.loop)) < 0)
+        return EXIT_RUNTIME; /* nothing started yet */
     d.exit_code = EXIT_CLEAN;
     pthread_mutex_init(&d.boot_mu, NULL);
     d.boot.version = MOED_VERSION;
@@ -660,21 +662,21 @@ static int run_daemon(const struct moed_cfg *cfg)
     moed_engine_set_server(d.engine, d.server);
     moed_engine_on_failure(d.engine, on_backend_failure, &d);
 
-    uv_signal_init(&d.loop, &d.sigterm);
-    uv_signal_init(&d.loop, &d.sigint);
+    MOED_UV_CHECK(uv_signal_init(&d.loop, &d.sigterm));
+    MOED_UV_CHECK(uv_signal_init(&d.loop, &d.sigint));
     d.sigterm.data = d.sigint.data = &d;
-    uv_signal_start(&d.sigterm, on_signal, SIGTERM);
-    uv_signal_start(&d.sigint, on_signal, SIGINT);
-    uv_timer_init(&d.loop, &d.drain_timer);
+    MOED_UV_CHECK(uv_signal_start(&d.sigterm, on_signal, SIGTERM));
+    MOED_UV_CHECK(uv_signal_start(&d.sigint, on_signal, SIGINT));
+    MOED_UV_CHECK(uv_timer_init(&d.loop, &d.drain_timer));
     d.drain_timer.data = &d;
     d.drain_ms = cfg->batch_deadline_ms + cfg->drain_stall_ms;
 
-    uv_timer_init(&d.loop, &d.watchdog);
+    MOED_UV_CHECK(uv_timer_init(&d.loop, &d.watchdog));
     d.watchdog.data = &d;
     uint64_t wd_usec = 0;
     if (sd_watchdog_enabled(0, &wd_usec) > 0 && wd_usec > 0) {
         uint64_t every_ms = wd_usec / 2000 ? wd_usec / 2000 : 1; /* half the interval */
-        uv_timer_start(&d.watchdog, on_watchdog, every_ms, every_ms);
+        MOED_UV_CHECK(uv_timer_start(&d.watchdog, on_watchdog, every_ms, every_ms));
         uv_unref((uv_handle_t *)&d.watchdog);
         LOG_I("systemd watchdog: pinging every %llu ms", (unsigned long long)every_ms);
     }

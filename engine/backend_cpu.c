@@ -8,12 +8,12 @@
  *
  * MOED_BUF_PINNED buffers are host memory like MOED_BUF_HOST. The CPU backend
  * has no memory of its own to offer (host_alloc NULL), except with
- * engine.cpu_host_alloc, a test switch: then host_alloc hands out
+ * the test switch MOED_TEST_CPU_HOST_ALLOC (test_hooks.h): then host_alloc hands out
  * page-aligned malloc'd memory, so that the daemon's pinned-buffer path
  * (buffer pool, MOED_BUF_PINNED batches, /status buffers) runs without a GPU.
  *
  * A batch's kernel_ns is 0 (not known: there is no kernel to time), except
- * with engine.cpu_kernel_time, another test switch: then it is the time
+ * with MOED_TEST_CPU_KERNEL_TIME, another test switch: then it is the time
  * moe_ref_forward took, so that the kernel stages of /status run without a GPU.
  */
 #include <pthread.h>
@@ -27,6 +27,7 @@
 #include "moe_ref.h"
 #include "moed_err.h"
 #include "moed_log.h"
+#include "test_hooks.h"
 
 struct cpu_node {
     struct cpu_node *next;
@@ -38,7 +39,7 @@ struct cpu_backend {
     struct moed_backend_ops ops; /* cpu_ops, plus host_alloc with cpu_host_alloc */
     struct moed_model *model;
     int n_threads;
-    int kernel_time; /* engine.cpu_kernel_time */
+    int kernel_time; /* MOED_TEST_CPU_KERNEL_TIME */
     pthread_t worker;
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -176,7 +177,8 @@ int moed_backend_cpu_open(struct moed_model *m, const struct moed_backend_cfg *c
     if (!cb)
         return moed_seterr(err, errlen, MOED_E_NOMEM, "cpu backend: out of memory");
     cb->ops = cpu_ops;
-    if (cfg->cpu_host_alloc) {
+    int host_alloc = moed_test_switch(MOED_TEST_CPU_HOST_ALLOC);
+    if (host_alloc) {
         cb->ops.host_alloc = cpu_host_alloc;
         cb->ops.host_free = cpu_host_free;
     }
@@ -185,7 +187,7 @@ int moed_backend_cpu_open(struct moed_model *m, const struct moed_backend_cfg *c
     cb->base.done_ctx = done_ctx;
     cb->model = m;
     cb->n_threads = cfg->n_threads;
-    cb->kernel_time = cfg->cpu_kernel_time;
+    cb->kernel_time = moed_test_switch(MOED_TEST_CPU_KERNEL_TIME);
     pthread_mutex_init(&cb->mu, NULL);
     pthread_cond_init(&cb->cv, NULL);
     int rc = pthread_create(&cb->worker, NULL, cpu_worker, cb);
@@ -196,9 +198,9 @@ int moed_backend_cpu_open(struct moed_model *m, const struct moed_backend_cfg *c
         return moed_seterr(err, errlen, MOED_E_BACKEND, "cpu backend: pthread_create: error %d", rc);
     }
     LOG_I("cpu backend: worker started (%d compute threads, 0 = all cores)%s%s", cfg->n_threads,
-          cfg->cpu_host_alloc ? "; host_alloc on (engine.cpu_host_alloc)" : "",
-          cfg->cpu_kernel_time ? "; compute time reported as kernel time (engine.cpu_kernel_time)"
-                               : "");
+          host_alloc ? "; host_alloc on (" MOED_TEST_CPU_HOST_ALLOC ")" : "",
+          cb->kernel_time ? "; compute time reported as kernel time (" MOED_TEST_CPU_KERNEL_TIME ")"
+                          : "");
     *out = &cb->base;
     return 0;
 }

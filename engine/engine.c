@@ -35,6 +35,7 @@
 #include <string.h>
 
 #include "bufpool.h"
+#include "moed_check_uv.h"
 #include "moe_ref.h"
 #include "moed_err.h"
 #include "moed_log.h"
@@ -193,7 +194,7 @@ static void on_backend_done(void *ctx, struct moed_batch *b)
         e->done_head = eb;
     e->done_tail = eb;
     pthread_mutex_unlock(&e->done_mu);
-    uv_async_send(&e->async);
+    MOED_UV_CHECK(uv_async_send(&e->async));
 }
 
 static void engine_fail(struct moed_engine *e, int code, const char *why)
@@ -293,15 +294,16 @@ static void batch_complete(struct moed_engine *e, struct eng_batch *eb)
 
 int moed_engine_attach(struct moed_engine *e, char *err, size_t errlen)
 {
-    int rc = uv_async_init(e->loop, &e->async, on_async);
+    int rc = MOED_UV_CHECK(uv_async_init(e->loop, &e->async, on_async));
     if (rc < 0)
         return moed_seterr(err, errlen, MOED_E_IO, "uv_async_init: %s", uv_strerror(rc));
     e->async.data = e;
     e->attached = 1;
-    if (e->be->ops->healthy && uv_timer_init(e->loop, &e->health_timer) == 0) {
+    if (e->be->ops->healthy && MOED_UV_CHECK(uv_timer_init(e->loop, &e->health_timer)) == 0) {
         e->health_timer.data = e;
         e->health_timer_on = 1;
-        uv_timer_start(&e->health_timer, on_health_timer, HEALTH_POLL_MS, HEALTH_POLL_MS);
+        MOED_UV_CHECK(uv_timer_start(&e->health_timer, on_health_timer, HEALTH_POLL_MS,
+                                     HEALTH_POLL_MS));
         uv_unref((uv_handle_t *)&e->health_timer); /* never keeps the loop alive alone */
     }
     return 0;
@@ -637,8 +639,6 @@ static int open_backend(struct moed_engine *e, const struct moed_cfg *cfg,
         .max_tokens = cfg->max_tokens,
         .batch_deadline_ms = cfg->batch_deadline_ms,
         .idle_exit_ms = cfg->idle_exit_ms,
-        .cpu_host_alloc = cfg->cpu_host_alloc,
-        .cpu_kernel_time = cfg->cpu_kernel_time,
     };
     enum moed_cfg_backend kind = cfg->backend;
     if (kind == MOED_CFG_BACKEND_AUTO)

@@ -64,6 +64,7 @@
 #include <unistd.h>
 
 #include "bufpool.h"
+#include "moed_check_uv.h"
 #include "moed_err.h"
 #include "moed_le.h"
 #include "moed_log.h"
@@ -211,13 +212,13 @@ static void on_write(uv_write_t *req, int status)
         return;
     }
     if (status >= 0 && c->drain_on_close && c->tmode == TIMER_CLOSE && !c->closed)
-        uv_timer_start(&c->timer, on_close_grace, close_grace_ms(c), 0); /* progress */
+        MOED_UV_CHECK(uv_timer_start(&c->timer, on_close_grace, close_grace_ms(c), 0)); /* progress */
     if (c->closing)
         return;
     if (c->wpaused && c->wq_cost <= srv->cfg.max_client_buffer_bytes)
         c->wpaused = 0;
     if (status >= 0 && c->tmode == TIMER_DRAIN)
-        uv_timer_start(&c->timer, on_conn_timer, srv->cfg.frame_timeout_ms, 0); /* progress */
+        MOED_UV_CHECK(uv_timer_start(&c->timer, on_conn_timer, srv->cfg.frame_timeout_ms, 0)); /* progress */
     /* Parse on only where this write lifted a limit (and not for a deferred
      * client: the runner has its turn), else every completed write of a pass
      * would handle another batch of frames. */
@@ -438,7 +439,7 @@ static void on_shutdown(uv_shutdown_t *req, int status)
      * write does not fail with EPIPE before it has read our ERROR. */
     if (status == 0 && c->linger &&
         uv_read_start((uv_stream_t *)&c->pipe, on_linger_alloc, on_linger_read) == 0) {
-        uv_timer_start(&c->timer, on_close_grace, LINGER_MS, 0);
+        MOED_UV_CHECK(uv_timer_start(&c->timer, on_close_grace, LINGER_MS, 0));
         return;
     }
     conn_close_now(c);
@@ -480,7 +481,7 @@ static void on_closer(uv_idle_t *h)
             if (uv_shutdown(&c->shutdown_req, (uv_stream_t *)&c->pipe, on_shutdown) == 0) {
                 uv_timer_stop(&c->timer);
                 c->tmode = TIMER_CLOSE;
-                uv_timer_start(&c->timer, on_close_grace, close_grace_ms(c), 0);
+                MOED_UV_CHECK(uv_timer_start(&c->timer, on_close_grace, close_grace_ms(c), 0));
                 continue;
             }
         }
@@ -517,7 +518,7 @@ static void conn_close(struct moed_conn *c, int graceful)
     }
     if (!srv->closer_active) {
         srv->closer_active = 1;
-        uv_idle_start(&srv->closer, on_closer);
+        MOED_UV_CHECK(uv_idle_start(&srv->closer, on_closer));
     }
 }
 
@@ -691,7 +692,7 @@ static void conn_update(struct moed_conn *c)
     uv_timer_stop(&c->timer);
     c->tmode = m;
     if (m != TIMER_NONE)
-        uv_timer_start(&c->timer, on_conn_timer, ms, 0);
+        MOED_UV_CHECK(uv_timer_start(&c->timer, on_conn_timer, ms, 0));
 }
 
 /* ---- frame handling ------------------------------------------------------ */
@@ -846,7 +847,7 @@ static void conn_defer(struct moed_conn *c)
     srv->ready_tail = c;
     if (!srv->runner_active) {
         srv->runner_active = 1;
-        uv_idle_start(&srv->runner, on_runner);
+        MOED_UV_CHECK(uv_idle_start(&srv->runner, on_runner));
     }
 }
 
@@ -1142,8 +1143,9 @@ static void on_connection(uv_stream_t *ls, int status)
     }
     c->srv = srv;
     c->id = ++srv->next_id;
-    uv_pipe_init(srv->loop, &c->pipe, 0);
-    uv_timer_init(srv->loop, &c->timer);
+    /* On Unix neither init can fail (libuv 1.x returns 0): checked for the log. */
+    MOED_UV_CHECK(uv_pipe_init(srv->loop, &c->pipe, 0));
+    MOED_UV_CHECK(uv_timer_init(srv->loop, &c->timer));
     c->pipe.data = c;
     c->timer.data = c;
     c->handles_open = 2;
@@ -1293,11 +1295,12 @@ int moed_server_open(uv_loop_t *loop, const struct moed_server_limits *cfg,
     srv->ops = ops;
     srv->ctx = ctx;
     srv->pool = pool;
-    uv_pipe_init(loop, &srv->listener, 0);
+    /* On Unix these inits cannot fail (libuv 1.x returns 0): checked for the log. */
+    MOED_UV_CHECK(uv_pipe_init(loop, &srv->listener, 0));
     srv->listener.data = srv;
-    uv_idle_init(loop, &srv->closer);
+    MOED_UV_CHECK(uv_idle_init(loop, &srv->closer));
     srv->closer.data = srv;
-    uv_idle_init(loop, &srv->runner);
+    MOED_UV_CHECK(uv_idle_init(loop, &srv->runner));
     srv->runner.data = srv;
     srv->n_handles = 3;
     /* The socket is created with the configured mode (umask), then chmod'ed

@@ -27,6 +27,7 @@
 #include <time.h>
 
 #include "moed_err.h"
+#include "moed_check_uv.h"
 #include "moed_log.h"
 
 /* ------------------------------------------------------------- parser */
@@ -772,17 +773,10 @@ int moed_http_start(uv_loop_t *loop, const char *addr, uint16_t port, moed_http_
     h->listener.data = h;
     h->refs = 1;
 
-    const char *call;
-/* Run a libuv call; on failure remember its text for the message and unwind. */
-#define UV_TRY(expr)                 \
-    do {                             \
-        call = #expr;                \
-        if ((rc = (expr)) < 0)       \
-            goto close_listener;     \
-    } while (0)
-    UV_TRY(uv_tcp_bind(&h->listener, (const struct sockaddr *)&sa, 0));
-    UV_TRY(uv_listen((uv_stream_t *)&h->listener, 128, http_on_connection));
-#undef UV_TRY
+    /* a failing call is logged with its text, file and line (moed_check_uv.h) */
+    if ((rc = MOED_UV_CHECK(uv_tcp_bind(&h->listener, (const struct sockaddr *)&sa, 0))) < 0 ||
+        (rc = MOED_UV_CHECK(uv_listen((uv_stream_t *)&h->listener, 128, http_on_connection))) < 0)
+        goto close_listener;
     *out = h;
     LOG_I("http: listening on %s:%" PRIu16, addr, moed_http_port(h));
     return 0;
@@ -790,8 +784,7 @@ int moed_http_start(uv_loop_t *loop, const char *addr, uint16_t port, moed_http_
 close_listener:
     /* libuv often reports EADDRINUSE at listen, not bind: name both. */
     moed_seterr(err, errlen, rc == UV_EADDRINUSE ? MOED_E_BUSY : MOED_E_IO,
-                "http: listen on %s:%" PRIu16 " failed: %s (%s)", addr, port, uv_strerror(rc),
-                call);
+                "http: listen on %s:%" PRIu16 " failed: %s", addr, port, uv_strerror(rc));
     uv_close((uv_handle_t *)&h->listener, listener_on_close);
     return rc == UV_EADDRINUSE ? MOED_E_BUSY : MOED_E_IO; /* BUSY: the port is taken */
 }
