@@ -27,6 +27,7 @@
 #include "moe_ref.h"
 #include "moed_err.h"
 #include "moed_log.h"
+#include "moed_util.h"
 #include "test_hooks.h"
 
 struct cpu_node {
@@ -48,13 +49,6 @@ struct cpu_backend {
     uint64_t done_batches;
 };
 
-static uint64_t mono_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 static void *cpu_worker(void *arg)
 {
     struct cpu_backend *cb = arg;
@@ -74,7 +68,7 @@ static void *cpu_worker(void *arg)
         struct moed_batch *b = n->b;
         free(n);
         const struct moe_layer *layer = moed_model_layer(cb->model, b->layer);
-        uint64_t t0 = cb->kernel_time ? mono_ns() : 0;
+        uint64_t t0 = cb->kernel_time ? moed_mono_ns() : 0;
         b->kernel_ns = 0;
         if (!layer || !moed_buf_on_host(&b->x) || !moed_buf_on_host(&b->y) ||
             !moed_buf_on_host(&b->ids) || !moed_buf_on_host(&b->w)) {
@@ -83,7 +77,7 @@ static void *cpu_worker(void *arg)
             b->status = moe_ref_forward(layer, b->n_tokens, b->x.ptr, b->ids.ptr, b->w.ptr, b->y.ptr,
                                         cb->n_threads);
             if (cb->kernel_time)
-                b->kernel_ns = mono_ns() - t0;
+                b->kernel_ns = moed_mono_ns() - t0;
         }
         __atomic_add_fetch(&cb->done_batches, 1, __ATOMIC_RELAXED);
         cb->base.done(cb->base.done_ctx, b);

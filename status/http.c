@@ -29,6 +29,7 @@
 #include "moed_err.h"
 #include "moed_check_uv.h"
 #include "moed_log.h"
+#include "moed_util.h"
 
 /* ------------------------------------------------------------- parser */
 
@@ -456,13 +457,6 @@ static char *dupstr(const char *s)
     return p;
 }
 
-static uint64_t mono_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 static void conn_serve(struct moed_http_conn *c, const struct moed_http_req *req)
 {
     const char *text = "text/plain; charset=utf-8";
@@ -471,7 +465,7 @@ static void conn_serve(struct moed_http_conn *c, const struct moed_http_req *req
         conn_respond(c, 503, text, dupstr("not ready\n"), req->head);
         return;
     }
-    uint64_t now = mono_ns();
+    uint64_t now = moed_mono_ns();
     switch (req->route) {
     case MOED_HTTP_ROUTE_STATUS: {
         char *j = moed_status_json(s, now);

@@ -30,7 +30,7 @@ HOST_ALLOC = {"MOED_TEST_CPU_HOST_ALLOC": "1"}  # the CPU backend's test switch
 
 def start(tmp_path_factory, name, env=None, **over):
     tmp = tmp_path_factory.mktemp(name)
-    cfg = du.base_config(str(tmp), str(tmp_path_factory.getbasetemp() / "models"),
+    cfg = du.base_config(str(tmp), du.models_dir(tmp_path_factory),
                          status__port=du.free_port(), **over)
     return du.Daemon(tmp, cfg, env=env)
 

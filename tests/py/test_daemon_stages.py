@@ -28,11 +28,6 @@ KERNEL_STAGES = ["kernel", "added_kernel"]  # sampled only with a known kernel t
 
 
 @pytest.fixture(scope="module")
-def models_dir(tmp_path_factory):
-    return str(tmp_path_factory.getbasetemp() / "models")
-
-
-@pytest.fixture(scope="module")
 def daemon(tmp_path_factory, models_dir):
     yield from du.module_daemon(tmp_path_factory, models_dir, "stages")
 

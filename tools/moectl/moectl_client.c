@@ -24,6 +24,7 @@
 #include "moed_client.h"
 #include "moed_err.h"
 #include "moed_log.h"
+#include "moed_util.h"
 #include "moed_proto.h"
 #include "nvfp4.h"
 
@@ -459,17 +460,9 @@ static int cmd_ping(const struct opts *o)
 
 /* --- random batches ------------------------------------------------------- */
 
-static uint64_t splitmix64(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
 static double rnd01(uint64_t *s)
 {
-    return (splitmix64(s) >> 11) * 0x1.0p-53;
+    return (moed_splitmix64(s) >> 11) * 0x1.0p-53;
 }
 
 struct batch {
@@ -514,7 +507,7 @@ static int batch_make(struct batch *b, uint32_t T, const struct moed_hello_rep *
             perm[e] = (int32_t)e;
         double sum = 0;
         for (uint32_t j = 0; j < h->top_k; j++) {
-            uint32_t r = j + (uint32_t)(splitmix64(&s) % (h->n_experts - j));
+            uint32_t r = j + (uint32_t)(moed_splitmix64(&s) % (h->n_experts - j));
             int32_t tmp = perm[j];
             perm[j] = perm[r];
             perm[r] = tmp;
@@ -527,13 +520,6 @@ static int batch_make(struct batch *b, uint32_t T, const struct moed_hello_rep *
     }
     free(perm);
     return 0;
-}
-
-static uint64_t mono_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
 /* Pick the layer: --layer, else the daemon's first MoE layer; range-check
@@ -591,9 +577,9 @@ static int check_against_ref(const struct opts *o, const struct moed_hello_rep *
         fprintf(stderr, "moectl forward: out of memory\n");
         goto close_m;
     }
-    uint64_t t0 = mono_ns();
+    uint64_t t0 = moed_mono_ns();
     rc = moe_ref_forward(ml, b->T, b->x, b->ids, b->w, yref, 0);
-    uint64_t t1 = mono_ns();
+    uint64_t t1 = moed_mono_ns();
     if (rc) {
         fprintf(stderr, "moectl forward: CPU reference failed: %s\n", moed_strerror(rc));
         goto free_ref;
@@ -656,9 +642,9 @@ static int cmd_forward(const struct opts *o)
     y = malloc((size_t)b.T * b.H * sizeof *y);
     if (!y)
         goto free_b;
-    uint64_t t0 = mono_ns();
+    uint64_t t0 = moed_mono_ns();
     int rc = moedc_forward(c, layer, b.T, b.k, b.x, b.ids, b.w, y, err, sizeof err);
-    uint64_t t1 = mono_ns();
+    uint64_t t1 = moed_mono_ns();
     if (rc) {
         fprintf(stderr, "moectl forward: %s (%s)\n", err, moedc_strerror(rc));
         goto free_y;
@@ -749,7 +735,7 @@ static void *bench_worker(void *arg)
         goto out;
     }
     for (uint32_t s = 0; s < o->inflight; s++) {
-        sent_at[s] = mono_ns();
+        sent_at[s] = moed_mono_ns();
         t->rc = moedc_send_forward(c, (++seq << 16) | s, sh->layer, b.T, b.k, b.x, b.ids, b.w,
                                    t->err, sizeof t->err);
         if (t->rc)
@@ -758,7 +744,7 @@ static void *bench_worker(void *arg)
     while (moedc_inflight(c) > 0) {
         struct moedc_reply r;
         int rc = moedc_recv(c, &r, t->err, sizeof t->err);
-        uint64_t now = mono_ns();
+        uint64_t now = moed_mono_ns();
         if (rc && !r.from_daemon) {
             t->rc = rc;
             goto out;
@@ -777,7 +763,7 @@ static void *bench_worker(void *arg)
             add_sample(t, now - sent_at[slot]);
         if (atomic_load(&sh->stop) || slot >= o->inflight)
             continue;
-        sent_at[slot] = mono_ns();
+        sent_at[slot] = moed_mono_ns();
         t->rc = moedc_send_forward(c, (++seq << 16) | slot, sh->layer, b.T, b.k, b.x, b.ids,
                                    b.w, t->err, sizeof t->err);
         if (t->rc)
@@ -968,13 +954,13 @@ static double echo_p50_us(size_t req, size_t rep, char *err, size_t errlen)
         goto out;
     }
     for (int i = 0; i < ECHO_ROUNDS; i++) {
-        uint64_t t0 = mono_ns();
+        uint64_t t0 = moed_mono_ns();
         if (xfer_all(sv[0], mine, req, 1) || xfer_all(sv[0], mine, rep, 0)) {
             snprintf(err, errlen, "echo: %s", strerror(errno));
             break;
         }
         if (i >= ECHO_WARMUP)
-            lat[n++] = mono_ns() - t0;
+            lat[n++] = moed_mono_ns() - t0;
     }
     shutdown(sv[0], SHUT_RDWR); /* a thread still reading sees EOF */
     pthread_join(th, NULL);
@@ -1041,7 +1027,7 @@ static int cmd_bench(const struct opts *o)
     fprintf(stderr, "bench: %" PRIu64 " connections x %" PRIu64 " in flight, %" PRIu64
             " tokens/request, layer %" PRIu32 ", %" PRIu64 " s, backend %s\n",
             o->connections, o->inflight, o->tokens, sh.layer, o->duration, sh.h.backend);
-    uint64_t t0 = mono_ns();
+    uint64_t t0 = moed_mono_ns();
     for (; started < o->connections; started++) {
         th[started].sh = &sh;
         th[started].index = started;
@@ -1054,7 +1040,7 @@ static int cmd_bench(const struct opts *o)
     uint64_t last_done = 0;
     for (uint64_t s = 1; s <= o->duration; s++) {
         /* Sleep to the next whole second since start, so lines stay on time. */
-        uint64_t target = t0 + s * 1000000000ull, now = mono_ns();
+        uint64_t target = t0 + s * 1000000000ull, now = moed_mono_ns();
         if (target > now) {
             struct timespec ts = {(time_t)((target - now) / 1000000000ull),
                                   (long)((target - now) % 1000000000ull)};
@@ -1074,7 +1060,7 @@ static int cmd_bench(const struct opts *o)
 join:
     for (uint32_t i = 0; i < started; i++)
         pthread_join(th[i].tid, NULL);
-    double secs = (mono_ns() - t0) / 1e9;
+    double secs = (moed_mono_ns() - t0) / 1e9;
     size_t n = 0;
     for (uint32_t i = 0; i < started; i++)
         n += th[i].n_lat;
