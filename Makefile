@@ -62,7 +62,8 @@ LIBS    := $(PKG_LIBS) -lm
 # engine/ ipc/ status/); the daemon's main is daemon/, moectl is tools/moectl/
 # (neither in the library). Files named *_cuda.c are built only with CUDA,
 # *_nocuda.c only without.
-MAINS    := daemon/moed_main.c
+DAEMON_C := $(wildcard daemon/*.c)
+MAINS    := $(DAEMON_C)
 ALL_C    := $(wildcard common/*.c config/*.c kernels/*.c engine/*.c ipc/*.c status/*.c)
 LIB_C    := $(filter-out $(MAINS),$(ALL_C))
 # moectl links the client library's objects and libmoedref.a (checkpoint
@@ -128,7 +129,7 @@ $(BUILD)/libmoedref.a: $(REF_OBJ)
 	@rm -f $@
 	ar rcs $@ $^
 
-$(BUILD)/moed: $(BUILD)/daemon/moed_main.o $(BUILD)/libmoed.a
+$(BUILD)/moed: $(patsubst %.c,$(BUILD)/%.o,$(DAEMON_C)) $(BUILD)/libmoed.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
 
 $(BUILD)/moectl: $(MOECTL_OBJ) $(CLIENT_OBJ) $(BUILD)/libmoedref.a

@@ -202,9 +202,15 @@ static bool parse_dec(const char *s, size_t n, uint64_t max, uint64_t *out)
  * are checked when the model is generated: the list lives in genmodel.c). */
 bool cfg_check_model(const char *s, char *why, size_t whylen)
 {
+    struct moed_cfg_synth sy;
+    return moed_cfg_synthetic(s, &sy, why, whylen) >= 0;
+}
+
+int moed_cfg_synthetic(const char *s, struct moed_cfg_synth *out, char *why, size_t whylen)
+{
     static const char prefix[] = "synthetic:";
     if (strncmp(s, prefix, sizeof prefix - 1) != 0)
-        return true;
+        return 0;
     char q[CFG_SHOW_BUF];
     show_str(s, q, sizeof q);
     const char *p = s + sizeof prefix - 1;
@@ -222,8 +228,16 @@ bool cfg_check_model(const char *s, char *why, size_t whylen)
                  "%s: the preset must be a name of [a-z0-9._-]; expected "
                  "synthetic:PRESET[:layers=N][:seed=S]",
                  q);
-        return false;
+        return MOED_E_CONFIG;
     }
+    if (plen >= sizeof out->preset) {
+        snprintf(why, whylen, "%s: the preset name is over %zu bytes", q, sizeof out->preset - 1);
+        return MOED_E_CONFIG;
+    }
+    memcpy(out->preset, p, plen);
+    out->preset[plen] = '\0';
+    out->layers = MOED_CFG_SYNTH_DEFAULT_LAYERS;
+    out->seed = MOED_CFG_SYNTH_DEFAULT_SEED;
     bool seen_layers = false, seen_seed = false;
     for (p += plen; *p == ':';) {
         p++;
@@ -231,10 +245,14 @@ bool cfg_check_model(const char *s, char *why, size_t whylen)
         uint64_t v;
         bool ok;
         if (n > 7 && strncmp(p, "layers=", 7) == 0 && !seen_layers) {
-            ok = parse_dec(p + 7, n - 7, 1024, &v) && v >= 1;
+            ok = parse_dec(p + 7, n - 7, MOED_CFG_SYNTH_MAX_LAYERS, &v) && v >= 1;
+            if (ok)
+                out->layers = (uint32_t)v;
             seen_layers = true;
         } else if (n > 5 && strncmp(p, "seed=", 5) == 0 && !seen_seed) {
             ok = parse_dec(p + 5, n - 5, UINT64_MAX, &v);
+            if (ok)
+                out->seed = v;
             seen_seed = true;
         } else {
             ok = false;
@@ -248,11 +266,11 @@ bool cfg_check_model(const char *s, char *why, size_t whylen)
                      "%s: bad option %s; expected synthetic:PRESET[:layers=N][:seed=S] with "
                      "N in [1, 1024] and S a 64-bit unsigned integer, each at most once",
                      q, qo);
-            return false;
+            return MOED_E_CONFIG;
         }
         p += n;
     }
-    return true;
+    return 1;
 }
 
 /* ------------------------------------------------------------------------ */

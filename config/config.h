@@ -59,6 +59,21 @@ struct moed_cfg {
     int log_level;                    /* enum moed_log_level */
 };
 
+/* model.path "synthetic:PRESET[:layers=N][:seed=S]", the one parser of it
+ * (the config check and the daemon's generator use it): 1 with *out filled
+ * when `path` is one, 0 when it is not synthetic, MOED_E_CONFIG with the
+ * reason in why when it is malformed (preset of [a-z0-9._-], N in
+ * [1, MOED_CFG_SYNTH_MAX_LAYERS], S a 64-bit unsigned, each at most once). */
+#define MOED_CFG_SYNTH_DEFAULT_LAYERS 2u
+#define MOED_CFG_SYNTH_DEFAULT_SEED 1u
+#define MOED_CFG_SYNTH_MAX_LAYERS 1024u
+struct moed_cfg_synth {
+    char preset[64];
+    uint32_t layers;
+    uint64_t seed;
+};
+int moed_cfg_synthetic(const char *path, struct moed_cfg_synth *out, char *why, size_t whylen);
+
 /* Defaults for every key. */
 void moed_cfg_defaults(struct moed_cfg *cfg);
 
