@@ -70,7 +70,7 @@ LIB_C    := $(filter-out $(MAINS),$(ALL_C))
 # loader, synthetic generator, CPU reference): no libuv server, no CUDA.
 MOECTL_C := $(wildcard tools/moectl/*.c)
 MOECTL_OBJ := $(patsubst %.c,$(BUILD)/%.o,$(MOECTL_C))
-REF_C    := common/moed_log.c engine/model.c engine/genmodel.c engine/safetensors.c \
+REF_C    := common/moed_log.c engine/model.c engine/model_config.c engine/genmodel.c engine/safetensors.c \
             kernels/moe_ref.c kernels/nvfp4.c
 REF_OBJ  := $(patsubst %.c,$(BUILD)/%.o,$(REF_C))
 ifeq ($(CUDA),1)
