@@ -73,6 +73,7 @@ MOECTL_OBJ := $(patsubst %.c,$(BUILD)/%.o,$(MOECTL_C))
 REF_C    := common/moed_log.c engine/model.c engine/model_config.c engine/genmodel.c engine/safetensors.c \
             kernels/moe_ref.c kernels/nvfp4.c
 REF_OBJ  := $(patsubst %.c,$(BUILD)/%.o,$(REF_C))
+MOECTL_LIBS := $(shell pkg-config --libs libcjson 2>/dev/null) -lm
 ifeq ($(CUDA),1)
 LIB_C    := $(filter-out %_nocuda.c,$(LIB_C))
 CFLAGS   += -DMOED_HAVE_CUDA=1 -DMOED_CUDA_ARCHS='"$(CUDA_ARCHS)"' -I$(CUDA_HOME)/include
@@ -133,7 +134,7 @@ $(BUILD)/moed: $(patsubst %.c,$(BUILD)/%.o,$(DAEMON_C)) $(BUILD)/libmoed.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
 
 $(BUILD)/moectl: $(MOECTL_OBJ) $(CLIENT_OBJ) $(BUILD)/libmoedref.a
-	$(CC) $(LDFLAGS) -o $@ $^ $(PKG_LIBS) -lm
+	$(CC) $(LDFLAGS) -o $@ $^ $(MOECTL_LIBS)
 
 # Only the moedc_* API is exported (version script); `nm -D` shows it.
 $(BUILD)/libmoedclient.so: $(CLIENT_OBJ) ipc/libmoedclient.map
