@@ -44,6 +44,8 @@ struct cfg_key {
 #define FIELD(f) .off = offsetof(struct moed_cfg, f), .size = sizeof(((struct moed_cfg *)0)->f)
 #define COUNT(f) .count_off = offsetof(struct moed_cfg, f)
 
+#define CFG_SHOW_MAX 64             /* bytes of a user's string quoted in a message */
+#define CFG_SHOW_BUF (CFG_SHOW_MAX * 6 + 8)  /* ... escaped ("\u00xx"), quoted, "..." */
 #define CFG_KEYS_MAX 64 /* rows the parser's seen-table holds */
 #define N_SECTIONS 5
 
@@ -59,7 +61,11 @@ uint64_t cfg_load_uint(const void *field, size_t size);
 int cfg_load_int(const void *field);
 void cfg_sb_json_str(struct moed_sbuf *b, const char *s); /* quoted, escaped */
 
-/* String checks of the table (config.c). */
+/* Shared by config.c and config_check.c. */
+bool cfg_parse_dec(const char *s, size_t n, uint64_t max, uint64_t *out);
+void cfg_show_str(const char *s, char *out, size_t outlen);
+
+/* String checks of the table (config_check.c). */
 bool cfg_check_ipv4(const char *s, char *why, size_t whylen);
 bool cfg_check_model(const char *s, char *why, size_t whylen);
 
