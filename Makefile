@@ -133,8 +133,9 @@ $(BUILD)/libmoedref.a: $(REF_OBJ)
 $(BUILD)/moed: $(patsubst %.c,$(BUILD)/%.o,$(DAEMON_C)) $(BUILD)/libmoed.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
 
-$(BUILD)/moectl: $(MOECTL_OBJ) $(CLIENT_OBJ) $(BUILD)/libmoedref.a
-	$(CC) $(LDFLAGS) -o $@ $^ $(MOECTL_LIBS)
+# (relinked when the Makefile changes: its libraries are named here)
+$(BUILD)/moectl: $(MOECTL_OBJ) $(CLIENT_OBJ) $(BUILD)/libmoedref.a Makefile
+	$(CC) $(LDFLAGS) -o $@ $(filter-out Makefile,$^) $(MOECTL_LIBS)
 
 # Only the moedc_* API is exported (version script); `nm -D` shows it.
 $(BUILD)/libmoedclient.so: $(CLIENT_OBJ) ipc/libmoedclient.map
