@@ -35,7 +35,7 @@ VERSION := 0.1.0
 
 WARN := -Wall -Wextra -Werror -Wshadow -Wstrict-prototypes -Wmissing-prototypes \
         -Wformat=2 -Wno-format-nonliteral -Wvla -Wpointer-arith
-INCS := -Icommon -Ikernels -Iengine -Iipc -Iconfig
+INCS := -Icommon -Ikernels -Iengine -Iipc -Iconfig -Istatus -Itools/moectl
 PKGS := libuv libcjson libsystemd
 PKG_CFLAGS := $(shell pkg-config --cflags $(PKGS) 2>/dev/null)
 PKG_LIBS   := $(shell pkg-config --libs $(PKGS) 2>/dev/null)
@@ -58,11 +58,22 @@ LDFLAGS ?=
 LDFLAGS += -pthread $(SAN)
 LIBS    := $(PKG_LIBS) -lm
 
-# Host sources: every .c under these dirs except program mains. Files named
-# *_cuda.c are built only with CUDA, *_nocuda.c only without.
-MAINS    := engine/moed_main.c engine/moectl.c
-ALL_C    := $(wildcard common/*.c config/*.c kernels/*.c engine/*.c ipc/*.c)
+# Host sources of libmoed.a, one folder per module (common/ config/ kernels/
+# engine/ ipc/ status/); the daemon's main is daemon/, moectl is tools/moectl/
+# (neither in the library). Files named *_cuda.c are built only with CUDA,
+# *_nocuda.c only without.
+DAEMON_C := $(wildcard daemon/*.c)
+MAINS    := $(DAEMON_C)
+ALL_C    := $(wildcard common/*.c config/*.c kernels/*.c engine/*.c ipc/*.c status/*.c)
 LIB_C    := $(filter-out $(MAINS),$(ALL_C))
+# moectl links the client library's objects and libmoedref.a (checkpoint
+# loader, synthetic generator, CPU reference): no libuv server, no CUDA.
+MOECTL_C := $(wildcard tools/moectl/*.c)
+MOECTL_OBJ := $(patsubst %.c,$(BUILD)/%.o,$(MOECTL_C))
+REF_C    := common/moed_log.c engine/model.c engine/model_config.c engine/genmodel.c engine/safetensors.c \
+            kernels/moe_ref.c kernels/nvfp4.c
+REF_OBJ  := $(patsubst %.c,$(BUILD)/%.o,$(REF_C))
+MOECTL_LIBS := $(shell pkg-config --libs libcjson 2>/dev/null) -lm
 ifeq ($(CUDA),1)
 LIB_C    := $(filter-out %_nocuda.c,$(LIB_C))
 CFLAGS   += -DMOED_HAVE_CUDA=1 -DMOED_CUDA_ARCHS='"$(CUDA_ARCHS)"' -I$(CUDA_HOME)/include
@@ -115,11 +126,16 @@ $(BUILD)/libmoed.a: $(LIB_OBJ) $(CU_OBJ)
 	@rm -f $@
 	ar rcs $@ $^
 
-$(BUILD)/moed: $(BUILD)/engine/moed_main.o $(BUILD)/libmoed.a
+$(BUILD)/libmoedref.a: $(REF_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(BUILD)/moed: $(patsubst %.c,$(BUILD)/%.o,$(DAEMON_C)) $(BUILD)/libmoed.a
 	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
 
-$(BUILD)/moectl: $(BUILD)/engine/moectl.o $(BUILD)/libmoed.a
-	$(CC) $(LDFLAGS) -o $@ $^ $(LIBS)
+# (relinked when the Makefile changes: its libraries are named here)
+$(BUILD)/moectl: $(MOECTL_OBJ) $(CLIENT_OBJ) $(BUILD)/libmoedref.a Makefile
+	$(CC) $(LDFLAGS) -o $@ $(filter-out Makefile,$^) $(MOECTL_LIBS)
 
 # Only the moedc_* API is exported (version script); `nm -D` shows it.
 $(BUILD)/libmoedclient.so: $(CLIENT_OBJ) ipc/libmoedclient.map

@@ -40,6 +40,7 @@
 #include "backend.h"
 #include "backend_cuda.h"
 #include "backend_cuda_hooks.h"
+#include "moed_util.h"
 #include "bench_baseline.h"
 #include "gpu/moe_cases.h"
 #include "moed_err.h"
@@ -55,20 +56,9 @@ static void on_done(void *ctx, struct moed_batch *b)
     __atomic_store_n(&g_done, 1, __ATOMIC_RELEASE);
 }
 
-static uint64_t rng(uint64_t *s)
-{
-    uint64_t x = (*s += 0x9E3779B97F4A7C15ull);
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    return x ^ (x >> 31);
-}
+static uint64_t rng(uint64_t *s) { return moed_splitmix64(s); }
 
-static double now_us(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
-}
+static double now_us(void) { return (double)moed_mono_ns() * 1e-3; }
 
 static int cmp_d(const void *a, const void *b)
 {

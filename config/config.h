@@ -14,9 +14,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "moed_proto.h" /* MOED_SOCKET_PATH_MAX */
+
 #define MOED_CFG_MAX_IDS 64   /* allowed uids/gids, GPUs */
 #define MOED_CFG_PATH_MAX 4096
-#define MOED_SOCKET_PATH_MAX 107 /* sun_path (108) minus the NUL */
 
 enum moed_cfg_backend { MOED_CFG_BACKEND_AUTO = 0, MOED_CFG_BACKEND_CUDA, MOED_CFG_BACKEND_CPU };
 
@@ -54,11 +55,24 @@ struct moed_cfg {
     uint32_t batch_deadline_ms;
     uint32_t idle_exit_ms;
     uint32_t drain_stall_ms;          /* drain gives up after batch_deadline_ms + this without progress */
-    bool cpu_host_alloc;              /* CPU backend offers host_alloc (tests) */
-    bool cpu_kernel_time;             /* CPU backend reports compute time as kernel_ns (tests) */
     /* log */
     int log_level;                    /* enum moed_log_level */
 };
+
+/* model.path "synthetic:PRESET[:layers=N][:seed=S]", the one parser of it
+ * (the config check and the daemon's generator use it): 1 with *out filled
+ * when `path` is one, 0 when it is not synthetic, MOED_E_CONFIG with the
+ * reason in why when it is malformed (preset of [a-z0-9._-], N in
+ * [1, MOED_CFG_SYNTH_MAX_LAYERS], S a 64-bit unsigned, each at most once). */
+#define MOED_CFG_SYNTH_DEFAULT_LAYERS 2u
+#define MOED_CFG_SYNTH_DEFAULT_SEED 1u
+#define MOED_CFG_SYNTH_MAX_LAYERS 1024u
+struct moed_cfg_synth {
+    char preset[64];
+    uint32_t layers;
+    uint64_t seed;
+};
+int moed_cfg_synthetic(const char *path, struct moed_cfg_synth *out, char *why, size_t whylen);
 
 /* Defaults for every key. */
 void moed_cfg_defaults(struct moed_cfg *cfg);

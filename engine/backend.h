@@ -59,7 +59,7 @@ struct moed_batch {
                              known. CUDA: the persistent kernel's %globaltimer from
                              seeing the batch to completing it, when still readable
                              (backend_cuda.c, kernel_time_ns); CPU: always 0, except
-                             with the test switch engine.cpu_kernel_time */
+                             with the test switch MOED_TEST_CPU_KERNEL_TIME */
     void *user;           /* engine's */
 };
 
@@ -108,8 +108,6 @@ struct moed_backend_cfg {
     uint32_t max_tokens;
     uint32_t batch_deadline_ms; /* CUDA: a batch over this fails the backend */
     uint32_t idle_exit_ms;  /* CUDA: persistent kernel exits after idle (0 = never) */
-    int cpu_host_alloc;     /* CPU: offer host_alloc (page-aligned malloc; tests) */
-    int cpu_kernel_time;    /* CPU: report the compute time as kernel_ns (tests) */
     /* Optional: weight placement progress (bytes placed, bytes to place),
      * called from the opening thread during open. */
     moed_progress_fn progress;

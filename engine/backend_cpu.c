@@ -8,12 +8,12 @@
  *
  * MOED_BUF_PINNED buffers are host memory like MOED_BUF_HOST. The CPU backend
  * has no memory of its own to offer (host_alloc NULL), except with
- * engine.cpu_host_alloc, a test switch: then host_alloc hands out
+ * the test switch MOED_TEST_CPU_HOST_ALLOC (test_hooks.h): then host_alloc hands out
  * page-aligned malloc'd memory, so that the daemon's pinned-buffer path
  * (buffer pool, MOED_BUF_PINNED batches, /status buffers) runs without a GPU.
  *
  * A batch's kernel_ns is 0 (not known: there is no kernel to time), except
- * with engine.cpu_kernel_time, another test switch: then it is the time
+ * with MOED_TEST_CPU_KERNEL_TIME, another test switch: then it is the time
  * moe_ref_forward took, so that the kernel stages of /status run without a GPU.
  */
 #include <pthread.h>
@@ -27,6 +27,8 @@
 #include "moe_ref.h"
 #include "moed_err.h"
 #include "moed_log.h"
+#include "moed_util.h"
+#include "test_hooks.h"
 
 struct cpu_node {
     struct cpu_node *next;
@@ -38,7 +40,7 @@ struct cpu_backend {
     struct moed_backend_ops ops; /* cpu_ops, plus host_alloc with cpu_host_alloc */
     struct moed_model *model;
     int n_threads;
-    int kernel_time; /* engine.cpu_kernel_time */
+    int kernel_time; /* MOED_TEST_CPU_KERNEL_TIME */
     pthread_t worker;
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -46,13 +48,6 @@ struct cpu_backend {
     int stopping;
     uint64_t done_batches;
 };
-
-static uint64_t mono_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 static void *cpu_worker(void *arg)
 {
@@ -73,7 +68,7 @@ static void *cpu_worker(void *arg)
         struct moed_batch *b = n->b;
         free(n);
         const struct moe_layer *layer = moed_model_layer(cb->model, b->layer);
-        uint64_t t0 = cb->kernel_time ? mono_ns() : 0;
+        uint64_t t0 = cb->kernel_time ? moed_mono_ns() : 0;
         b->kernel_ns = 0;
         if (!layer || !moed_buf_on_host(&b->x) || !moed_buf_on_host(&b->y) ||
             !moed_buf_on_host(&b->ids) || !moed_buf_on_host(&b->w)) {
@@ -82,7 +77,7 @@ static void *cpu_worker(void *arg)
             b->status = moe_ref_forward(layer, b->n_tokens, b->x.ptr, b->ids.ptr, b->w.ptr, b->y.ptr,
                                         cb->n_threads);
             if (cb->kernel_time)
-                b->kernel_ns = mono_ns() - t0;
+                b->kernel_ns = moed_mono_ns() - t0;
         }
         __atomic_add_fetch(&cb->done_batches, 1, __ATOMIC_RELAXED);
         cb->base.done(cb->base.done_ctx, b);
@@ -176,7 +171,8 @@ int moed_backend_cpu_open(struct moed_model *m, const struct moed_backend_cfg *c
     if (!cb)
         return moed_seterr(err, errlen, MOED_E_NOMEM, "cpu backend: out of memory");
     cb->ops = cpu_ops;
-    if (cfg->cpu_host_alloc) {
+    int host_alloc = moed_test_switch(MOED_TEST_CPU_HOST_ALLOC);
+    if (host_alloc) {
         cb->ops.host_alloc = cpu_host_alloc;
         cb->ops.host_free = cpu_host_free;
     }
@@ -185,7 +181,7 @@ int moed_backend_cpu_open(struct moed_model *m, const struct moed_backend_cfg *c
     cb->base.done_ctx = done_ctx;
     cb->model = m;
     cb->n_threads = cfg->n_threads;
-    cb->kernel_time = cfg->cpu_kernel_time;
+    cb->kernel_time = moed_test_switch(MOED_TEST_CPU_KERNEL_TIME);
     pthread_mutex_init(&cb->mu, NULL);
     pthread_cond_init(&cb->cv, NULL);
     int rc = pthread_create(&cb->worker, NULL, cpu_worker, cb);
@@ -196,9 +192,9 @@ int moed_backend_cpu_open(struct moed_model *m, const struct moed_backend_cfg *c
         return moed_seterr(err, errlen, MOED_E_BACKEND, "cpu backend: pthread_create: error %d", rc);
     }
     LOG_I("cpu backend: worker started (%d compute threads, 0 = all cores)%s%s", cfg->n_threads,
-          cfg->cpu_host_alloc ? "; host_alloc on (engine.cpu_host_alloc)" : "",
-          cfg->cpu_kernel_time ? "; compute time reported as kernel time (engine.cpu_kernel_time)"
-                               : "");
+          host_alloc ? "; host_alloc on (" MOED_TEST_CPU_HOST_ALLOC ")" : "",
+          cb->kernel_time ? "; compute time reported as kernel time (" MOED_TEST_CPU_KERNEL_TIME ")"
+                          : "");
     *out = &cb->base;
     return 0;
 }

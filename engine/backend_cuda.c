@@ -57,6 +57,7 @@
 #include "moed_check_cuda.h"
 #include "moed_err.h"
 #include "moed_log.h"
+#include "moed_util.h"
 
 /* Every CUDA call goes through MOED_CUDA_TRY (common/moed_check_cuda.h): the
  * call text, file and line go to the log and to err, rc becomes
@@ -70,13 +71,6 @@ static uint64_t rt_ns(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
@@ -156,7 +150,7 @@ static void publish_locked(struct cuda_backend *cb, struct moed_batch *b)
     cb->stall_ns = 0;
     cb->inflight[slot] = b;
     if (cb->next_seq == cb->delivered + 1)
-        cb->head_start_ns = now_ns();
+        cb->head_start_ns = moed_mono_ns();
     /* stamped just before the release store: the dispatch-latency figure of
      * the benchmark then includes the store's own cost (tens of ns) */
     __atomic_store_n(&cb->pub_rt_ns, rt_ns(), __ATOMIC_RELAXED);
@@ -217,7 +211,7 @@ static int cuda_submit(struct moed_backend *be, struct moed_batch *b)
             cb->pt = p;
         }
     }
-    cb->last_active_ns = now_ns();
+    cb->last_active_ns = moed_mono_ns();
     pthread_cond_signal(&cb->cv);
     pthread_mutex_unlock(&cb->mu);
     return rc;
@@ -270,7 +264,7 @@ static int launch_locked(struct cuda_backend *cb, char *err, size_t errlen)
         return rc;
     cb->launches++;
     cb->running = 1;
-    cb->head_start_ns = now_ns();
+    cb->head_start_ns = moed_mono_ns();
     cb->last_active_ns = cb->head_start_ns; /* idle time counts from the launch */
     return 0;
 }
@@ -280,9 +274,9 @@ static int launch_locked(struct cuda_backend *cb, char *err, size_t errlen)
 static int stop_kernel(struct cuda_backend *cb, uint32_t timeout_ms)
 {
     moe_gpu_request_stop(cb->ctrl);
-    uint64_t t0 = now_ns();
+    uint64_t t0 = moed_mono_ns();
     while (!moe_gpu_exited(cb->ctrl)) {
-        if (now_ns() - t0 > (uint64_t)timeout_ms * 1000000ull)
+        if (moed_mono_ns() - t0 > (uint64_t)timeout_ms * 1000000ull)
             return MOED_E_BACKEND;
         usleep(50);
     }
@@ -320,14 +314,14 @@ static int64_t age_ns(uint64_t now, uint64_t then) { return (int64_t)(now - then
 static void *completion_thread(void *arg)
 {
     struct cuda_backend *cb = arg;
-    uint64_t last_progress = now_ns(), last_query = 0, hb_val = 0, hb_at = now_ns();
+    uint64_t last_progress = moed_mono_ns(), last_query = 0, hb_val = 0, hb_at = moed_mono_ns();
     unsigned backoff_us = 0;
     if (cudaSetDevice(cb->dev) != cudaSuccess) {
         fail_all(cb, "cudaSetDevice failed in the completion thread");
         return NULL;
     }
     for (;;) {
-        uint64_t now = now_ns();
+        uint64_t now = moed_mono_ns();
         /* ---- deliver completions ---- */
         uint64_t done = moe_gpu_poll_done(cb->ctrl);
         int progressed = 0;
@@ -442,7 +436,7 @@ static void *completion_thread(void *arg)
             if (!cb->ph && cb->next_seq == cb->delivered && !cb->closing)
                 pthread_cond_timedwait(&cb->cv, &cb->mu, &ts);
             pthread_mutex_unlock(&cb->mu);
-            last_progress = now_ns();
+            last_progress = moed_mono_ns();
         }
     }
     return NULL;

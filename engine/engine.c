@@ -1,7 +1,7 @@
 /* engine.c - FORWARD requests -> batches -> backend -> replies.
  *
  * Flow (loop thread unless noted):
- *   forward()   validate (moed_forward_validate) before anything reaches a
+ *   forward()   validate (moed_server_forward_parse) before anything reaches a
  *               backend; keep the inputs where they are when the server lends
  *               its read buffer (the frame was all it held), else copy them
  *               out into the request; append it to the waiting FIFO,
@@ -26,101 +26,10 @@
  *               per request and reply (dropped if the client is gone), then
  *               dispatch() again.
  */
-#include "engine.h"
-
-#include <math.h>
-#include <pthread.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
-#include "bufpool.h"
-#include "moe_ref.h"
-#include "moed_err.h"
-#include "moed_log.h"
-#include "moed_proto.h"
-
-struct eng_req {
-    struct eng_req *next;
-    struct moed_conn *conn;
-    uint64_t request_id;
-    struct moed_req_times t; /* rx and complete from the server; the rest here */
-    uint32_t layer, n_tokens;
-    uint8_t *data;        /* x bf16 [T,H] | ids int32 [T,k] | w fp32 [T,k] */
-    struct moed_hbuf rx;  /* base != NULL: data lies in this lent read buffer */
-};
-
-struct eng_batch {
-    struct moed_batch b;  /* first: the backend hands us this pointer back */
-    struct eng_batch *next;
-    struct eng_req *reqs; /* in row order */
-    struct moed_hbuf mem; /* merged batch: x | y | ids | w; none for a direct one */
-    struct moed_hbuf frame; /* direct batch: the reply frame at REPLY_PAD, y in it */
-    int selfcheck;
-    uint64_t submit_ns;   /* handed to the backend (loop thread) */
-    uint64_t done_ns;     /* done callback (backend thread, before the push) */
-};
-
-struct moed_engine {
-    uv_loop_t *loop;
-    struct moed_model *model;
-    const struct moed_dims *dims;
-    struct moed_backend *be;
-    struct moed_bufpool *pool; /* read buffers, reply frames, batch memory */
-    const char *backend_name;
-    uv_async_t async;
-    uint32_t max_tokens;
-    uint32_t first_moe_layer;
-    uint64_t max_frame_bytes;
-    struct moed_stats stats;
-    /* waiting FIFO */
-    struct eng_req *wait_head, *wait_tail;
-    uint64_t n_waiting;
-    /* batches at the backend */
-    uint32_t outstanding;
-    uint64_t busy_since_ns;
-    uint64_t next_seq;
-    /* completion list (backend threads -> loop) */
-    pthread_mutex_t done_mu;
-    struct eng_batch *done_head, *done_tail;
-    /* state */
-    int draining;
-    int failed;
-    int selfcheck_done;
-    void (*drain_cb)(void *);
-    void (*drain_progress)(void *);
-    void *drain_arg;
-    struct moed_status_cache status_cache; /* STATUS frames (moed_status_json_cached) */
-    void (*fail_cb)(void *);
-    void *fail_arg;
-    /* health watch: a backend can fail while idle (stalled kernel, sticky
-     * device error) with no batch to report it */
-    uv_timer_t health_timer;
-    int health_timer_on;
-    int attached;             /* moed_engine_attach ran: handles to close */
-    int closes_pending;       /* handles still to close before freeing */
-    uint64_t hb_last, hb_changed_ns;
-};
-
-#define HEALTH_POLL_MS 250
-#define STATUS_CACHE_MS 100 /* a STATUS frame body is at most this old (same counters) */
-
-/* y's offset in a FORWARD reply frame (frame header, then the reply head). */
-#define REPLY_Y_OFF (MOED_PROTO_HDR_SIZE + sizeof(struct moed_forward_rep))
-/* A direct batch's reply frame starts this far into its buffer, so that y
- * lies at MOED_BUF_ALIGN for the backend to write in place (pool buffers are
- * at least that aligned: malloc's 16, pinned ones page-aligned). */
-#define REPLY_PAD ((MOED_BUF_ALIGN - REPLY_Y_OFF % MOED_BUF_ALIGN) % MOED_BUF_ALIGN)
-/* x in a lent read buffer, after the frame header and the FORWARD head. */
-_Static_assert((MOED_PROTO_HDR_SIZE + sizeof(struct moed_forward_req)) % MOED_BUF_ALIGN == 0,
-               "x in a lent read buffer is aligned for in-place use");
-
-static uint64_t now_ns(void) { return uv_hrtime(); }
+#include "engine_int.h"
 
 static void dispatch(struct moed_engine *e);
-static void batch_free(struct moed_engine *e, struct eng_batch *eb);
 static void on_health_timer(uv_timer_t *t);
-static void on_async(uv_async_t *h);
 
 /* ---- helpers ----------------------------------------------------------- */
 
@@ -148,19 +57,19 @@ static void req_free(struct moed_engine *e, struct eng_req *r)
     free(r);
 }
 
-static void busy_begin(struct moed_engine *e)
+void busy_begin(struct moed_engine *e)
 {
     if (e->outstanding++ == 0)
         e->busy_since_ns = now_ns();
 }
 
-static void busy_end(struct moed_engine *e)
+void busy_end(struct moed_engine *e)
 {
     if (--e->outstanding == 0)
         e->stats.busy_ns += now_ns() - e->busy_since_ns;
 }
 
-static void maybe_drained(struct moed_engine *e)
+void maybe_drained(struct moed_engine *e)
 {
     if (e->draining && e->stats.in_flight == 0 && e->outstanding == 0 && e->drain_cb) {
         void (*cb)(void *) = e->drain_cb;
@@ -170,7 +79,7 @@ static void maybe_drained(struct moed_engine *e)
 }
 
 /* Answer one request with an error; frees it. */
-static void req_fail(struct moed_engine *e, struct eng_req *r, int code, const char *msg)
+void req_fail(struct moed_engine *e, struct eng_req *r, int code, const char *msg)
 {
     req_drop_data(e, r);
     moed_server_reply_error(r->conn, r->request_id, code, msg);
@@ -180,7 +89,7 @@ static void req_fail(struct moed_engine *e, struct eng_req *r, int code, const c
 
 /* ---- completions --------------------------------------------------------- */
 
-static void on_backend_done(void *ctx, struct moed_batch *b)
+void on_backend_done(void *ctx, struct moed_batch *b)
 {
     /* Backend thread. */
     struct moed_engine *e = ctx;
@@ -194,7 +103,7 @@ static void on_backend_done(void *ctx, struct moed_batch *b)
         e->done_head = eb;
     e->done_tail = eb;
     pthread_mutex_unlock(&e->done_mu);
-    uv_async_send(&e->async);
+    MOED_UV_CHECK(uv_async_send(&e->async));
 }
 
 static void engine_fail(struct moed_engine *e, int code, const char *why)
@@ -259,27 +168,22 @@ static void batch_complete(struct moed_engine *e, struct eng_batch *eb)
             moed_server_reply(r->conn, NULL, 0, 0, NULL);
         } else {
             size_t ylen = x_bytes(e, r->n_tokens);
-            size_t plen = sizeof(struct moed_forward_rep) + ylen;
             struct moed_hbuf f = eb->frame; /* direct: y is already in place */
             size_t off = REPLY_PAD;
             eb->frame = (struct moed_hbuf){0};
             if (!f.base) {
                 off = 0;
-                if (moed_bufpool_get(e->pool, MOED_PROTO_HDR_SIZE + plen, 0, &f) == 0)
+                if (moed_bufpool_get(e->pool, REPLY_Y_OFF + ylen, 0, &f) == 0)
                     memcpy(f.base + REPLY_Y_OFF, (uint8_t *)b->y.ptr + (size_t)row * H * 2, ylen);
             }
             if (!f.base) {
                 moed_server_reply_error(r->conn, r->request_id, MOED_E_NOMEM,
                                         "out of memory building the reply");
             } else {
-                uint8_t *fr = f.base + off;
-                moed_frame_encode(fr, MOED_MSG_FORWARD | MOED_PROTO_REPLY, r->request_id, plen);
-                struct moed_forward_rep rep = {.n_tokens = r->n_tokens, .hidden = H};
-                memcpy(fr + MOED_PROTO_HDR_SIZE, &rep, sizeof rep);
                 r->t.submit_ns = eb->submit_ns;
                 r->t.done_ns = eb->done_ns;
                 r->t.kernel_ns = b->kernel_ns;
-                moed_server_reply(r->conn, &f, off, MOED_PROTO_HDR_SIZE + plen, &r->t);
+                moed_server_reply_forward(r->conn, &f, off, r->request_id, r->n_tokens, H, &r->t);
                 e->stats.requests++;
                 e->stats.tokens += r->n_tokens;
                 moed_stats_record_latency(&e->stats,
@@ -299,15 +203,16 @@ static void batch_complete(struct moed_engine *e, struct eng_batch *eb)
 
 int moed_engine_attach(struct moed_engine *e, char *err, size_t errlen)
 {
-    int rc = uv_async_init(e->loop, &e->async, on_async);
+    int rc = MOED_UV_CHECK(uv_async_init(e->loop, &e->async, on_async));
     if (rc < 0)
         return moed_seterr(err, errlen, MOED_E_IO, "uv_async_init: %s", uv_strerror(rc));
     e->async.data = e;
     e->attached = 1;
-    if (e->be->ops->healthy && uv_timer_init(e->loop, &e->health_timer) == 0) {
+    if (e->be->ops->healthy && MOED_UV_CHECK(uv_timer_init(e->loop, &e->health_timer)) == 0) {
         e->health_timer.data = e;
         e->health_timer_on = 1;
-        uv_timer_start(&e->health_timer, on_health_timer, HEALTH_POLL_MS, HEALTH_POLL_MS);
+        MOED_UV_CHECK(uv_timer_start(&e->health_timer, on_health_timer, HEALTH_POLL_MS,
+                                     HEALTH_POLL_MS));
         uv_unref((uv_handle_t *)&e->health_timer); /* never keeps the loop alive alone */
     }
     return 0;
@@ -322,7 +227,7 @@ static void on_health_timer(uv_timer_t *t)
         engine_fail(e, MOED_E_BACKEND, "backend unhealthy (device error or stalled kernel)");
 }
 
-static void on_async(uv_async_t *h)
+void on_async(uv_async_t *h)
 {
     struct moed_engine *e = h->data;
     pthread_mutex_lock(&e->done_mu);
@@ -438,14 +343,14 @@ static struct eng_batch *batch_alloc_direct(struct moed_engine *e, struct eng_re
     return eb;
 }
 
-static void batch_free(struct moed_engine *e, struct eng_batch *eb)
+void batch_free(struct moed_engine *e, struct eng_batch *eb)
 {
     moed_bufpool_put(e->pool, &eb->frame);
     moed_bufpool_put(e->pool, &eb->mem);
     free(eb);
 }
 
-static struct eng_batch *batch_alloc(struct moed_engine *e, uint32_t layer, uint32_t T)
+struct eng_batch *batch_alloc(struct moed_engine *e, uint32_t layer, uint32_t T)
 {
     struct eng_batch *eb = calloc(1, sizeof *eb);
     if (!eb)
@@ -538,25 +443,25 @@ static int eng_forward(void *ctx, struct moed_conn *c, uint64_t request_id, cons
     if (e->failed)
         return moed_seterr(err, errlen, MOED_E_BACKEND, "backend failed; moed is not serving");
     const struct moed_dims *d = e->dims;
-    struct moed_forward_req fr;
-    int rc = moed_forward_validate(payload, len, d->hidden, d->n_experts, d->top_k, e->max_tokens,
-                                   is_moe_layer_cb, e->model, &fr, err, errlen);
+    struct moed_server_fwd fr;
+    int rc = moed_server_forward_parse(payload, len, d->hidden, d->n_experts, d->top_k,
+                                       e->max_tokens, is_moe_layer_cb, e->model, &fr, err, errlen);
     if (rc < 0)
         return rc;
     struct eng_req *r = calloc(1, sizeof *r);
-    size_t body = (size_t)len - sizeof(struct moed_forward_req);
+    size_t body = fr.body_len;
     if (r && rx) {
         /* Keep the server's buffer: the inputs are used where they were read
          * (a 256 KiB copy less at T=64, H=2048). Pool buffers are aligned
          * for anything, so x at 32 + 16 is too. */
         r->rx = *rx;
         rx->base = NULL;
-        r->data = (uint8_t *)(uintptr_t)(payload + sizeof fr);
+        r->data = (uint8_t *)(uintptr_t)fr.body;
     } else if (!r || !(r->data = malloc(body))) {
         free(r);
         return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory for a %zu-byte request", body);
     } else {
-        memcpy(r->data, payload + sizeof fr, body);
+        memcpy(r->data, fr.body, body);
     }
     r->conn = c;
     r->request_id = request_id;
@@ -609,319 +514,22 @@ static const char *eng_status_json(void *ctx, size_t *len)
                                    STATUS_CACHE_MS * 1000000ull, len);
 }
 
+static void eng_reply_written(void *ctx, const struct moed_req_times *t, uint64_t now)
+{
+    struct moed_engine *e = ctx;
+    moed_stats_record_stages(&e->stats, t, now);
+}
+
 static const struct moed_server_ops engine_ops = {
     .forward = eng_forward,
     .hello = eng_hello,
     .status_json = eng_status_json,
+    .reply_written = eng_reply_written,
 };
+
+void moed_engine_set_server(struct moed_engine *e, const struct moed_server *srv) { e->srv = srv; }
 
 const struct moed_server_ops *moed_engine_server_ops(void) { return &engine_ops; }
 
 struct moed_bufpool *moed_engine_bufpool(struct moed_engine *e) { return e->pool; }
 
-/* ---- open / self-check / close ------------------------------------------------- */
-
-static int open_backend(struct moed_engine *e, const struct moed_cfg *cfg,
-                        moed_progress_fn progress, void *progress_ctx, char *err, size_t errlen)
-{
-    struct moed_backend_cfg bc = {
-        .progress = progress,
-        .progress_ctx = progress_ctx,
-        .n_threads = (int)cfg->cpu_threads,
-        .gpus = cfg->n_gpus ? cfg->gpus : NULL,
-        .n_gpus = (int)cfg->n_gpus,
-        .sms_free = (int)cfg->sms_free,
-        .max_tokens = cfg->max_tokens,
-        .batch_deadline_ms = cfg->batch_deadline_ms,
-        .idle_exit_ms = cfg->idle_exit_ms,
-        .cpu_host_alloc = cfg->cpu_host_alloc,
-        .cpu_kernel_time = cfg->cpu_kernel_time,
-    };
-    enum moed_cfg_backend kind = cfg->backend;
-    if (kind == MOED_CFG_BACKEND_AUTO)
-        kind = moed_backend_cuda_available() ? MOED_CFG_BACKEND_CUDA : MOED_CFG_BACKEND_CPU;
-    if (kind == MOED_CFG_BACKEND_CUDA) {
-        if (!moed_backend_cuda_available())
-            return moed_seterr(err, errlen, MOED_E_BACKEND,
-                               "engine.backend is \"cuda\" but %s",
-#ifdef MOED_HAVE_CUDA
-                               "no CUDA device is visible"
-#else
-                               "this build has no CUDA (built with CUDA=0)"
-#endif
-            );
-        return moed_backend_cuda_open(e->model, &bc, on_backend_done, e, &e->be, err, errlen);
-    }
-    return moed_backend_cpu_open(e->model, &bc, on_backend_done, e, &e->be, err, errlen);
-}
-
-static void *pool_host_alloc(void *ctx, size_t bytes)
-{
-    struct moed_backend *be = ctx;
-    return be->ops->host_alloc(be, bytes);
-}
-
-static void pool_host_free(void *ctx, void *p)
-{
-    struct moed_backend *be = ctx;
-    be->ops->host_free(be, p);
-}
-
-/* The buffer pool, on the backend's host allocator when it has one. */
-static int open_pool(struct moed_engine *e, const struct moed_cfg *cfg, char *err, size_t errlen)
-{
-    const struct moed_backend_ops *ops = e->be->ops;
-    struct moed_bufpool_cfg pc = {.pinned_limit = cfg->pinned_pool_bytes,
-                                  .keep_bytes = cfg->read_buffer_keep_bytes};
-    if (ops->host_alloc && ops->host_free)
-        pc.pinned = (struct moed_host_allocator){pool_host_alloc, pool_host_free, e->be};
-    if (moed_bufpool_open(&pc, &e->pool) < 0)
-        return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
-    if (pc.pinned.alloc && pc.pinned_limit)
-        LOG_I("buffers: up to %llu MiB of backend %s host memory, used in place "
-              "(server.pinned_pool_bytes)", (unsigned long long)(pc.pinned_limit >> 20), ops->name);
-    else if (pc.pinned.alloc)
-        LOG_I("buffers: ordinary memory (server.pinned_pool_bytes is 0)");
-    else
-        LOG_I("buffers: ordinary memory (backend %s has no host memory of its own)", ops->name);
-    return 0;
-}
-
-int moed_engine_open(uv_loop_t *loop, struct moed_model *model, const struct moed_cfg *cfg,
-                     moed_progress_fn progress, void *progress_ctx, struct moed_engine **out,
-                     char *err, size_t errlen)
-{
-    int rc;
-    *out = NULL;
-    struct moed_engine *e = calloc(1, sizeof *e);
-    if (!e) {
-        moed_model_close(model);
-        return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
-    }
-    e->loop = loop;
-    e->model = model;
-    e->dims = moed_model_dims(model);
-    e->max_tokens = cfg->max_tokens;
-    e->max_frame_bytes = cfg->max_frame_bytes;
-    e->first_moe_layer = e->dims->n_layers;
-    for (uint32_t l = 0; l < e->dims->n_layers; l++)
-        if (moed_model_is_moe_layer(model, l)) {
-            e->first_moe_layer = l;
-            break;
-        }
-    uint64_t need = moed_forward_payload_len(cfg->max_tokens, e->dims->hidden, e->dims->top_k);
-    if (need == 0 || need > cfg->max_frame_bytes) {
-        rc = moed_seterr(err, errlen, MOED_E_CONFIG,
-                         "server.max_frame_bytes %llu is below the %llu bytes a FORWARD of "
-                         "engine.max_tokens %u tokens needs for this model (H=%u, k=%u)",
-                         (unsigned long long)cfg->max_frame_bytes, (unsigned long long)need,
-                         cfg->max_tokens, e->dims->hidden, e->dims->top_k);
-        goto fail_model;
-    }
-    e->stats.version = MOED_VERSION;
-    e->stats.start_ns = now_ns();
-    e->stats.dims = e->dims;
-    e->stats.model_path = moed_model_dir(model);
-    e->stats.backend = "";
-    e->stats.n_expert_hits = e->dims->n_experts + e->dims->n_shared;
-    e->stats.n_hit_layers = e->dims->n_layers; /* rows by absolute layer (validated < this) */
-    e->stats.expert_hits =
-        calloc((size_t)e->stats.n_hit_layers * e->stats.n_expert_hits, sizeof(uint64_t));
-    if (!e->stats.expert_hits) {
-        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
-        goto fail_model;
-    }
-    pthread_mutex_init(&e->done_mu, NULL);
-    e->async.data = e; /* on_async drains completions also before attach */
-    rc = open_backend(e, cfg, progress, progress_ctx, err, errlen);
-    if (rc < 0)
-        goto fail_mutex;
-    rc = open_pool(e, cfg, err, errlen);
-    if (rc < 0)
-        goto fail_backend;
-    e->stats.backend = e->be->ops->name;
-    e->backend_name = e->be->ops->name;
-    e->stats.healthy = 1;
-    if (e->be->ops->describe)
-        e->be->ops->describe(e->be, e->stats.backend_desc, sizeof e->stats.backend_desc);
-    *out = e;
-    return 0;
-
-fail_backend:
-    moed_backend_close(e->be);
-fail_mutex:
-    pthread_mutex_destroy(&e->done_mu);
-    free(e->stats.expert_hits);
-fail_model:
-    moed_model_close(model);
-    free(e);
-    return rc;
-}
-
-int moed_engine_self_check(struct moed_engine *e, char *err, size_t errlen)
-{
-    const struct moed_dims *d = e->dims;
-    const uint32_t T = e->max_tokens < 4 ? e->max_tokens : 4, H = d->hidden, k = d->top_k;
-    const uint32_t L = e->first_moe_layer;
-    int rc = 0;
-    uint16_t *ref = NULL;
-    struct eng_batch *eb = batch_alloc(e, L, T);
-    const struct moe_layer *layer = moed_model_layer(e->model, L);
-    if (!eb || !layer || !(ref = malloc((size_t)T * H * 2))) {
-        rc = moed_seterr(err, errlen, layer ? MOED_E_NOMEM : MOED_E_MODEL,
-                         layer ? "out of memory" : "self-check: model has no MoE layer %u", L);
-        goto out;
-    }
-    eb->selfcheck = 1;
-    /* Deterministic input: a small LCG, distinct experts per token. */
-    uint16_t *x = eb->b.x.ptr;
-    int32_t *ids = eb->b.ids.ptr;
-    float *w = eb->b.w.ptr;
-    uint32_t s = 12345u;
-    for (size_t i = 0; i < (size_t)T * H; i++) {
-        s = s * 1664525u + 1013904223u;
-        x[i] = bf16_from_float(((float)(s >> 8) / 16777216.0f - 0.5f) * 2.0f);
-    }
-    for (uint32_t t = 0; t < T; t++)
-        for (uint32_t j = 0; j < k; j++) {
-            ids[t * k + j] = (int32_t)((t * 7 + j * 3 + j * j) % d->n_experts);
-            w[t * k + j] = 1.0f / (float)(j + 1);
-        }
-    busy_begin(e);
-    rc = moed_backend_submit(e->be, &eb->b);
-    if (rc < 0) {
-        busy_end(e);
-        rc = moed_seterr(err, errlen, MOED_E_BACKEND, "self-check: backend %s refused a batch: %s",
-                         e->be->ops->name, moed_strerror(rc));
-        goto out;
-    }
-    while (!e->selfcheck_done)
-        uv_run(e->loop, UV_RUN_ONCE);
-    if (eb->b.status != 0) {
-        rc = moed_seterr(err, errlen, MOED_E_BACKEND, "self-check: backend %s failed the batch: %s",
-                         e->be->ops->name, moed_strerror(eb->b.status));
-        goto out;
-    }
-    rc = moe_ref_forward(layer, T, x, ids, w, ref, 0);
-    if (rc < 0) {
-        rc = moed_seterr(err, errlen, rc, "self-check: moe_ref_forward: %s", moed_strerror(rc));
-        goto out;
-    }
-    double rel = bf16_rel_l2(eb->b.y.ptr, ref, (size_t)T * H);
-    if (!(rel <= 1e-2)) {
-        rc = moed_seterr(err, errlen, MOED_E_BACKEND,
-                         "self-check: backend %s differs from the CPU reference on layer %u, %u "
-                         "tokens: relative L2 error %.3g (allowed 1e-2)",
-                         e->be->ops->name, L, T, rel);
-        goto out;
-    }
-    LOG_I("self-check passed: backend %s, layer %u, %u tokens, relative L2 error %.2e",
-          e->be->ops->name, L, T, rel);
-    e->stats.loaded = 1;
-out:
-    free(ref);
-    if (eb)
-        batch_free(e, eb);
-    return rc;
-}
-
-struct moed_stats *moed_engine_stats(struct moed_engine *e)
-{
-    /* busy_ns is kept in closed intervals; include the open one here by
-     * closing and reopening it. */
-    if (e->outstanding > 0) {
-        uint64_t t = now_ns();
-        e->stats.busy_ns += t - e->busy_since_ns;
-        e->busy_since_ns = t;
-    }
-    if (e->be && e->be->ops->healthy && !e->failed)
-        e->stats.healthy = e->be->ops->healthy(e->be) ? 1 : 0;
-    if (e->pool) {
-        struct moed_bufpool_stats ps;
-        moed_bufpool_get_stats(e->pool, &ps);
-        e->stats.pinned_bytes = ps.pinned_bytes;
-        e->stats.pinned_free_bytes = ps.pinned_free_bytes;
-        e->stats.pinned_limit = ps.pinned_limit;
-        e->stats.pinned_allocs = ps.pinned_allocs;
-        e->stats.spare_bytes = ps.spare_bytes;
-    }
-    if (e->be && e->be->ops->heartbeat) {
-        uint64_t hb = e->be->ops->heartbeat(e->be), t = now_ns();
-        if (hb != e->hb_last || e->hb_changed_ns == 0) {
-            e->hb_last = hb;
-            e->hb_changed_ns = t;
-        }
-        e->stats.heartbeat = hb;
-        e->stats.heartbeat_age_ms = (t - e->hb_changed_ns) / 1000000u;
-    }
-    return &e->stats;
-}
-
-void moed_engine_on_failure(struct moed_engine *e, void (*cb)(void *arg), void *arg)
-{
-    e->fail_cb = cb;
-    e->fail_arg = arg;
-}
-
-void moed_engine_drain(struct moed_engine *e, void (*done)(void *arg), void (*progress)(void *arg),
-                       void *arg)
-{
-    e->draining = 1;
-    e->drain_cb = done;
-    e->drain_progress = progress;
-    e->drain_arg = arg;
-    LOG_I("draining: %llu requests in flight (%llu waiting, %u batches at the backend)",
-          (unsigned long long)e->stats.in_flight, (unsigned long long)e->n_waiting, e->outstanding);
-    maybe_drained(e);
-}
-
-int moed_engine_failed(const struct moed_engine *e) { return e->failed; }
-
-static void on_async_closed(uv_handle_t *h)
-{
-    struct moed_engine *e = h->data;
-    if (--e->closes_pending > 0)
-        return;
-    free(e->stats.expert_hits);
-    moed_status_cache_free(&e->status_cache);
-    pthread_mutex_destroy(&e->done_mu);
-    free(e);
-}
-
-void moed_engine_close(struct moed_engine *e)
-{
-    if (!e)
-        return;
-    /* Pinned buffers go back to the backend while it is open (it frees them
-     * once its kernel has stopped). The backend finishes (or fails) what is
-     * queued and calls done for each batch; run their completions here so
-     * every request is answered. */
-    moed_bufpool_release_pinned(e->pool);
-    moed_backend_close(e->be);
-    e->be = NULL;
-    e->failed = 1; /* nothing more is submitted */
-    on_async(&e->async);
-    while (e->wait_head) {
-        struct eng_req *r = e->wait_head;
-        e->wait_head = r->next;
-        req_fail(e, r, MOED_E_SHUTDOWN, "moed is shutting down");
-    }
-    e->wait_tail = NULL;
-    moed_bufpool_close(e->pool);
-    e->pool = NULL;
-    moed_model_close(e->model);
-    e->model = NULL;
-    if (!e->attached) { /* no handles on the loop: free now */
-        free(e->stats.expert_hits);
-        moed_status_cache_free(&e->status_cache);
-        pthread_mutex_destroy(&e->done_mu);
-        free(e);
-        return;
-    }
-    e->closes_pending = 1;
-    if (e->health_timer_on) {
-        e->closes_pending++;
-        uv_close((uv_handle_t *)&e->health_timer, on_async_closed);
-    }
-    uv_close((uv_handle_t *)&e->async, on_async_closed);
-}

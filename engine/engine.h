@@ -54,6 +54,10 @@ int moed_engine_self_check(struct moed_engine *e, char *err, size_t errlen);
 /* The server callbacks; ctx is the engine. */
 const struct moed_server_ops *moed_engine_server_ops(void);
 
+/* The server whose counters (clients, error replies) the stats show; NULL
+ * before it opens and once it is closed. */
+void moed_engine_set_server(struct moed_engine *e, const struct moed_server *srv);
+
 /* The buffer pool the server must read into and write from (its buffers may
  * be the backend's pinned host memory). Owned by the engine; the server must
  * be closed before the engine. */

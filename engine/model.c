@@ -12,55 +12,7 @@
  *      every page of every expert matrix touched so the load cost is paid at
  *      start, not on the first request.
  */
-#include "model.h"
-
-#include <errno.h>
-#include <fcntl.h>
-#include <limits.h>
-#include <math.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <cjson/cJSON.h>
-
-#include "moed_err.h"
-#include "moed_log.h"
-#include "safetensors.h"
-
-#define MODEL_MAX_CONFIG_BYTES (16u << 20)
-/* The index of a DeepSeek-V3-size NVFP4 checkpoint is ~16 MB (~180k expert
- * tensor entries), so it gets more room than the small config files. */
-#define MODEL_MAX_INDEX_BYTES (256u << 20)
-#define MODEL_TOUCH_STRIDE 4096u
-#define GIB (1024.0 * 1024.0 * 1024.0)
-
-struct model_shard {
-    const char *file;       /* borrowed from the index JSON (or a literal) */
-    struct st_file *st;
-};
-
-struct wmap_entry {
-    const char *tensor;     /* borrowed from the index JSON */
-    uint32_t shard;
-};
-
-struct moed_model {
-    char *dir;
-    struct moed_dims dims;
-    uint8_t is_moe[MOED_MAX_LAYERS];
-    cJSON *index;                    /* kept alive: wmap and shard names point into it */
-    struct model_shard *shards;
-    size_t n_shards;
-    struct wmap_entry *wmap;         /* sorted by tensor name; empty without an index */
-    size_t n_wmap;
-    struct moe_expert *experts;      /* [n_moe_layers * (E + S)] */
-    struct moe_layer *layers;        /* [n_layers]; experts == NULL for dense layers */
-    uint64_t weight_bytes, expert_bytes;
-};
+#include "model_int.h"
 
 /* ------------------------------------------------------------ small files */
 
@@ -147,7 +99,7 @@ static int parse_json(const char *name, const char *text, size_t len, cJSON **ou
     return 0;
 }
 
-static int read_json(const char *dir, const char *name, size_t cap, cJSON **out, int *missing,
+int model_read_json(const char *dir, const char *name, size_t cap, cJSON **out, int *missing,
                      char *err, size_t errlen)
 {
     char path[PATH_MAX];
@@ -161,220 +113,6 @@ static int read_json(const char *dir, const char *name, size_t cap, cJSON **out,
         return rc;
     rc = parse_json(name, text, strlen(text), out, err, errlen);
     free(text);
-    return rc;
-}
-
-/* -------------------------------------------------------------- config.json */
-
-/* Concepts and the config.json names each family uses for them. */
-enum cfg_concept { C_HIDDEN, C_INTER, C_EXPERTS, C_TOPK, C_SHARED, C_LAYERS, C__COUNT };
-
-static const struct cfg_alias {
-    const char *concept;
-    const char *keys[3];  /* first is the canonical name */
-    int required;         /* else `dflt` when absent */
-    uint32_t dflt, min, max;
-} cfg_aliases[C__COUNT] = {
-    [C_HIDDEN] = {"hidden size", {"hidden_size"}, 1, 0, NVFP4_GROUP, MOED_MAX_HIDDEN},
-    [C_INTER] = {"expert intermediate size", {"moe_intermediate_size"}, 1, 0, NVFP4_GROUP,
-                 MOED_MAX_INTER},
-    [C_EXPERTS] = {"routed experts", {"n_routed_experts", "num_experts"}, 1, 0, 1,
-                   MOED_MAX_EXPERTS},
-    [C_TOPK] = {"experts per token", {"num_experts_per_tok"}, 1, 0, 1, MOED_MAX_TOPK},
-    [C_SHARED] = {"shared experts", {"n_shared_experts"}, 0, 0, 0, MOED_MAX_SHARED},
-    [C_LAYERS] = {"layers", {"num_hidden_layers"}, 1, 0, 1, MOED_MAX_LAYERS},
-};
-
-/* Multimodal wrappers (e.g. Qwen3-VL-MoE) nest the language model's keys in
- * "text_config"; look there when the top level lacks the key. */
-static const cJSON *cfg_get(const cJSON *root, const char *key)
-{
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, key);
-    if (v)
-        return v;
-    const cJSON *tc = cJSON_GetObjectItemCaseSensitive(root, "text_config");
-    return cJSON_IsObject(tc) ? cJSON_GetObjectItemCaseSensitive(tc, key) : NULL;
-}
-
-static int json_uint(const cJSON *v, uint64_t max, uint64_t *out)
-{
-    if (!cJSON_IsNumber(v))
-        return -1;
-    double d = v->valuedouble;
-    if (!isfinite(d) || d < 0 || d > (double)max || floor(d) != d)
-        return -1;
-    *out = (uint64_t)d;
-    return 0;
-}
-
-static int cfg_read_concept(const cJSON *root, enum cfg_concept c, uint32_t *out, char *err,
-                            size_t errlen)
-{
-    const struct cfg_alias *a = &cfg_aliases[c];
-    const cJSON *v = NULL;
-    const char *key = a->keys[0];
-    for (int i = 0; i < 3 && a->keys[i] && !v; i++) {
-        v = cfg_get(root, a->keys[i]);
-        if (v)
-            key = a->keys[i];
-    }
-    if (!v || cJSON_IsNull(v)) {
-        if (a->required) {
-            char alias[128] = "";
-            size_t o = 0;
-            for (int i = 1; i < 3 && a->keys[i] && o < sizeof alias; i++)
-                o += (size_t)snprintf(alias + o, sizeof alias - o, "%s'%s'",
-                                      i == 1 ? " (or alias " : ", ", a->keys[i]);
-            if (o && o < sizeof alias)
-                snprintf(alias + o, sizeof alias - o, ")");
-            return moed_seterr(err, errlen, MOED_E_MODEL, "config.json: missing '%s'%s (%s)",
-                               a->keys[0], alias, a->concept);
-        }
-        *out = a->dflt;
-        return 0;
-    }
-    uint64_t x;
-    if (json_uint(v, UINT32_MAX, &x) != 0)
-        return moed_seterr(err, errlen, MOED_E_MODEL,
-                           "config.json: '%s' must be a non-negative integer", key);
-    if (x < a->min || x > a->max)
-        return moed_seterr(err, errlen, MOED_E_MODEL,
-                           "config.json: '%s' is %llu, allowed %u..%u", key,
-                           (unsigned long long)x, a->min, a->max);
-    *out = (uint32_t)x;
-    return 0;
-}
-
-/* Which layers are MoE: GLM-5 mlp_layer_types, else DeepSeek/GLM-4.5
- * first_k_dense_replace, else Qwen3 decoder_sparse_step + mlp_only_layers. */
-static int cfg_moe_layers(const cJSON *root, uint32_t n_layers, uint8_t *is_moe, char *err,
-                          size_t errlen)
-{
-    const cJSON *types = cfg_get(root, "mlp_layer_types");
-    const cJSON *fk = cfg_get(root, "first_k_dense_replace");
-    const cJSON *step = cfg_get(root, "decoder_sparse_step");
-    uint64_t x;
-    if (types && !cJSON_IsNull(types)) {
-        if (!cJSON_IsArray(types) || (uint32_t)cJSON_GetArraySize(types) != n_layers)
-            return moed_seterr(err, errlen, MOED_E_MODEL,
-                               "config.json: 'mlp_layer_types' must be an array of %u strings "
-                               "(one per layer)",
-                               n_layers);
-        uint32_t l = 0;
-        const cJSON *t;
-        cJSON_ArrayForEach(t, types) {
-            if (cJSON_IsString(t) && strcmp(t->valuestring, "sparse") == 0)
-                is_moe[l] = 1;
-            else if (cJSON_IsString(t) && strcmp(t->valuestring, "dense") == 0)
-                is_moe[l] = 0;
-            else
-                return moed_seterr(err, errlen, MOED_E_MODEL,
-                                   "config.json: mlp_layer_types[%u] is not \"dense\" or "
-                                   "\"sparse\"",
-                                   l);
-            l++;
-        }
-        return 0;
-    }
-    if (fk && !cJSON_IsNull(fk)) {
-        if (json_uint(fk, n_layers, &x) != 0)
-            return moed_seterr(err, errlen, MOED_E_MODEL,
-                               "config.json: 'first_k_dense_replace' must be an integer in "
-                               "0..%u (num_hidden_layers)",
-                               n_layers);
-        for (uint32_t l = 0; l < n_layers; l++)
-            is_moe[l] = l >= x;
-        return 0;
-    }
-    if (step && !cJSON_IsNull(step)) {
-        if (json_uint(step, UINT32_MAX, &x) != 0 || x == 0)
-            return moed_seterr(err, errlen, MOED_E_MODEL,
-                               "config.json: 'decoder_sparse_step' must be a positive integer");
-        for (uint32_t l = 0; l < n_layers; l++)
-            is_moe[l] = (l + 1) % x == 0;
-        const cJSON *only = cfg_get(root, "mlp_only_layers");
-        if (only && !cJSON_IsNull(only)) {
-            if (!cJSON_IsArray(only))
-                return moed_seterr(err, errlen, MOED_E_MODEL,
-                                   "config.json: 'mlp_only_layers' must be an array of layer "
-                                   "numbers");
-            const cJSON *v;
-            cJSON_ArrayForEach(v, only) {
-                uint64_t l;
-                if (json_uint(v, n_layers - 1, &l) != 0)
-                    return moed_seterr(err, errlen, MOED_E_MODEL,
-                                       "config.json: 'mlp_only_layers' entries must be layer "
-                                       "numbers in 0..%u",
-                                       n_layers - 1);
-                is_moe[l] = 0;
-            }
-        }
-        return 0;
-    }
-    return moed_seterr(err, errlen, MOED_E_MODEL,
-                       "config.json: missing 'first_k_dense_replace' (or alias "
-                       "'mlp_layer_types', 'decoder_sparse_step') (which layers are MoE)");
-}
-
-static int cfg_parse(const cJSON *root, struct moed_dims *d, uint8_t *is_moe, char *err,
-                     size_t errlen)
-{
-    uint32_t v[C__COUNT];
-    int rc;
-    memset(d, 0, sizeof *d);
-    for (int c = 0; c < C__COUNT; c++)
-        if ((rc = cfg_read_concept(root, (enum cfg_concept)c, &v[c], err, errlen)) != 0)
-            return rc;
-    /* The format's own unit: one E4M3 scale per NVFP4_GROUP (16) weights of a
-     * row, two weights a byte. Backends may need more (CUDA: 64, checked when
-     * it starts); the CPU backend takes any multiple of 16. */
-    if (v[C_HIDDEN] % NVFP4_GROUP != 0)
-        return moed_seterr(err, errlen, MOED_E_MODEL,
-                           "config.json: hidden_size %u is not a multiple of %d (an NVFP4 row "
-                           "is whole %d-weight scale blocks: one E4M3 scale per %d weights)",
-                           v[C_HIDDEN], NVFP4_GROUP, NVFP4_GROUP, NVFP4_GROUP);
-    if (v[C_INTER] % NVFP4_GROUP != 0)
-        return moed_seterr(err, errlen, MOED_E_MODEL,
-                           "config.json: moe_intermediate_size %u is not a multiple of %d (an "
-                           "NVFP4 row is whole %d-weight scale blocks: one E4M3 scale per %d "
-                           "weights)",
-                           v[C_INTER], NVFP4_GROUP, NVFP4_GROUP, NVFP4_GROUP);
-    if (v[C_TOPK] > v[C_EXPERTS])
-        return moed_seterr(err, errlen, MOED_E_MODEL,
-                           "config.json: num_experts_per_tok %u is over the %u routed experts",
-                           v[C_TOPK], v[C_EXPERTS]);
-    memset(is_moe, 0, MOED_MAX_LAYERS);
-    if ((rc = cfg_moe_layers(root, v[C_LAYERS], is_moe, err, errlen)) != 0)
-        return rc;
-    d->hidden = v[C_HIDDEN];
-    d->inter = v[C_INTER];
-    d->n_experts = v[C_EXPERTS];
-    d->top_k = v[C_TOPK];
-    d->n_shared = v[C_SHARED];
-    d->n_layers = v[C_LAYERS];
-    for (uint32_t l = 0; l < d->n_layers; l++)
-        d->n_moe_layers += is_moe[l];
-    if (d->n_moe_layers == 0)
-        return moed_seterr(err, errlen, MOED_E_MODEL,
-                           "config.json: none of the %u layers is an MoE layer", d->n_layers);
-    const cJSON *mt = cfg_get(root, "model_type");
-    snprintf(d->family, sizeof d->family, "%s",
-             cJSON_IsString(mt) ? mt->valuestring : "unknown");
-    return 0;
-}
-
-int moed_model_read_config(const char *dir, struct moed_dims *dims, char *err, size_t errlen)
-{
-    cJSON *root = NULL;
-    uint8_t *is_moe = malloc(MOED_MAX_LAYERS);
-    int rc;
-    if (!is_moe)
-        return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
-    rc = read_json(dir, "config.json", MODEL_MAX_CONFIG_BYTES, &root, NULL, err, errlen);
-    if (rc == 0)
-        rc = cfg_parse(root, dims, is_moe, err, errlen);
-    cJSON_Delete(root);
-    free(is_moe);
     return rc;
 }
 
@@ -393,7 +131,7 @@ static int quant_check_fields(const char *label, const cJSON *algo, const cJSON 
                            algo->valuestring);
     if (!gs || cJSON_IsNull(gs))
         return 0; /* NVFP4 implies 16 */
-    if (json_uint(gs, UINT32_MAX, &g) != 0)
+    if (model_json_uint(gs, UINT32_MAX, &g) != 0)
         return moed_seterr(err, errlen, MOED_E_MODEL, "%s: group_size is not an integer",
                            label);
     if (g != 16)
@@ -416,7 +154,7 @@ static int quant_check(const cJSON *hq, const cJSON *config, char *err, size_t e
                                   cJSON_GetObjectItemCaseSensitive(q, "quant_algo"),
                                   cJSON_GetObjectItemCaseSensitive(q, "group_size"), err, errlen);
     }
-    const cJSON *qc = cfg_get(config, "quantization_config");
+    const cJSON *qc = model_cfg_get(config, "quantization_config");
     if (!cJSON_IsObject(qc))
         return moed_seterr(err, errlen, MOED_E_MODEL,
                            "no quantization info: hf_quant_config.json is absent and "
@@ -442,9 +180,9 @@ static int quant_check(const cJSON *hq, const cJSON *config, char *err, size_t e
 static int read_configs(const char *dir, cJSON **config, cJSON **hq, char *err, size_t errlen)
 {
     int missing = 0;
-    int rc = read_json(dir, "config.json", MODEL_MAX_CONFIG_BYTES, config, NULL, err, errlen);
+    int rc = model_read_json(dir, "config.json", MODEL_MAX_CONFIG_BYTES, config, NULL, err, errlen);
     if (rc == 0)
-        rc = read_json(dir, "hf_quant_config.json", MODEL_MAX_CONFIG_BYTES, hq, &missing, err,
+        rc = model_read_json(dir, "hf_quant_config.json", MODEL_MAX_CONFIG_BYTES, hq, &missing, err,
                        errlen);
     return rc;
 }
@@ -469,7 +207,7 @@ int moed_model_parse_config(const char *config_json, size_t config_len, const ch
     if (rc == 0 && quant_json)
         rc = parse_json("hf_quant_config.json", quant_json, quant_len, &hq, err, errlen);
     if (rc == 0)
-        rc = cfg_parse(config, dims, is_moe, err, errlen);
+        rc = model_cfg_parse(config, dims, is_moe, err, errlen);
     if (rc == 0)
         rc = quant_check(hq, config, err, errlen);
 out:
@@ -509,7 +247,7 @@ static int shards_open(struct moed_model *m, char *err, size_t errlen)
 {
     int missing = 0, rc;
     const char **files = NULL;
-    rc = read_json(m->dir, "model.safetensors.index.json", MODEL_MAX_INDEX_BYTES, &m->index,
+    rc = model_read_json(m->dir, "model.safetensors.index.json", MODEL_MAX_INDEX_BYTES, &m->index,
                    &missing, err, errlen);
     if (rc)
         return rc;
@@ -786,7 +524,7 @@ int moed_model_open(const char *dir, uint64_t budget_bytes, moed_progress_fn pro
     rc = read_configs(dir, &config, &hq, err, errlen);
     if (rc)
         goto fail;
-    rc = cfg_parse(config, &m->dims, m->is_moe, err, errlen);
+    rc = model_cfg_parse(config, &m->dims, m->is_moe, err, errlen);
     if (rc)
         goto fail;
     rc = quant_check(hq, config, err, errlen);
@@ -955,3 +693,4 @@ const char *moed_model_dir(const struct moed_model *m)
 {
     return m->dir;
 }
+

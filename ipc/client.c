@@ -9,6 +9,7 @@
  */
 #include "moed_client.h"
 #include "moed_le.h"
+#include "moed_util.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -57,19 +58,7 @@ struct moedc {
     size_t ycap;
 };
 
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
+static int64_t now_ms(void) { return (int64_t)(moed_mono_ns() / 1000000u); }
 
 /* Mark the connection broken (the stream position is lost) and set err. */
 static int fail(struct moedc *c, int code, char *err, size_t errlen, const char *fmt, ...)
@@ -693,14 +682,14 @@ int moedc_ping(struct moedc *c, uint64_t *rtt_ns, char *err, size_t errlen)
     int rc = usable(c, 1, err, errlen);
     if (rc)
         return rc;
-    uint64_t t0 = now_ns();
+    uint64_t t0 = moed_mono_ns();
     uint8_t p[8];
     le_put64(p, t0);
     struct moed_frame_hdr h;
     rc = call(c, MOED_MSG_PING, p, sizeof p, &h, err, errlen);
     if (rc)
         return rc;
-    uint64_t t1 = now_ns();
+    uint64_t t1 = moed_mono_ns();
     if (h.payload_len != sizeof p || memcmp(c->rbuf, p, sizeof p) != 0) {
         c->broken = 1;
         return moed_seterr(err, errlen, MOED_E_PROTO,

@@ -25,6 +25,7 @@
 #define MOED_PROTO_HDR_SIZE 32
 #define MOED_PROTO_REPLY 0x8000u
 #define MOED_PROTO_MAX_ERRMSG 1024
+#define MOED_SOCKET_PATH_MAX 107 /* a socket path: sun_path (108) minus the NUL */
 
 enum moed_msg_type {
     MOED_MSG_HELLO = 1,

@@ -25,12 +25,60 @@
 #include <uv.h>
 
 #include "bufpool.h"
-#include "config.h"
+#include "moed_err.h"
 #include "moed_proto.h"
-#include "stats.h"
 
 struct moed_server;
 struct moed_conn; /* one client connection; opaque */
+
+#define MOED_SERVER_PATH_MAX 4096
+#define MOED_SERVER_MAX_IDS 64
+
+/* What the server reads of the daemon's config (the server.* keys; see
+ * config/README.md for each one's meaning and bounds). */
+struct moed_server_limits {
+    char socket_path[MOED_SERVER_PATH_MAX];
+    uint32_t socket_mode;             /* e.g. 0660 */
+    char socket_group[64];            /* "" = leave as is */
+    uint32_t allowed_uids[MOED_SERVER_MAX_IDS]; uint32_t n_allowed_uids; /* empty: own uid + root */
+    uint32_t allowed_gids[MOED_SERVER_MAX_IDS]; uint32_t n_allowed_gids;
+    uint32_t max_clients;
+    uint32_t max_pending_per_client;
+    uint64_t max_frame_bytes;
+    uint64_t max_client_buffer_bytes; /* queued reply bytes before reading stops */
+    uint32_t frame_timeout_ms;        /* header received -> body must complete */
+    uint64_t read_buffer_keep_bytes;  /* read buffer a connection keeps between frames */
+    uint64_t socket_buffer_bytes;     /* SO_SNDBUF of client sockets; 0 = kernel default */
+    uint32_t idle_timeout_ms;         /* close a client idle this long; 0 = never */
+    uint64_t max_reply_bytes;         /* reply memory queued for all clients together */
+};
+
+/* The server's own counters (read with moed_server_counters). */
+struct moed_server_counters {
+    uint32_t clients;               /* connected now */
+    uint64_t clients_total;         /* accepted since start */
+    uint64_t clients_refused;
+    uint64_t errors[MOED_E__COUNT]; /* ERROR frames sent, by -code */
+};
+
+/* The timestamps of one request (ns, uv_hrtime clock); 0 = not reached. */
+struct moed_req_times {
+    uint64_t rx_ns;       /* first byte of the frame read */
+    uint64_t complete_ns; /* frame complete */
+    uint64_t submit_ns;   /* batch handed to the backend */
+    uint64_t done_ns;     /* backend done callback (backend thread) */
+    uint64_t reply_ns;    /* reply handed to the socket write */
+    uint64_t kernel_ns;   /* not a timestamp: the batch's kernel time (ns,
+                             moed_batch.kernel_ns); 0 = not known */
+};
+
+/* A FORWARD request as moed_server_forward_parse read it. */
+struct moed_server_fwd {
+    uint32_t layer;
+    uint32_t n_tokens;
+    const uint8_t *body;  /* x bf16 [T, H], ids int32 [T, top_k], w f32 [T, top_k] */
+    size_t body_len;
+};
 
 struct moed_server_ops {
     /* A FORWARD frame with a valid header. `payload` is valid only during the
@@ -55,18 +103,22 @@ struct moed_server_ops {
      * flood of STATUS requests is served from one rendering; NULL on
      * allocation failure. */
     const char *(*status_json)(void *ctx, size_t *len);
+    /* Optional: a timed FORWARD reply's last byte was written at now_ns; `t`
+     * has every timestamp (reply_ns included). */
+    void (*reply_written)(void *ctx, const struct moed_req_times *t, uint64_t now_ns);
 };
 
-/* Open the listening socket described by cfg (server.* keys): checks the path
- * length, refuses a path that is not a socket, replaces a stale socket only if
+/* Open the listening socket described by `lim`: checks the path length,
+ * refuses a path that is not a socket, replaces a stale socket only if
  * nothing listens on it, binds, applies mode and group, and starts listening.
  * Read buffers come from `pool` and every frame written goes back to it;
- * `pool` and `stats` (owned by the caller) outlive the server. `stats` gets
- * the client counters and the error counts of every ERROR frame sent. `cfg`
- * is copied. */
-int moed_server_open(uv_loop_t *loop, const struct moed_cfg *cfg, const struct moed_server_ops *ops,
-                     void *ctx, struct moed_bufpool *pool, struct moed_stats *stats,
+ * `pool` (owned by the caller) outlives the server. `lim` is copied. */
+int moed_server_open(uv_loop_t *loop, const struct moed_server_limits *lim,
+                     const struct moed_server_ops *ops, void *ctx, struct moed_bufpool *pool,
                      struct moed_server **out, char *err, size_t errlen);
+
+/* The server's counters (valid until moed_server_close's done). */
+const struct moed_server_counters *moed_server_counters(const struct moed_server *srv);
 
 /* Stop accepting and remove the socket file (idempotent). Connected clients
  * keep working. */
@@ -88,6 +140,32 @@ void moed_server_close(struct moed_server *srv, void (*done)(void *arg), void *a
  * request's stages in the stats. */
 void moed_server_reply(struct moed_conn *c, struct moed_hbuf *frame, size_t off, size_t len,
                        const struct moed_req_times *t);
+
+/* FORWARD framing, owned here. A reply's y (bf16 [T, H]) lies
+ * MOED_SERVER_FWD_Y_OFF bytes into its frame; a buffer whose frame starts
+ * MOED_SERVER_FWD_PAD bytes in has y at MOED_BUF_ALIGN (16). In a lent read
+ * buffer (ops->forward's rx) the request body starts MOED_SERVER_FWD_BODY_OFF
+ * bytes in, also 16-aligned. */
+#define MOED_SERVER_FWD_Y_OFF ((size_t)(MOED_PROTO_HDR_SIZE + sizeof(struct moed_forward_rep)))
+#define MOED_SERVER_FWD_PAD ((16 - MOED_SERVER_FWD_Y_OFF % 16) % 16)
+#define MOED_SERVER_FWD_BODY_OFF ((size_t)(MOED_PROTO_HDR_SIZE + sizeof(struct moed_forward_req)))
+_Static_assert(MOED_SERVER_FWD_BODY_OFF % 16 == 0, "x in a lent read buffer is 16-aligned");
+
+/* Validate a FORWARD payload against the model (moed_forward_validate) and
+ * give its fields; MOED_E_INVAL with a message in err if it is not valid. */
+int moed_server_forward_parse(const uint8_t *payload, uint64_t len, uint32_t hidden,
+                              uint32_t n_experts, uint32_t top_k, uint32_t max_tokens,
+                              int (*is_moe_layer)(const void *ctx, uint32_t layer),
+                              const void *ctx, struct moed_server_fwd *out, char *err,
+                              size_t errlen);
+
+/* Answer a FORWARD with its result: y (n_tokens * hidden bf16) is already at
+ * frame->base + off + MOED_SERVER_FWD_Y_OFF; the server writes the frame
+ * header and the reply head in front of it and sends it as moed_server_reply
+ * does. */
+void moed_server_reply_forward(struct moed_conn *c, struct moed_hbuf *frame, size_t off,
+                               uint64_t request_id, uint32_t n_tokens, uint32_t hidden,
+                               const struct moed_req_times *t);
 
 /* Answer a FORWARD the engine took with an ERROR frame. */
 void moed_server_reply_error(struct moed_conn *c, uint64_t request_id, int code, const char *msg);

@@ -24,6 +24,8 @@ fixtures are found by pytest by name):
 * ``ref_forward(model_dir, layer, x_bits, ids, w, threads=0)``: runs the C
   reference through tests/tools/ref_forward and returns y as uint16 bf16 bits.
 * ``rel_l2(y, ref)``.
+* Module fixture ``models_dir``: the daemons' shared synthetic_dir
+  (daemon_util.models_dir).
 * Session fixtures ``tiny_model`` (tiny, 2 layers, seed 11) and
   ``qwen3_model`` (qwen3-30b-a3b, 1 layer, seed 12): checkpoint directories
   generated once per session.
@@ -264,6 +266,14 @@ def qwen3_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("models") / "qwen3-l1-s12"
     gen_model("qwen3-30b-a3b", 1, 12, d)
     return str(d)
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory):
+    """synthetic_dir of the daemon tests: one per session, so each synthetic
+    model is generated once and every module's daemons reuse it."""
+    import daemon_util
+    return daemon_util.models_dir(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

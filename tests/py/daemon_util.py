@@ -14,6 +14,8 @@ import struct
 import subprocess
 import time
 
+import moed_client
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILD = os.environ.get("MOED_BUILD", "build")
 if not os.path.isabs(BUILD):
@@ -21,18 +23,18 @@ if not os.path.isabs(BUILD):
 MOED = os.path.join(BUILD, "moed")
 MOECTL = os.path.join(BUILD, "moectl")
 
-MAGIC = 0x44454F4D
-VERSION = 1
+# Wire constants and error codes: the Python client's (its one copy, checked
+# against the C headers by test_constants.py).
+MAGIC = moed_client.PROTO_MAGIC
+VERSION = moed_client.PROTO_VERSION
 HDR = struct.Struct("<IHHIIQQ")
-REPLY = 0x8000
-MSG_HELLO, MSG_FORWARD, MSG_STATUS, MSG_PING, MSG_ERROR = 1, 2, 3, 4, 5
-MSG_REGISTER_BUF = 16
+REPLY = moed_client.REPLY
+MSG_HELLO, MSG_FORWARD, MSG_STATUS, MSG_PING, MSG_ERROR = (
+    moed_client.MSG_HELLO, moed_client.MSG_FORWARD, moed_client.MSG_STATUS,
+    moed_client.MSG_PING, moed_client.MSG_ERROR)
+MSG_REGISTER_BUF = moed_client.MSG_REGISTER_BUF
 
-E = {  # common/moed_err.h
-    "nomem": -1, "io": -2, "proto": -8, "version": -9, "type": -10, "toobig": -11,
-    "inval": -12, "busy": -13, "timeout": -14, "shutdown": -15, "backend": -16,
-    "unsupported": -17, "perm": -18,
-}
+E = {name: code for code, name in moed_client.ERROR_NAMES.items() if code}  # "inval": -12, ...
 
 # The model every daemon test uses (generated on first use by the daemon).
 SYNTH_PRESET = "tiny"
@@ -73,6 +75,12 @@ def free_port():
     port = s.getsockname()[1]
     s.close()
     return port
+
+
+def models_dir(tmp_path_factory):
+    """synthetic_dir shared by a session's daemons (each model generated once);
+    the `models_dir` fixture (conftest.py) is this."""
+    return str(tmp_path_factory.getbasetemp() / "models")
 
 
 def module_daemon(tmp_path_factory, models_dir, name):

@@ -24,11 +24,6 @@ from daemon_util import E, MSG_FORWARD, MSG_PING, MSG_STATUS, REPLY
 
 
 @pytest.fixture(scope="module")
-def models_dir(tmp_path_factory):
-    return str(tmp_path_factory.getbasetemp() / "models")
-
-
-@pytest.fixture(scope="module")
 def daemon(tmp_path_factory, models_dir):
     yield from du.module_daemon(tmp_path_factory, models_dir, "daemon")
 

@@ -24,13 +24,9 @@ from daemon_util import E, MSG_FORWARD, MSG_HELLO, MSG_PING, MSG_STATUS, REPLY
 P99_BOUND_S = 0.050 * du.TIME_SCALE / 3
 
 
-def models_dir(tmp_path_factory):
-    return str(tmp_path_factory.getbasetemp() / "models")
-
-
 def start(tmp_path_factory, name, **over):
     tmp = tmp_path_factory.mktemp(name)
-    cfg = du.base_config(str(tmp), models_dir(tmp_path_factory), **over)
+    cfg = du.base_config(str(tmp), du.models_dir(tmp_path_factory), **over)
     return du.Daemon(tmp, cfg)
 
 

@@ -28,7 +28,7 @@ FRAME_TIMEOUT_MS = 300
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("badinput")
-    cfg = du.base_config(str(tmp), str(tmp_path_factory.getbasetemp() / "models"),
+    cfg = du.base_config(str(tmp), du.models_dir(tmp_path_factory),
                          server__max_frame_bytes=MAX_FRAME,
                          server__frame_timeout_ms=FRAME_TIMEOUT_MS)
     with du.Daemon(tmp, cfg) as d:

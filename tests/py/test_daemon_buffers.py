@@ -1,7 +1,7 @@
 """Buffers the backend uses in place, through the real socket.
 
 With a backend host allocator (the CPU backend's test switch
-engine.cpu_host_alloc here; CUDA's pinned memory when MOED_TEST_BACKEND=cuda)
+MOED_TEST_CPU_HOST_ALLOC=1 here; CUDA's pinned memory when MOED_TEST_BACKEND=cuda)
 read buffers, reply frames and batch memory come from it, and batches mark
 them MOED_BUF_PINNED. Replies must still be the reference's, also when the
 cap (server.pinned_pool_bytes) is small enough that pinned and ordinary
@@ -25,17 +25,20 @@ KEEP = 256 << 10        # server.read_buffer_keep_bytes
 SPARES = 16             # MOED_BUFPOOL_SPARES
 
 
-def start(tmp_path_factory, name, **over):
+HOST_ALLOC = {"MOED_TEST_CPU_HOST_ALLOC": "1"}  # the CPU backend's test switch
+
+
+def start(tmp_path_factory, name, env=None, **over):
     tmp = tmp_path_factory.mktemp(name)
-    cfg = du.base_config(str(tmp), str(tmp_path_factory.getbasetemp() / "models"),
+    cfg = du.base_config(str(tmp), du.models_dir(tmp_path_factory),
                          status__port=du.free_port(), **over)
-    return du.Daemon(tmp, cfg)
+    return du.Daemon(tmp, cfg, env=env)
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     with start(tmp_path_factory, "buffers", server__pinned_pool_bytes=SMALL_CAP,
-               server__read_buffer_keep_bytes=KEEP, engine__cpu_host_alloc=True) as d:
+               server__read_buffer_keep_bytes=KEEP, env=HOST_ALLOC) as d:
         yield d
         assert d.alive(), d.log()
         assert d.stop() == 0, d.log()[-4000:]  # clean exit (and no leak under ASan)
@@ -106,7 +109,7 @@ def test_steady_client_allocates_nothing(tmp_path_factory):
     requests the daemon holds a fixed set of pinned buffers and takes no more
     from the backend, however long the stream."""
     with start(tmp_path_factory, "buffers-steady", server__pinned_pool_bytes=16 << 20,
-               engine__cpu_host_alloc=True) as d:
+               env=HOST_ALLOC) as d:
         s = d.connect()
         info = du.hello(s)
         (layer, x, ids, w, ref), = du.reference_cases(d, info, n=1, max_t=info["max_tokens"],
@@ -128,7 +131,7 @@ def test_steady_client_allocates_nothing(tmp_path_factory):
         assert d.stop() == 0, d.log()[-4000:]
 
 
-@pytest.mark.parametrize("over", [{"server__pinned_pool_bytes": 0, "engine__cpu_host_alloc": True},
+@pytest.mark.parametrize("over", [{"server__pinned_pool_bytes": 0, "env": HOST_ALLOC},
                                   {}], ids=["cap-0", "no-allocator"])
 def test_nothing_pinned_without(tmp_path_factory, over):
     """A cap of 0 turns the pinned path off on any backend; the plain CPU

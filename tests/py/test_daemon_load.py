@@ -22,7 +22,7 @@ MAX_CLIENTS = 40
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("load")
-    cfg = du.base_config(str(tmp), str(tmp_path_factory.getbasetemp() / "models"),
+    cfg = du.base_config(str(tmp), du.models_dir(tmp_path_factory),
                          server__max_clients=MAX_CLIENTS, server__max_pending_per_client=8,
                          server__max_frame_bytes=1 << 20,
                          server__max_client_buffer_bytes=1 << 20,

@@ -4,7 +4,7 @@ non-negative, the stages add up to the total (which they only do when the
 timestamps were taken in order) and "added" is total - backend; the same
 numbers appear in /metrics. The kernel stages ("kernel", "added_kernel") hold
 only requests whose batch's kernel time the backend knew: none on the CPU
-backend, every one with its test switch engine.cpu_kernel_time (the batch's
+backend, every one with its test switch MOED_TEST_CPU_KERNEL_TIME=1 (the batch's
 compute time, inside the backend stage). Also the data path behind them: a request whose
 frame is all the read buffer holds is computed in place (the buffer is lent to
 the engine and comes back as a spare), pipelined ones are copied and merged;
@@ -25,11 +25,6 @@ from daemon_util import E, MSG_FORWARD
 STAGES = ["recv", "submit", "backend", "reply", "write", "total", "added"]
 PARTS = ["recv", "submit", "backend", "reply", "write"]
 KERNEL_STAGES = ["kernel", "added_kernel"]  # sampled only with a known kernel time
-
-
-@pytest.fixture(scope="module")
-def models_dir(tmp_path_factory):
-    return str(tmp_path_factory.getbasetemp() / "models")
 
 
 @pytest.fixture(scope="module")
@@ -280,9 +275,9 @@ def test_cpu_backend_has_no_kernel_samples(daemon, dims, cases):
     check_metrics(http_get(daemon, "/metrics"), st)
 
 
-@pytest.mark.skipif(du.TEST_BACKEND != "cpu", reason="engine.cpu_kernel_time is the CPU backend's")
+@pytest.mark.skipif(du.TEST_BACKEND != "cpu", reason="MOED_TEST_CPU_KERNEL_TIME is the CPU backend's")
 def test_kernel_stages_with_kernel_time(tmp_path_factory, models_dir):
-    """With engine.cpu_kernel_time every batch has a kernel time (its compute
+    """With MOED_TEST_CPU_KERNEL_TIME=1 every batch has a kernel time (its compute
     time, inside the backend stage): every timed request is a kernel sample,
     kernel <= backend in every statistic (per request, so also per order
     statistic over the same window), added_kernel = total - kernel summed over
@@ -290,9 +285,8 @@ def test_kernel_stages_with_kernel_time(tmp_path_factory, models_dir):
     latency added over the kernel and budgets that figure."""
     import moed_client
     tmp = tmp_path_factory.mktemp("stages-kernel")
-    cfg = du.base_config(str(tmp), models_dir, status__port=du.free_port(),
-                         engine__cpu_kernel_time=True)
-    with du.Daemon(tmp, cfg) as d:
+    cfg = du.base_config(str(tmp), models_dir, status__port=du.free_port())
+    with du.Daemon(tmp, cfg, env={"MOED_TEST_CPU_KERNEL_TIME": "1"}) as d:
         s = d.connect()
         info = du.hello(s)
         s.close()

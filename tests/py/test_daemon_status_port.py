@@ -25,7 +25,7 @@ PROBE_ADDR = "127.0.0.2"  # Linux routes all of 127/8 to loopback
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("statusport")
-    cfg = du.base_config(str(tmp), str(tmp_path_factory.getbasetemp() / "models"),
+    cfg = du.base_config(str(tmp), du.models_dir(tmp_path_factory),
                          status__port=du.free_port())
     with du.Daemon(tmp, cfg) as d:
         yield d

@@ -39,11 +39,6 @@ SANITIZED = os.environ.get("MOED_SANITIZE") == "1"
 
 
 @pytest.fixture(scope="module")
-def models_dir(tmp_path_factory):
-    return str(tmp_path_factory.getbasetemp() / "models")
-
-
-@pytest.fixture(scope="module")
 def daemon(tmp_path_factory, models_dir):
     yield from du.module_daemon(tmp_path_factory, models_dir, "ops")
 

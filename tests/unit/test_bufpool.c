@@ -11,6 +11,7 @@
 #include "bufpool.h"
 #include "moed_err.h"
 #include "moed_log.h"
+#include "check_main.h"
 
 #define MAX_BLOCKS 256
 
@@ -344,9 +345,5 @@ static Suite *suite(void)
 int main(void)
 {
     moed_log_set_level(MOED_LOG_ERROR); /* the failure cases warn by design */
-    SRunner *sr = srunner_create(suite());
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return moed_check_run(suite());
 }

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "moed_client.h"
+#include "check_main.h"
 
 #define H 8
 #define K 2
@@ -509,9 +510,5 @@ static Suite *client_suite(void)
 
 int main(void)
 {
-    SRunner *sr = srunner_create(client_suite());
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return moed_check_run(client_suite());
 }

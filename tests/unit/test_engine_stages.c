@@ -21,6 +21,7 @@
 #include <cjson/cJSON.h>
 
 #include "stats.h"
+#include "check_main.h"
 
 static const char *const names[MOED_STAGE__COUNT] = {
     "recv", "submit", "backend", "reply", "write", "total", "added", "kernel", "added_kernel"};
@@ -373,9 +374,5 @@ static Suite *suite(void)
 
 int main(void)
 {
-    SRunner *sr = srunner_create(suite());
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return moed_check_run(suite());
 }

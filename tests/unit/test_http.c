@@ -20,6 +20,7 @@
 #include <cjson/cJSON.h>
 
 #include "http.h"
+#include "check_main.h"
 
 /* ---------------------------------------------------------------- parser */
 
@@ -522,9 +523,5 @@ int main(void)
     tcase_set_timeout(tl, 30);
     tcase_add_test(tl, listener_routes);
     suite_add_tcase(su, tl);
-    SRunner *sr = srunner_create(su);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return moed_check_run(su);
 }

@@ -14,6 +14,7 @@
 #include "moe_gpu.h"
 #include "moed_err.h"
 #include "nvfp4.h"
+#include "check_main.h"
 
 /* bf16 bits -> float */
 static float bf16_bits(uint32_t b)
@@ -249,9 +250,5 @@ int main(void)
     tcase_add_test(tc, test_check_dims);
     tcase_add_test(tc, test_abi);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? 1 : 0;
+    return moed_check_run(s);
 }

@@ -9,6 +9,7 @@
 
 #include "moe_ref.h"
 #include "moed_err.h"
+#include "check_main.h"
 
 /* One expert whose three matrices hold a single E2M1 code everywhere, with
  * block scale 1.0 (0x38) and the given scale_2. Buffers are static per
@@ -241,9 +242,5 @@ static Suite *moe_ref_suite(void)
 
 int main(void)
 {
-    SRunner *sr = srunner_create(moe_ref_suite());
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return moed_check_run(moe_ref_suite());
 }

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "nvfp4.h"
+#include "check_main.h"
 
 static const float e2m1_vals[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -315,9 +316,5 @@ static Suite *nvfp4_suite(void)
 
 int main(void)
 {
-    SRunner *sr = srunner_create(nvfp4_suite());
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return moed_check_run(nvfp4_suite());
 }

@@ -7,6 +7,7 @@
 
 #include "moed_err.h"
 #include "moed_proto.h"
+#include "check_main.h"
 
 #define MAXP (1u << 20)
 
@@ -319,9 +320,5 @@ static Suite *proto_suite(void)
 
 int main(void)
 {
-    SRunner *sr = srunner_create(proto_suite());
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return moed_check_run(proto_suite());
 }

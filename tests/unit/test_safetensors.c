@@ -9,6 +9,7 @@
 
 #include "moed_err.h"
 #include "safetensors.h"
+#include "check_main.h"
 
 static char tmpdir[64];
 static char fpath[128];
@@ -512,9 +513,5 @@ int main(void)
     tcase_add_test(good, writer_empty);
     suite_add_tcase(s, bad);
     suite_add_tcase(s, good);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? 1 : 0;
+    return moed_check_run(s);
 }

@@ -17,6 +17,7 @@
 #include <cjson/cJSON.h>
 
 #include "stats.h"
+#include "check_main.h"
 
 #define NS 1000000000ull
 
@@ -538,9 +539,5 @@ int main(void)
     tcase_add_test(tc, prometheus_grammar_and_values);
     tcase_add_test(tc, status_cache);
     suite_add_tcase(su, tc);
-    SRunner *sr = srunner_create(su);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return moed_check_run(su);
 }

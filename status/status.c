@@ -7,6 +7,8 @@
  */
 #include "stats.h"
 
+#include "moed_sbuf.h"
+
 #include <inttypes.h>
 #include <math.h>
 #include <stdarg.h>
@@ -479,116 +481,78 @@ void moed_status_cache_free(struct moed_status_cache *sc)
 
 /* ---------------------------------------------------------- Prometheus */
 
-/* A growing string; `failed` sticks after the first allocation failure so
- * the renderer can append unconditionally and check once at the end. */
-struct sbuf {
-    char *p;
-    size_t len, cap;
-    int failed;
-};
-
-static void sb_printf(struct sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-
-static void sb_printf(struct sbuf *b, const char *fmt, ...)
-{
-    if (b->failed)
-        return;
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int n = vsnprintf(b->p ? b->p + b->len : NULL, b->p ? b->cap - b->len : 0, fmt, ap);
-        va_end(ap);
-        if (n < 0) {
-            b->failed = 1;
-            return;
-        }
-        if (b->p && (size_t)n < b->cap - b->len) {
-            b->len += (size_t)n;
-            return;
-        }
-        size_t cap = b->cap ? b->cap : 4096;
-        while (cap - b->len <= (size_t)n)
-            cap *= 2;
-        char *np = realloc(b->p, cap);
-        if (!np) {
-            b->failed = 1;
-            return;
-        }
-        b->p = np;
-        b->cap = cap;
-    }
-}
+/* Text is built in a struct moed_sbuf (common/moed_sbuf.h). */
 
 /* Label values escape backslash, double quote and newline (format 0.0.4). */
-static void sb_label(struct sbuf *b, const char *v)
+static void sb_label(struct moed_sbuf *b, const char *v)
 {
     for (; v && *v; v++) {
         if (*v == '\\')
-            sb_printf(b, "\\\\");
+            moed_sb_printf(b, "\\\\");
         else if (*v == '"')
-            sb_printf(b, "\\\"");
+            moed_sb_printf(b, "\\\"");
         else if (*v == '\n')
-            sb_printf(b, "\\n");
+            moed_sb_printf(b, "\\n");
         else
-            sb_printf(b, "%c", *v);
+            moed_sb_printf(b, "%c", *v);
     }
 }
 
-static void sb_head(struct sbuf *b, const char *name, const char *type, const char *help)
+static void sb_head(struct moed_sbuf *b, const char *name, const char *type, const char *help)
 {
-    sb_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+    moed_sb_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
 }
 
-static void sb_double(struct sbuf *b, double v)
+static void sb_double(struct moed_sbuf *b, double v)
 {
     if (isnan(v))
-        sb_printf(b, "NaN");
+        moed_sb_printf(b, "NaN");
     else if (isinf(v))
-        sb_printf(b, v > 0 ? "+Inf" : "-Inf");
+        moed_sb_printf(b, v > 0 ? "+Inf" : "-Inf");
     else
-        sb_printf(b, "%.9g", v);
+        moed_sb_printf(b, "%.9g", v);
 }
 
-static void prom_u64(struct sbuf *b, const char *name, const char *type, const char *help,
+static void prom_u64(struct moed_sbuf *b, const char *name, const char *type, const char *help,
                      uint64_t v)
 {
     sb_head(b, name, type, help);
-    sb_printf(b, "%s %" PRIu64 "\n", name, v);
+    moed_sb_printf(b, "%s %" PRIu64 "\n", name, v);
 }
 
-static void prom_dbl(struct sbuf *b, const char *name, const char *type, const char *help,
+static void prom_dbl(struct moed_sbuf *b, const char *name, const char *type, const char *help,
                      double v)
 {
     sb_head(b, name, type, help);
-    sb_printf(b, "%s ", name);
+    moed_sb_printf(b, "%s ", name);
     sb_double(b, v);
-    sb_printf(b, "\n");
+    moed_sb_printf(b, "\n");
 }
 
 /* The samples of one histogram (latency buckets, us) with `labels` (e.g.
  * `stage="recv",`; "" for none); _count is the +Inf bucket by construction. */
-static void prom_hist_series(struct sbuf *b, const char *n, const char *labels,
+static void prom_hist_series(struct moed_sbuf *b, const char *n, const char *labels,
                              const uint64_t hist[MOED_LAT_BUCKETS], double sum_s)
 {
     uint64_t cum = 0;
     for (int i = 0; i < MOED_LAT_BUCKETS - 1; i++) {
         cum += hist[i];
-        sb_printf(b, "%s_bucket{%sle=\"", n, labels);
+        moed_sb_printf(b, "%s_bucket{%sle=\"", n, labels);
         sb_double(b, bucket_upper_us(i) / 1e6);
-        sb_printf(b, "\"} %" PRIu64 "\n", cum);
+        moed_sb_printf(b, "\"} %" PRIu64 "\n", cum);
     }
     cum += hist[MOED_LAT_BUCKETS - 1];
-    sb_printf(b, "%s_bucket{%sle=\"+Inf\"} %" PRIu64 "\n", n, labels, cum);
+    moed_sb_printf(b, "%s_bucket{%sle=\"+Inf\"} %" PRIu64 "\n", n, labels, cum);
     size_t ll = strlen(labels);
     /* _sum/_count take the labels without the trailing comma */
-    sb_printf(b, "%s_sum%s%.*s%s ", n, ll ? "{" : "", ll ? (int)ll - 1 : 0, labels,
+    moed_sb_printf(b, "%s_sum%s%.*s%s ", n, ll ? "{" : "", ll ? (int)ll - 1 : 0, labels,
               ll ? "}" : "");
     sb_double(b, sum_s);
-    sb_printf(b, "\n%s_count%s%.*s%s %" PRIu64 "\n", n, ll ? "{" : "", ll ? (int)ll - 1 : 0,
+    moed_sb_printf(b, "\n%s_count%s%.*s%s %" PRIu64 "\n", n, ll ? "{" : "", ll ? (int)ll - 1 : 0,
               labels, ll ? "}" : "", cum);
 }
 
-static void prom_latency(struct sbuf *b, const struct moed_stats *s)
+static void prom_latency(struct moed_sbuf *b, const struct moed_stats *s)
 {
     const char *n = "moed_request_latency_seconds";
     sb_head(b, n, "histogram", "FORWARD latency, frame complete to reply queued.");
@@ -597,7 +561,7 @@ static void prom_latency(struct sbuf *b, const struct moed_stats *s)
 
 /* One histogram per stage (label stage): aggregatable across instances, for
  * histogram_quantile(); /status keeps the exact window percentiles. */
-static void prom_stages(struct sbuf *b, const struct moed_stats *s)
+static void prom_stages(struct moed_sbuf *b, const struct moed_stats *s)
 {
     const char *n = "moed_request_stage_seconds";
     sb_head(b, n, "histogram",
@@ -611,7 +575,7 @@ static void prom_stages(struct sbuf *b, const struct moed_stats *s)
 }
 
 /* process_* metrics of the Prometheus client conventions, from /proc/self. */
-static void prom_process(struct sbuf *b)
+static void prom_process(struct moed_sbuf *b)
 {
     long tck = sysconf(_SC_CLK_TCK), page = sysconf(_SC_PAGESIZE);
     char buf[1024];
@@ -665,7 +629,7 @@ static void prom_process(struct sbuf *b)
 /* moed_expert_hits_total{layer,expert}: tokens routed to each expert of each
  * layer (routed experts, then shared), for the layers that have had any (a
  * series appears with a layer's first request). */
-static void prom_experts(struct sbuf *b, const struct moed_stats *s)
+static void prom_experts(struct moed_sbuf *b, const struct moed_stats *s)
 {
     uint32_t nl = hit_layers(s), ne = s->n_expert_hits;
     if (!nl || !ne)
@@ -679,31 +643,31 @@ static void prom_experts(struct sbuf *b, const struct moed_stats *s)
         for (uint32_t i = 0; i < ne; i++)
             any |= row[i];
         for (uint32_t i = 0; any && i < ne; i++)
-            sb_printf(b, "moed_expert_hits_total{layer=\"%" PRIu32 "\",expert=\"%" PRIu32
+            moed_sb_printf(b, "moed_expert_hits_total{layer=\"%" PRIu32 "\",expert=\"%" PRIu32
                          "\"} %" PRIu64 "\n", l, i, row[i]);
     }
 }
 
 char *moed_status_prometheus(const struct moed_stats *s, uint64_t now_ns)
 {
-    struct sbuf b = {0};
+    struct moed_sbuf b = {0};
 
     sb_head(&b, "moed_build_info", "gauge", "Always 1; labels carry the version and backend.");
-    sb_printf(&b, "moed_build_info{version=\"");
+    moed_sb_printf(&b, "moed_build_info{version=\"");
     sb_label(&b, s->version);
-    sb_printf(&b, "\",backend=\"");
+    moed_sb_printf(&b, "\",backend=\"");
     sb_label(&b, s->backend);
-    sb_printf(&b, "\"} 1\n");
+    moed_sb_printf(&b, "\"} 1\n");
     if (s->dims) {
         char family[sizeof s->dims->family + 1];
         memcpy(family, s->dims->family, sizeof s->dims->family);
         family[sizeof s->dims->family] = '\0';
         sb_head(&b, "moed_model_info", "gauge", "Always 1; labels name the loaded model.");
-        sb_printf(&b, "moed_model_info{family=\"");
+        moed_sb_printf(&b, "moed_model_info{family=\"");
         sb_label(&b, family);
-        sb_printf(&b, "\",path=\"");
+        moed_sb_printf(&b, "\",path=\"");
         sb_label(&b, s->model_path);
-        sb_printf(&b, "\",n_experts=\"%" PRIu32 "\",top_k=\"%" PRIu32 "\",n_moe_layers=\"%" PRIu32
+        moed_sb_printf(&b, "\",n_experts=\"%" PRIu32 "\",top_k=\"%" PRIu32 "\",n_moe_layers=\"%" PRIu32
                       "\"} 1\n",
                   s->dims->n_experts, s->dims->top_k, s->dims->n_moe_layers);
     }
@@ -729,7 +693,7 @@ char *moed_status_prometheus(const struct moed_stats *s, uint64_t now_ns)
 
     sb_head(&b, "moed_errors_total", "counter", "Error replies sent, by error code name.");
     for (int i = 1; i < MOED_E__COUNT; i++)
-        sb_printf(&b, "moed_errors_total{code=\"%s\"} %" PRIu64 "\n", moed_errname(-i),
+        moed_sb_printf(&b, "moed_errors_total{code=\"%s\"} %" PRIu64 "\n", moed_errname(-i),
                   s->errors[i]);
 
     prom_latency(&b, s);
@@ -771,11 +735,11 @@ char *moed_status_prometheus(const struct moed_stats *s, uint64_t now_ns)
 
     prom_process(&b);
 
-    if (b.failed) {
-        free(b.p);
+    if (b.oom) {
+        free(b.s);
         return NULL;
     }
-    if (!b.p) /* nothing written cannot happen, but never return NULL for success */
+    if (!b.s) /* nothing written cannot happen, but never return NULL for success */
         return calloc(1, 1);
-    return b.p;
+    return b.s;
 }

@@ -8,55 +8,7 @@
  * accepting and remove the socket, answer everything in flight, close the
  * clients, close the backend, exit.
  */
-#include <errno.h>
-#include <ftw.h>
-#include <getopt.h>
-#include <pthread.h>
-#include <inttypes.h>
-#include <signal.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/stat.h>
-#include <time.h>
-#include <unistd.h>
-
-#include <systemd/sd-daemon.h>
-#include <uv.h>
-#ifdef __GLIBC__
-#include <malloc.h>
-#endif
-
-#include "backend.h"
-#include "config.h"
-#include "engine.h"
-#include "genmodel.h"
-#include "http.h"
-#include "model.h"
-#include "moed_err.h"
-#include "moed_log.h"
-#include "server.h"
-
-#ifndef MOED_DEFAULT_CONFIG
-#define MOED_DEFAULT_CONFIG "/etc/moed/moed.json" /* used without --config / MOED_CONFIG */
-#endif
-#ifndef MOED_CUDA_ARCHS
-#define MOED_CUDA_ARCHS "?"
-#endif
-#define SYNTH_MARKER ".moed-complete"        /* written last into a generated model */
-#define SYNTH_DEFAULT_LAYERS 2u
-#define SYNTH_DEFAULT_SEED 1u
-#define EXTEND_TIMEOUT_US 60000000ull        /* per EXTEND_TIMEOUT_USEC during loads */
-#define MALLOC_MMAP_THRESHOLD (32u << 20)    /* glibc's largest allowed value (64-bit) */
-#define MALLOC_TRIM_THRESHOLD (64u << 20)
-
-enum exit_code {
-    EXIT_CLEAN = 0,
-    EXIT_RUNTIME = 1,
-    EXIT_USAGE = 2,
-    EXIT_MODEL = 3,
-    EXIT_BACKEND = 4,
-};
+#include "moed_daemon.h"
 
 static void usage(FILE *f)
 {
@@ -115,130 +67,6 @@ static void print_version(void)
 #endif
 }
 
-/* ---- model location ------------------------------------------------------ */
-
-static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
-{
-    (void)st;
-    (void)flag;
-    (void)ftw;
-    return remove(path);
-}
-
-static int rm_tree(const char *path)
-{
-    return nftw(path, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
-}
-
-static int file_exists(const char *dir, const char *name)
-{
-    char p[MOED_CFG_PATH_MAX + 64];
-    snprintf(p, sizeof p, "%s/%s", dir, name);
-    return access(p, F_OK) == 0;
-}
-
-/* "synthetic:PRESET[:layers=N][:seed=S]" -> generated (or reused) checkpoint
- * directory in synthetic_dir/PRESET-lN-sS. Generation goes to a temporary
- * directory renamed into place after the marker file, so a crash or a second
- * daemon never sees a half-written model. */
-static int resolve_synthetic(const struct moed_cfg *cfg, char *dir, size_t dirlen, char *err,
-                             size_t errlen)
-{
-    char spec[256];
-    const char *s = cfg->model + strlen("synthetic:");
-    if (strlen(s) >= sizeof spec)
-        return moed_seterr(err, errlen, MOED_E_CONFIG, "model.path: synthetic spec too long");
-    snprintf(spec, sizeof spec, "%s", s);
-    char *save = NULL;
-    char *preset = strtok_r(spec, ":", &save);
-    unsigned long long layers = SYNTH_DEFAULT_LAYERS, seed = SYNTH_DEFAULT_SEED;
-    if (!preset || !*preset)
-        return moed_seterr(err, errlen, MOED_E_CONFIG,
-                           "model.path \"%s\": expected synthetic:PRESET[:layers=N][:seed=S]",
-                           cfg->model);
-    for (char *tok; (tok = strtok_r(NULL, ":", &save));) {
-        char *end;
-        unsigned long long *dst = NULL;
-        const char *v = NULL;
-        if (strncmp(tok, "layers=", 7) == 0)
-            dst = &layers, v = tok + 7;
-        else if (strncmp(tok, "seed=", 5) == 0)
-            dst = &seed, v = tok + 5;
-        if (!dst)
-            return moed_seterr(err, errlen, MOED_E_CONFIG,
-                               "model.path \"%s\": unknown option \"%s\" (allowed: layers=N, seed=S)",
-                               cfg->model, tok);
-        errno = 0;
-        *dst = strtoull(v, &end, 10);
-        if (errno || end == v || *end)
-            return moed_seterr(err, errlen, MOED_E_CONFIG, "model.path \"%s\": bad number in \"%s\"",
-                               cfg->model, tok);
-    }
-    if (layers < 1 || layers > MOED_MAX_LAYERS)
-        return moed_seterr(err, errlen, MOED_E_CONFIG, "model.path \"%s\": layers=%llu not in 1..%d",
-                           cfg->model, layers, MOED_MAX_LAYERS);
-    struct moed_dims dims;
-    int rc = moed_gen_preset(preset, &dims, err, errlen);
-    if (rc < 0)
-        return MOED_E_CONFIG;
-    int n = snprintf(dir, dirlen, "%s/%s-l%llu-s%llu", cfg->synthetic_dir, preset, layers, seed);
-    if (n < 0 || (size_t)n >= dirlen - 32)
-        return moed_seterr(err, errlen, MOED_E_CONFIG, "model.synthetic_dir: path too long");
-    if (file_exists(dir, SYNTH_MARKER)) {
-        LOG_I("using synthetic model %s", dir);
-        return 0;
-    }
-    char tmp[MOED_CFG_PATH_MAX + 64];
-    snprintf(tmp, sizeof tmp, "%s.tmp-%d", dir, (int)getpid());
-    rm_tree(tmp);
-    LOG_I("generating synthetic model %s (preset %s, %llu layers, seed %llu)", dir, preset, layers,
-          seed);
-    sd_notifyf(0, "STATUS=generating synthetic model %s\nEXTEND_TIMEOUT_USEC=%llu", dir,
-               (unsigned long long)EXTEND_TIMEOUT_US * 10);
-    struct moed_gen_opts go = {.preset = preset, .layers = (uint32_t)layers, .seed = seed,
-                               .threads = 0};
-    rc = moed_gen_model(&go, tmp, err, errlen);
-    if (rc < 0) {
-        rm_tree(tmp);
-        return rc;
-    }
-    char marker[MOED_CFG_PATH_MAX + 96];
-    snprintf(marker, sizeof marker, "%s/%s", tmp, SYNTH_MARKER);
-    FILE *f = fopen(marker, "w");
-    if (!f || fputs("complete\n", f) < 0 || fclose(f) != 0) {
-        rm_tree(tmp);
-        return moed_seterr(err, errlen, MOED_E_IO, "%s: %s", marker, strerror(errno));
-    }
-    if (rename(tmp, dir) < 0) {
-        int e = errno;
-        if (file_exists(dir, SYNTH_MARKER)) {
-            rm_tree(tmp); /* another moed finished first: use its copy */
-            return 0;
-        }
-        /* An incomplete leftover (no marker): replace it. */
-        if ((e == EEXIST || e == ENOTEMPTY) && rm_tree(dir) == 0 && rename(tmp, dir) == 0)
-            return 0;
-        rm_tree(tmp);
-        return moed_seterr(err, errlen, MOED_E_IO, "rename %s -> %s: %s", tmp, dir, strerror(e));
-    }
-    return 0;
-}
-
-/* MemAvailable from /proc/meminfo in bytes (0 if unknown = no limit). */
-static uint64_t mem_available(void)
-{
-    FILE *f = fopen("/proc/meminfo", "r");
-    if (!f)
-        return 0;
-    char line[256];
-    uint64_t kb = 0;
-    while (fgets(line, sizeof line, f))
-        if (sscanf(line, "MemAvailable: %" SCNu64 " kB", &kb) == 1)
-            break;
-    fclose(f);
-    return kb * 1024;
-}
-
 /* ---- daemon state and shutdown -------------------------------------------- */
 
 struct daemon {
@@ -260,15 +88,48 @@ struct daemon {
     int abandoned;             /* drain gave up: skip the orderly teardown */
     struct moed_engine *engine;
     struct moed_server *server;
+    struct moed_server_limits limits;
     struct moed_http *http;
     int stopping;
     int exit_code;
 };
 
+/* The server.* keys the socket server reads. */
+_Static_assert(sizeof((struct moed_cfg *)0)->socket_path ==
+                   sizeof((struct moed_server_limits *)0)->socket_path &&
+               sizeof((struct moed_cfg *)0)->socket_group ==
+                   sizeof((struct moed_server_limits *)0)->socket_group &&
+               sizeof((struct moed_cfg *)0)->allowed_uids ==
+                   sizeof((struct moed_server_limits *)0)->allowed_uids &&
+               sizeof((struct moed_cfg *)0)->allowed_gids ==
+                   sizeof((struct moed_server_limits *)0)->allowed_gids,
+               "server limits hold every configurable value");
+static void server_limits(const struct moed_cfg *cfg, struct moed_server_limits *l)
+{
+    memset(l, 0, sizeof *l);
+    memcpy(l->socket_path, cfg->socket_path, sizeof l->socket_path);
+    l->socket_mode = cfg->socket_mode;
+    memcpy(l->socket_group, cfg->socket_group, sizeof l->socket_group);
+    memcpy(l->allowed_uids, cfg->allowed_uids, sizeof l->allowed_uids);
+    l->n_allowed_uids = cfg->n_allowed_uids;
+    memcpy(l->allowed_gids, cfg->allowed_gids, sizeof l->allowed_gids);
+    l->n_allowed_gids = cfg->n_allowed_gids;
+    l->max_clients = cfg->max_clients;
+    l->max_pending_per_client = cfg->max_pending_per_client;
+    l->max_frame_bytes = cfg->max_frame_bytes;
+    l->max_client_buffer_bytes = cfg->max_client_buffer_bytes;
+    l->frame_timeout_ms = cfg->frame_timeout_ms;
+    l->read_buffer_keep_bytes = cfg->read_buffer_keep_bytes;
+    l->socket_buffer_bytes = cfg->socket_buffer_bytes;
+    l->idle_timeout_ms = cfg->idle_timeout_ms;
+    l->max_reply_bytes = cfg->max_reply_bytes;
+}
+
 static void on_server_closed(void *arg)
 {
     struct daemon *d = arg;
     d->server = NULL;
+    moed_engine_set_server(d->engine, NULL); /* its counters were freed */
     uv_close((uv_handle_t *)&d->sigterm, NULL);
     uv_close((uv_handle_t *)&d->sigint, NULL);
     uv_close((uv_handle_t *)&d->watchdog, NULL);
@@ -302,7 +163,7 @@ static void on_drain_timeout(uv_timer_t *t)
 static void on_drain_progress(void *arg)
 {
     struct daemon *d = arg;
-    uv_timer_start(&d->drain_timer, on_drain_timeout, d->drain_ms, 0);
+    MOED_UV_CHECK(uv_timer_start(&d->drain_timer, on_drain_timeout, d->drain_ms, 0));
 }
 
 static void daemon_stop(struct daemon *d, const char *why)
@@ -317,7 +178,7 @@ static void daemon_stop(struct daemon *d, const char *why)
         d->http = NULL;
     }
     moed_server_stop_listening(d->server);
-    uv_timer_start(&d->drain_timer, on_drain_timeout, d->drain_ms, 0);
+    MOED_UV_CHECK(uv_timer_start(&d->drain_timer, on_drain_timeout, d->drain_ms, 0));
     moed_engine_drain(d->engine, on_drained, on_drain_progress, d);
 }
 
@@ -400,7 +261,7 @@ static void boot_loop_join(struct daemon *d)
 {
     if (!d->loop_thread_on)
         return;
-    uv_async_send(&d->boot_stop);
+    MOED_UV_CHECK(uv_async_send(&d->boot_stop));
     pthread_join(d->loop_thread, NULL);
     d->loop_thread_on = 0;
     uv_close((uv_handle_t *)&d->boot_stop, NULL);
@@ -415,7 +276,7 @@ static int start_status(struct daemon *d, const struct moed_cfg *cfg, char *err,
     moed_http_set_client_limits(d->http, cfg->status_header_timeout_ms,
                                 cfg->status_max_conns_per_addr);
     LOG_I("status on http://%s:%u/status", cfg->status_addr, moed_http_port(d->http));
-    if (uv_async_init(&d->loop, &d->boot_stop, on_boot_stop) != 0)
+    if (MOED_UV_CHECK(uv_async_init(&d->loop, &d->boot_stop, on_boot_stop)) != 0)
         return 0; /* no loop thread: /status answers once loaded */
     if (pthread_create(&d->loop_thread, NULL, loop_thread_main, d) != 0) {
         uv_close((uv_handle_t *)&d->boot_stop, NULL);
@@ -492,7 +353,8 @@ static int run_daemon(const struct moed_cfg *cfg)
     struct daemon d;
     memset(&d, 0, sizeof d);
     signal(SIGPIPE, SIG_IGN);
-    uv_loop_init(&d.loop);
+    if (MOED_UV_CHECK(uv_loop_init(&d.loop)) < 0)
+        return EXIT_RUNTIME; /* nothing started yet */
     d.exit_code = EXIT_CLEAN;
     pthread_mutex_init(&d.boot_mu, NULL);
     d.boot.version = MOED_VERSION;
@@ -616,30 +478,32 @@ static int run_daemon(const struct moed_cfg *cfg)
     tune_malloc();
 
     /* socket */
-    rc = moed_server_open(&d.loop, cfg, moed_engine_server_ops(), d.engine,
-                          moed_engine_bufpool(d.engine), st, &d.server, err, sizeof err);
+    server_limits(cfg, &d.limits);
+    rc = moed_server_open(&d.loop, &d.limits, moed_engine_server_ops(), d.engine,
+                          moed_engine_bufpool(d.engine), &d.server, err, sizeof err);
     if (rc < 0) {
         LOG_E("%s", err);
         d.exit_code = rc == MOED_E_CONFIG ? EXIT_USAGE : EXIT_RUNTIME;
         goto out_engine;
     }
+    moed_engine_set_server(d.engine, d.server);
     moed_engine_on_failure(d.engine, on_backend_failure, &d);
 
-    uv_signal_init(&d.loop, &d.sigterm);
-    uv_signal_init(&d.loop, &d.sigint);
+    MOED_UV_CHECK(uv_signal_init(&d.loop, &d.sigterm));
+    MOED_UV_CHECK(uv_signal_init(&d.loop, &d.sigint));
     d.sigterm.data = d.sigint.data = &d;
-    uv_signal_start(&d.sigterm, on_signal, SIGTERM);
-    uv_signal_start(&d.sigint, on_signal, SIGINT);
-    uv_timer_init(&d.loop, &d.drain_timer);
+    MOED_UV_CHECK(uv_signal_start(&d.sigterm, on_signal, SIGTERM));
+    MOED_UV_CHECK(uv_signal_start(&d.sigint, on_signal, SIGINT));
+    MOED_UV_CHECK(uv_timer_init(&d.loop, &d.drain_timer));
     d.drain_timer.data = &d;
     d.drain_ms = cfg->batch_deadline_ms + cfg->drain_stall_ms;
 
-    uv_timer_init(&d.loop, &d.watchdog);
+    MOED_UV_CHECK(uv_timer_init(&d.loop, &d.watchdog));
     d.watchdog.data = &d;
     uint64_t wd_usec = 0;
     if (sd_watchdog_enabled(0, &wd_usec) > 0 && wd_usec > 0) {
         uint64_t every_ms = wd_usec / 2000 ? wd_usec / 2000 : 1; /* half the interval */
-        uv_timer_start(&d.watchdog, on_watchdog, every_ms, every_ms);
+        MOED_UV_CHECK(uv_timer_start(&d.watchdog, on_watchdog, every_ms, every_ms));
         uv_unref((uv_handle_t *)&d.watchdog);
         LOG_I("systemd watchdog: pinging every %llu ms", (unsigned long long)every_ms);
     }
@@ -666,104 +530,6 @@ out_loop:
     if (uv_loop_close(&d.loop) != 0)
         LOG_W("event loop closed with handles still open");
     return d.exit_code;
-}
-
-/* ---- config: file, environment, what this machine can honour ------------- */
-
-/* MOED_SOCKET and MOED_STATUS_PORT over the file's values, bounded like the
- * keys they replace. */
-static int apply_env(struct moed_cfg *cfg, char *err, size_t errlen)
-{
-    const char *v = getenv("MOED_SOCKET");
-    if (v && *v) {
-        if (strlen(v) > MOED_SOCKET_PATH_MAX)
-            return moed_seterr(err, errlen, MOED_E_CONFIG,
-                               "MOED_SOCKET: a Unix socket path may be at most %d bytes",
-                               MOED_SOCKET_PATH_MAX);
-        snprintf(cfg->socket_path, sizeof cfg->socket_path, "%s", v);
-    }
-    v = getenv("MOED_STATUS_PORT");
-    if (v && *v) {
-        char *end;
-        errno = 0;
-        unsigned long p = strtoul(v, &end, 10);
-        if (errno || end == v || *end || v[0] == '-' || p > 65535)
-            return moed_seterr(err, errlen, MOED_E_CONFIG,
-                               "MOED_STATUS_PORT \"%s\": not a port number in 0 .. 65535", v);
-        cfg->status_port = (uint32_t)p;
-    }
-    return 0;
-}
-
-/* A config the file parser accepts but this machine cannot serve: found
- * before anything is loaded, by --check-config and at start (exit 2, which
- * the unit does not restart). */
-static int check_runtime(const struct moed_cfg *cfg, char *err, size_t errlen)
-{
-    int want_cuda = cfg->backend == MOED_CFG_BACKEND_CUDA || cfg->n_gpus > 0;
-    if (!want_cuda)
-        return 0;
-    const char *what = cfg->n_gpus > 0 ? "engine.gpus names GPUs" : "engine.backend is \"cuda\"";
-#ifndef MOED_HAVE_CUDA
-    return moed_seterr(err, errlen, MOED_E_CONFIG,
-                       "%s but this moed was built without CUDA (CUDA=0); rebuild with nvcc "
-                       "installed, or use engine.backend \"cpu\" and engine.gpus []", what);
-#else
-    if (cfg->backend == MOED_CFG_BACKEND_CPU && cfg->n_gpus > 0)
-        return moed_seterr(err, errlen, MOED_E_CONFIG,
-                           "engine.gpus names GPUs but engine.backend is \"cpu\"; empty "
-                           "engine.gpus or use backend \"auto\" or \"cuda\"");
-    int n = moed_backend_cuda_device_count();
-    if (n == 0)
-        return moed_seterr(err, errlen, MOED_E_CONFIG,
-                           "%s but no CUDA GPU is visible (driver loaded? /dev/nvidia* "
-                           "reachable, e.g. DeviceAllow= in the unit? CUDA_VISIBLE_DEVICES?)",
-                           what);
-    if (cfg->n_gpus > 1)
-        return moed_seterr(err, errlen, MOED_E_CONFIG,
-                           "engine.gpus lists %u GPUs; this version serves one GPU per daemon "
-                           "(expert parallelism over NCCL is not implemented yet): run one "
-                           "moed per GPU", (unsigned)cfg->n_gpus);
-    for (uint32_t i = 0; i < cfg->n_gpus; i++)
-        if (cfg->gpus[i] < 0 || cfg->gpus[i] >= n)
-            return moed_seterr(err, errlen, MOED_E_CONFIG,
-                               "engine.gpus[%u] = %d but %d CUDA device%s visible (0 .. %d)", i,
-                               (int)cfg->gpus[i], n, n == 1 ? " is" : "s are", n - 1);
-    return 0;
-#endif
-}
-
-/* The config: FILE, or $MOED_CONFIG, or MOED_DEFAULT_CONFIG, or (--builtin)
- * the defaults; then the environment and the runtime check. */
-static int load_config(const char *path, int builtin, struct moed_cfg *cfg, const char **used,
-                       char *err, size_t errlen)
-{
-    int rc;
-    *used = "built-in defaults";
-    if (builtin) {
-        moed_cfg_defaults(cfg);
-    } else {
-        const char *env = getenv("MOED_CONFIG");
-        if (!path && env && *env)
-            path = env;
-        if (!path) {
-            path = MOED_DEFAULT_CONFIG;
-            if (access(path, F_OK) != 0)
-                return moed_seterr(err, errlen, MOED_E_CONFIG,
-                                   "no config file: %s does not exist (%s); give one with "
-                                   "--config FILE or MOED_CONFIG, or start the built-in tiny "
-                                   "synthetic model with --builtin (`make run` uses "
-                                   "config/example.json)", path, strerror(errno));
-        }
-        rc = moed_cfg_load(path, cfg, err, errlen);
-        if (rc < 0)
-            return rc;
-        *used = path;
-    }
-    rc = apply_env(cfg, err, errlen);
-    if (rc < 0)
-        return rc;
-    return check_runtime(cfg, err, errlen);
 }
 
 int main(int argc, char **argv)
@@ -865,3 +631,4 @@ out:
     free(cfg);
     return code;
 }
+

@@ -12,6 +12,7 @@
 
 #include "moed_err.h"
 #include "model.h"
+#include "server.h"
 
 /* Latency histogram: 3 buckets per octave (each ~26 % wide, so a percentile
  * read from it is within one bucket, +26 %, of the exact value), from 1 us to
@@ -61,16 +62,8 @@ enum moed_stage {
  * to see tens of microseconds move on a few-hundred-microsecond request). */
 #define MOED_STAGE_WINDOW 1024
 
-/* The timestamps of one request (ns, uv_hrtime clock); 0 = not reached. */
-struct moed_req_times {
-    uint64_t rx_ns;       /* first byte of the frame read */
-    uint64_t complete_ns; /* frame complete */
-    uint64_t submit_ns;   /* batch handed to the backend */
-    uint64_t done_ns;     /* backend done callback (backend thread) */
-    uint64_t reply_ns;    /* reply handed to the socket write */
-    uint64_t kernel_ns;   /* not a timestamp: the batch's kernel time (ns,
-                             moed_batch.kernel_ns); 0 = not known */
-};
+/* struct moed_req_times (one request's timestamps) is the server's (server.h). */
+
 
 struct moed_stats {
     /* identity */

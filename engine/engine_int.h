@@ -1,0 +1,107 @@
+/* engine_int.h - what the engine's files share (private to engine/):
+ * engine.c (requests, batching, completions, the server callbacks) and
+ * engine_open.c (open, self-check, stats, drain, close). */
+#ifndef MOED_ENGINE_INT_H
+#define MOED_ENGINE_INT_H
+
+#include "engine.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bufpool.h"
+#include "moed_check_uv.h"
+#include "moe_ref.h"
+#include "moed_err.h"
+#include "moed_log.h"
+
+struct eng_req {
+    struct eng_req *next;
+    struct moed_conn *conn;
+    uint64_t request_id;
+    struct moed_req_times t; /* rx and complete from the server; the rest here */
+    uint32_t layer, n_tokens;
+    uint8_t *data;        /* x bf16 [T,H] | ids int32 [T,k] | w fp32 [T,k] */
+    struct moed_hbuf rx;  /* base != NULL: data lies in this lent read buffer */
+};
+
+struct eng_batch {
+    struct moed_batch b;  /* first: the backend hands us this pointer back */
+    struct eng_batch *next;
+    struct eng_req *reqs; /* in row order */
+    struct moed_hbuf mem; /* merged batch: x | y | ids | w; none for a direct one */
+    struct moed_hbuf frame; /* direct batch: the reply frame at REPLY_PAD, y in it */
+    int selfcheck;
+    uint64_t submit_ns;   /* handed to the backend (loop thread) */
+    uint64_t done_ns;     /* done callback (backend thread, before the push) */
+};
+
+struct moed_engine {
+    uv_loop_t *loop;
+    struct moed_model *model;
+    const struct moed_dims *dims;
+    struct moed_backend *be;
+    struct moed_bufpool *pool; /* read buffers, reply frames, batch memory */
+    const char *backend_name;
+    uv_async_t async;
+    uint32_t max_tokens;
+    uint32_t first_moe_layer;
+    uint64_t max_frame_bytes;
+    struct moed_stats stats;
+    /* waiting FIFO */
+    struct eng_req *wait_head, *wait_tail;
+    uint64_t n_waiting;
+    /* batches at the backend */
+    uint32_t outstanding;
+    uint64_t busy_since_ns;
+    uint64_t next_seq;
+    /* completion list (backend threads -> loop) */
+    pthread_mutex_t done_mu;
+    struct eng_batch *done_head, *done_tail;
+    /* state */
+    int draining;
+    int failed;
+    int selfcheck_done;
+    void (*drain_cb)(void *);
+    void (*drain_progress)(void *);
+    void *drain_arg;
+    struct moed_status_cache status_cache; /* STATUS frames (moed_status_json_cached) */
+    void (*fail_cb)(void *);
+    void *fail_arg;
+    /* health watch: a backend can fail while idle (stalled kernel, sticky
+     * device error) with no batch to report it */
+    uv_timer_t health_timer;
+    int health_timer_on;
+    int attached;             /* moed_engine_attach ran: handles to close */
+    int closes_pending;       /* handles still to close before freeing */
+    uint64_t hb_last, hb_changed_ns;
+    const struct moed_server *srv; /* its counters go into the stats (NULL: none) */
+};
+
+#define HEALTH_POLL_MS 250
+#define STATUS_CACHE_MS 100 /* a STATUS frame body is at most this old (same counters) */
+
+/* y's offset in a FORWARD reply frame (the server's framing). */
+#define REPLY_Y_OFF MOED_SERVER_FWD_Y_OFF
+/* A direct batch's reply frame starts this far into its buffer, so that y
+ * lies at MOED_BUF_ALIGN for the backend to write in place (pool buffers are
+ * at least that aligned: malloc's 16, pinned ones page-aligned). */
+#define REPLY_PAD MOED_SERVER_FWD_PAD
+_Static_assert(MOED_BUF_ALIGN == 16 && (REPLY_PAD + REPLY_Y_OFF) % MOED_BUF_ALIGN == 0,
+               "y in a direct batch's reply frame is aligned for in-place use");
+
+static inline uint64_t now_ns(void) { return uv_hrtime(); }
+
+struct eng_batch *batch_alloc(struct moed_engine *e, uint32_t layer, uint32_t T);
+void batch_free(struct moed_engine *e, struct eng_batch *eb);
+void busy_begin(struct moed_engine *e);
+void busy_end(struct moed_engine *e);
+void maybe_drained(struct moed_engine *e);
+void on_async(uv_async_t *h);
+void on_backend_done(void *ctx, struct moed_batch *b);
+void req_fail(struct moed_engine *e, struct eng_req *r, int code, const char *msg);
+
+#endif

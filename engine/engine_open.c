@@ -1,0 +1,317 @@
+/* engine_open.c - the engine's life cycle (see engine.c): open the backend
+ * and the buffer pool, the start-up self-check, the stats brought up to
+ * date, drain and close. */
+#include "engine_int.h"
+
+/* ---- open / self-check / close ------------------------------------------------- */
+
+static int open_backend(struct moed_engine *e, const struct moed_cfg *cfg,
+                        moed_progress_fn progress, void *progress_ctx, char *err, size_t errlen)
+{
+    struct moed_backend_cfg bc = {
+        .progress = progress,
+        .progress_ctx = progress_ctx,
+        .n_threads = (int)cfg->cpu_threads,
+        .gpus = cfg->n_gpus ? cfg->gpus : NULL,
+        .n_gpus = (int)cfg->n_gpus,
+        .sms_free = (int)cfg->sms_free,
+        .max_tokens = cfg->max_tokens,
+        .batch_deadline_ms = cfg->batch_deadline_ms,
+        .idle_exit_ms = cfg->idle_exit_ms,
+    };
+    enum moed_cfg_backend kind = cfg->backend;
+    if (kind == MOED_CFG_BACKEND_AUTO)
+        kind = moed_backend_cuda_available() ? MOED_CFG_BACKEND_CUDA : MOED_CFG_BACKEND_CPU;
+    if (kind == MOED_CFG_BACKEND_CUDA) {
+        if (!moed_backend_cuda_available())
+            return moed_seterr(err, errlen, MOED_E_BACKEND,
+                               "engine.backend is \"cuda\" but %s",
+#ifdef MOED_HAVE_CUDA
+                               "no CUDA device is visible"
+#else
+                               "this build has no CUDA (built with CUDA=0)"
+#endif
+            );
+        return moed_backend_cuda_open(e->model, &bc, on_backend_done, e, &e->be, err, errlen);
+    }
+    return moed_backend_cpu_open(e->model, &bc, on_backend_done, e, &e->be, err, errlen);
+}
+
+static void *pool_host_alloc(void *ctx, size_t bytes)
+{
+    struct moed_backend *be = ctx;
+    return be->ops->host_alloc(be, bytes);
+}
+
+static void pool_host_free(void *ctx, void *p)
+{
+    struct moed_backend *be = ctx;
+    be->ops->host_free(be, p);
+}
+
+/* The buffer pool, on the backend's host allocator when it has one. */
+static int open_pool(struct moed_engine *e, const struct moed_cfg *cfg, char *err, size_t errlen)
+{
+    const struct moed_backend_ops *ops = e->be->ops;
+    struct moed_bufpool_cfg pc = {.pinned_limit = cfg->pinned_pool_bytes,
+                                  .keep_bytes = cfg->read_buffer_keep_bytes};
+    if (ops->host_alloc && ops->host_free)
+        pc.pinned = (struct moed_host_allocator){pool_host_alloc, pool_host_free, e->be};
+    if (moed_bufpool_open(&pc, &e->pool) < 0)
+        return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
+    if (pc.pinned.alloc && pc.pinned_limit)
+        LOG_I("buffers: up to %llu MiB of backend %s host memory, used in place "
+              "(server.pinned_pool_bytes)", (unsigned long long)(pc.pinned_limit >> 20), ops->name);
+    else if (pc.pinned.alloc)
+        LOG_I("buffers: ordinary memory (server.pinned_pool_bytes is 0)");
+    else
+        LOG_I("buffers: ordinary memory (backend %s has no host memory of its own)", ops->name);
+    return 0;
+}
+
+int moed_engine_open(uv_loop_t *loop, struct moed_model *model, const struct moed_cfg *cfg,
+                     moed_progress_fn progress, void *progress_ctx, struct moed_engine **out,
+                     char *err, size_t errlen)
+{
+    int rc;
+    *out = NULL;
+    struct moed_engine *e = calloc(1, sizeof *e);
+    if (!e) {
+        moed_model_close(model);
+        return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
+    }
+    e->loop = loop;
+    e->model = model;
+    e->dims = moed_model_dims(model);
+    e->max_tokens = cfg->max_tokens;
+    e->max_frame_bytes = cfg->max_frame_bytes;
+    e->first_moe_layer = e->dims->n_layers;
+    for (uint32_t l = 0; l < e->dims->n_layers; l++)
+        if (moed_model_is_moe_layer(model, l)) {
+            e->first_moe_layer = l;
+            break;
+        }
+    uint64_t need = moed_forward_payload_len(cfg->max_tokens, e->dims->hidden, e->dims->top_k);
+    if (need == 0 || need > cfg->max_frame_bytes) {
+        rc = moed_seterr(err, errlen, MOED_E_CONFIG,
+                         "server.max_frame_bytes %llu is below the %llu bytes a FORWARD of "
+                         "engine.max_tokens %u tokens needs for this model (H=%u, k=%u)",
+                         (unsigned long long)cfg->max_frame_bytes, (unsigned long long)need,
+                         cfg->max_tokens, e->dims->hidden, e->dims->top_k);
+        goto fail_model;
+    }
+    e->stats.version = MOED_VERSION;
+    e->stats.start_ns = now_ns();
+    e->stats.dims = e->dims;
+    e->stats.model_path = moed_model_dir(model);
+    e->stats.backend = "";
+    e->stats.n_expert_hits = e->dims->n_experts + e->dims->n_shared;
+    e->stats.n_hit_layers = e->dims->n_layers; /* rows by absolute layer (validated < this) */
+    e->stats.expert_hits =
+        calloc((size_t)e->stats.n_hit_layers * e->stats.n_expert_hits, sizeof(uint64_t));
+    if (!e->stats.expert_hits) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
+        goto fail_model;
+    }
+    pthread_mutex_init(&e->done_mu, NULL);
+    e->async.data = e; /* on_async drains completions also before attach */
+    rc = open_backend(e, cfg, progress, progress_ctx, err, errlen);
+    if (rc < 0)
+        goto fail_mutex;
+    rc = open_pool(e, cfg, err, errlen);
+    if (rc < 0)
+        goto fail_backend;
+    e->stats.backend = e->be->ops->name;
+    e->backend_name = e->be->ops->name;
+    e->stats.healthy = 1;
+    if (e->be->ops->describe)
+        e->be->ops->describe(e->be, e->stats.backend_desc, sizeof e->stats.backend_desc);
+    *out = e;
+    return 0;
+
+fail_backend:
+    moed_backend_close(e->be);
+fail_mutex:
+    pthread_mutex_destroy(&e->done_mu);
+    free(e->stats.expert_hits);
+fail_model:
+    moed_model_close(model);
+    free(e);
+    return rc;
+}
+
+int moed_engine_self_check(struct moed_engine *e, char *err, size_t errlen)
+{
+    const struct moed_dims *d = e->dims;
+    const uint32_t T = e->max_tokens < 4 ? e->max_tokens : 4, H = d->hidden, k = d->top_k;
+    const uint32_t L = e->first_moe_layer;
+    int rc = 0;
+    uint16_t *ref = NULL;
+    struct eng_batch *eb = batch_alloc(e, L, T);
+    const struct moe_layer *layer = moed_model_layer(e->model, L);
+    if (!eb || !layer || !(ref = malloc((size_t)T * H * 2))) {
+        rc = moed_seterr(err, errlen, layer ? MOED_E_NOMEM : MOED_E_MODEL,
+                         layer ? "out of memory" : "self-check: model has no MoE layer %u", L);
+        goto out;
+    }
+    eb->selfcheck = 1;
+    /* Deterministic input: a small LCG, distinct experts per token. */
+    uint16_t *x = eb->b.x.ptr;
+    int32_t *ids = eb->b.ids.ptr;
+    float *w = eb->b.w.ptr;
+    uint32_t s = 12345u;
+    for (size_t i = 0; i < (size_t)T * H; i++) {
+        s = s * 1664525u + 1013904223u;
+        x[i] = bf16_from_float(((float)(s >> 8) / 16777216.0f - 0.5f) * 2.0f);
+    }
+    for (uint32_t t = 0; t < T; t++)
+        for (uint32_t j = 0; j < k; j++) {
+            ids[t * k + j] = (int32_t)((t * 7 + j * 3 + j * j) % d->n_experts);
+            w[t * k + j] = 1.0f / (float)(j + 1);
+        }
+    busy_begin(e);
+    rc = moed_backend_submit(e->be, &eb->b);
+    if (rc < 0) {
+        busy_end(e);
+        rc = moed_seterr(err, errlen, MOED_E_BACKEND, "self-check: backend %s refused a batch: %s",
+                         e->be->ops->name, moed_strerror(rc));
+        goto out;
+    }
+    while (!e->selfcheck_done)
+        uv_run(e->loop, UV_RUN_ONCE);
+    if (eb->b.status != 0) {
+        rc = moed_seterr(err, errlen, MOED_E_BACKEND, "self-check: backend %s failed the batch: %s",
+                         e->be->ops->name, moed_strerror(eb->b.status));
+        goto out;
+    }
+    rc = moe_ref_forward(layer, T, x, ids, w, ref, 0);
+    if (rc < 0) {
+        rc = moed_seterr(err, errlen, rc, "self-check: moe_ref_forward: %s", moed_strerror(rc));
+        goto out;
+    }
+    double rel = bf16_rel_l2(eb->b.y.ptr, ref, (size_t)T * H);
+    if (!(rel <= 1e-2)) {
+        rc = moed_seterr(err, errlen, MOED_E_BACKEND,
+                         "self-check: backend %s differs from the CPU reference on layer %u, %u "
+                         "tokens: relative L2 error %.3g (allowed 1e-2)",
+                         e->be->ops->name, L, T, rel);
+        goto out;
+    }
+    LOG_I("self-check passed: backend %s, layer %u, %u tokens, relative L2 error %.2e",
+          e->be->ops->name, L, T, rel);
+    e->stats.loaded = 1;
+out:
+    free(ref);
+    if (eb)
+        batch_free(e, eb);
+    return rc;
+}
+
+struct moed_stats *moed_engine_stats(struct moed_engine *e)
+{
+    /* busy_ns is kept in closed intervals; include the open one here by
+     * closing and reopening it. */
+    if (e->outstanding > 0) {
+        uint64_t t = now_ns();
+        e->stats.busy_ns += t - e->busy_since_ns;
+        e->busy_since_ns = t;
+    }
+    if (e->srv) {
+        const struct moed_server_counters *sc = moed_server_counters(e->srv);
+        e->stats.clients = sc->clients;
+        e->stats.clients_total = sc->clients_total;
+        e->stats.clients_refused = sc->clients_refused;
+        memcpy(e->stats.errors, sc->errors, sizeof e->stats.errors);
+    }
+    if (e->be && e->be->ops->healthy && !e->failed)
+        e->stats.healthy = e->be->ops->healthy(e->be) ? 1 : 0;
+    if (e->pool) {
+        struct moed_bufpool_stats ps;
+        moed_bufpool_get_stats(e->pool, &ps);
+        e->stats.pinned_bytes = ps.pinned_bytes;
+        e->stats.pinned_free_bytes = ps.pinned_free_bytes;
+        e->stats.pinned_limit = ps.pinned_limit;
+        e->stats.pinned_allocs = ps.pinned_allocs;
+        e->stats.spare_bytes = ps.spare_bytes;
+    }
+    if (e->be && e->be->ops->heartbeat) {
+        uint64_t hb = e->be->ops->heartbeat(e->be), t = now_ns();
+        if (hb != e->hb_last || e->hb_changed_ns == 0) {
+            e->hb_last = hb;
+            e->hb_changed_ns = t;
+        }
+        e->stats.heartbeat = hb;
+        e->stats.heartbeat_age_ms = (t - e->hb_changed_ns) / 1000000u;
+    }
+    return &e->stats;
+}
+
+void moed_engine_on_failure(struct moed_engine *e, void (*cb)(void *arg), void *arg)
+{
+    e->fail_cb = cb;
+    e->fail_arg = arg;
+}
+
+void moed_engine_drain(struct moed_engine *e, void (*done)(void *arg), void (*progress)(void *arg),
+                       void *arg)
+{
+    e->draining = 1;
+    e->drain_cb = done;
+    e->drain_progress = progress;
+    e->drain_arg = arg;
+    LOG_I("draining: %llu requests in flight (%llu waiting, %u batches at the backend)",
+          (unsigned long long)e->stats.in_flight, (unsigned long long)e->n_waiting, e->outstanding);
+    maybe_drained(e);
+}
+
+int moed_engine_failed(const struct moed_engine *e) { return e->failed; }
+
+static void on_async_closed(uv_handle_t *h)
+{
+    struct moed_engine *e = h->data;
+    if (--e->closes_pending > 0)
+        return;
+    free(e->stats.expert_hits);
+    moed_status_cache_free(&e->status_cache);
+    pthread_mutex_destroy(&e->done_mu);
+    free(e);
+}
+
+void moed_engine_close(struct moed_engine *e)
+{
+    if (!e)
+        return;
+    /* Pinned buffers go back to the backend while it is open (it frees them
+     * once its kernel has stopped). The backend finishes (or fails) what is
+     * queued and calls done for each batch; run their completions here so
+     * every request is answered. */
+    moed_bufpool_release_pinned(e->pool);
+    moed_backend_close(e->be);
+    e->be = NULL;
+    e->failed = 1; /* nothing more is submitted */
+    on_async(&e->async);
+    while (e->wait_head) {
+        struct eng_req *r = e->wait_head;
+        e->wait_head = r->next;
+        req_fail(e, r, MOED_E_SHUTDOWN, "moed is shutting down");
+    }
+    e->wait_tail = NULL;
+    moed_bufpool_close(e->pool);
+    e->pool = NULL;
+    moed_model_close(e->model);
+    e->model = NULL;
+    if (!e->attached) { /* no handles on the loop: free now */
+        free(e->stats.expert_hits);
+        moed_status_cache_free(&e->status_cache);
+        pthread_mutex_destroy(&e->done_mu);
+        free(e);
+        return;
+    }
+    e->closes_pending = 1;
+    if (e->health_timer_on) {
+        e->closes_pending++;
+        uv_close((uv_handle_t *)&e->health_timer, on_async_closed);
+    }
+    uv_close((uv_handle_t *)&e->async, on_async_closed);
+}
+

@@ -1,0 +1,29 @@
+/* test_hooks.h - test-only switches of the CPU backend (never in the user's
+ * config). Read from the environment when the backend opens; "1" turns one
+ * on, anything else (or unset) leaves it off:
+ *   MOED_TEST_CPU_HOST_ALLOC   the CPU backend offers a host allocator
+ *       (page-aligned ordinary memory, reported as pinned) the way the CUDA
+ *       backend offers pinned memory, so that the pinned-buffer path
+ *       (server.pinned_pool_bytes, /status buffers) runs without a GPU;
+ *   MOED_TEST_CPU_KERNEL_TIME  the CPU backend reports each batch's compute
+ *       time as its kernel time (otherwise only CUDA knows one), so that the
+ *       kernel and added_kernel stages (/status stages_us, moectl bench's
+ *       latency added over the kernel) run without a GPU.
+ * The CUDA backend's test and bench hooks are backend_cuda_hooks.h.
+ */
+#ifndef MOED_TEST_HOOKS_H
+#define MOED_TEST_HOOKS_H
+
+#include <stdlib.h>
+#include <string.h>
+
+#define MOED_TEST_CPU_HOST_ALLOC "MOED_TEST_CPU_HOST_ALLOC"
+#define MOED_TEST_CPU_KERNEL_TIME "MOED_TEST_CPU_KERNEL_TIME"
+
+static inline int moed_test_switch(const char *name)
+{
+    const char *v = getenv(name);
+    return v && strcmp(v, "1") == 0;
+}
+
+#endif

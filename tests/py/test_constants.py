@@ -1,0 +1,60 @@
+"""The Python copies of the wire constants and error codes, checked against
+the C headers they mirror (ipc/moed_proto.h, common/moed_err.h and the names
+in common/moed_err.c): the Python client (ipc/python/moed_client) is the one
+Python copy, and the daemon tests' helpers (daemon_util) take theirs from it.
+A constant changed in C and not in Python fails here, not on the wire."""
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "ipc", "python"))  # the tree's client, not an old install
+
+import moed_client as mc  # noqa: E402
+
+import daemon_util as du  # noqa: E402
+
+
+def read(rel):
+    with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+        return f.read()
+
+
+def c_defines(text, prefix):
+    return {m.group(1): int(m.group(2), 0)
+            for m in re.finditer(r"#define %s(\w+)\s+(0x[0-9A-Fa-f]+|\d+)u?\b" % prefix, text)}
+
+
+def c_enum(text, prefix):
+    return {m.group(1): int(m.group(2))
+            for m in re.finditer(r"\b%s(\w+)\s*=\s*(-?\d+)" % prefix, text)}
+
+
+def test_frame_constants_match_moed_proto_h():
+    proto = read("ipc/moed_proto.h")
+    d = c_defines(proto, "MOED_PROTO_")
+    assert d["MAGIC"] == mc.PROTO_MAGIC == du.MAGIC
+    assert d["VERSION"] == mc.PROTO_VERSION == du.VERSION
+    assert d["HDR_SIZE"] == mc.HDR_SIZE == du.HDR.size
+    assert d["REPLY"] == mc.REPLY == du.REPLY
+    assert d["MAX_ERRMSG"] == mc.MAX_ERRMSG
+    assert d["MAX_PING"] == mc.MAX_PING
+    msgs = c_enum(proto, "MOED_MSG_")
+    assert len(msgs) >= 7, msgs
+    for name, v in msgs.items():
+        assert getattr(mc, "MSG_" + name) == v, name
+        assert getattr(du, "MSG_" + name, v) == v, name
+
+
+def test_error_codes_match_moed_err():
+    codes = c_enum(read("common/moed_err.h"), "MOED_E_")
+    codes.pop("_COUNT", None)
+    names = dict(re.findall(r'\[(\d+)\]\s*=\s*\{"(\w+)"', read("common/moed_err.c")))
+    assert len(codes) >= 20, codes
+    assert mc.ERROR_NAMES[0] == names["0"] == "ok"
+    for enum_name, v in codes.items():
+        assert mc.ERROR_NAMES[v] == names[str(-v)], enum_name
+        assert du.E[names[str(-v)]] == v, enum_name
+    assert set(mc.ERROR_NAMES) == set(codes.values()) | {0}
+    for attr in ("E_PROTO", "E_VERSION", "E_TOOBIG", "E_INVAL", "E_TIMEOUT", "E_CONN"):
+        assert getattr(mc, attr) == codes[attr[2:]], attr
