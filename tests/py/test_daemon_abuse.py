@@ -180,6 +180,9 @@ def test_sigterm_drain_follows_progress(tmp_path_factory):
                engine__max_tokens=512, server__max_frame_bytes=1 << 20,
                engine__batch_deadline_ms=deadline_ms, engine__drain_stall_ms=1,
                server__max_pending_per_client=64,
+               # a client's replies queue up unread until the signal: 64 of
+               # T=512 each on a fast backend
+               server__max_client_buffer_bytes=256 << 20,
                server__frame_timeout_ms=int(du.wait_s(5) * 1000)) as d:
         dims = hello_dims(d)
         n_clients = 8
