@@ -163,7 +163,7 @@ int main(int argc, char **argv)
             return 2;
         }
     }
-    const struct moe_shape *sh = moe_shape_find(preset);
+    const struct moe_shape *sh = moe_shapes_resolve() ? NULL : moe_shape_find(preset);
     if (!sh) {
         fprintf(stderr, "unknown preset %s (the shapes of tests/gpu/moe_cases.h)\n", preset);
         return 2;

@@ -18,12 +18,20 @@
 #define MOED_TESTS_GPU_MOE_CASES_H
 
 #include <stdint.h>
+#include <stdio.h>
 
+#include "genmodel.h"
+#include "model.h"
 #include "moed_err.h"
+
+/* A shape named after a generator preset (tiny, qwen3-30b-a3b, deepseek-v3)
+ * takes H, I, E, k and S from engine/genmodel.c's preset table, the one place
+ * those dimensions are written down: moe_shapes_resolve() fills them in. */
+#define MOE_PRESET 0, 0, 0, 0, 0
 
 struct moe_shape {
     const char *name;
-    uint32_t H, I, E, k, S;
+    uint32_t H, I, E, k, S; /* MOE_PRESET: from moed_gen_preset(name) */
     uint32_t test_layers;  /* layers the GPU test builds in memory (1 or 2) */
     uint32_t ref_sample;   /* tokens per batch checked against the CPU reference
                               (a token's output depends on that token alone) */
@@ -32,10 +40,10 @@ struct moe_shape {
     uint32_t bench_bf16_layers;
 };
 
-static const struct moe_shape moe_shapes[] = {
-    {"tiny", 256, 128, 8, 2, 1, 2, 512, 1, 0, 0},
-    {"qwen3-30b-a3b", 2048, 768, 128, 8, 0, 1, 48, 0, 24, 8 /* 1.2 GB each */},
-    {"deepseek-v3", 7168, 2048, 256, 8, 1, 2, 6, 0, 4, 2 /* 22.6 GB each */},
+static struct moe_shape moe_shapes[] = {
+    {"tiny", MOE_PRESET, 2, 512, 1, 0, 0},
+    {"qwen3-30b-a3b", MOE_PRESET, 1, 48, 0, 24, 8 /* 1.2 GB each */},
+    {"deepseek-v3", MOE_PRESET, 2, 6, 0, 4, 2 /* 22.6 GB each */},
     {"e6-h320-i192", 320, 192, 6, 2, 1, 2, 512, 1, 0, 0},
     {"e60-h320-i192", 320, 192, 60, 4, 2, 1, 512, 0, 0, 0},
     {"e60-h1024-i320", 1024, 320, 60, 6, 0, 1, 512, 0, 0, 0},
@@ -43,6 +51,25 @@ static const struct moe_shape moe_shapes[] = {
     {"i96-refused", 256, 96, 8, 2, 0, 1, 512, 1, 0, 0},
 };
 #define MOE_N_SHAPES (sizeof moe_shapes / sizeof moe_shapes[0])
+
+/* Fill the preset shapes' dimensions; 0, or -1 with a message on stderr when
+ * a preset name is unknown to the generator. Call once before using the table. */
+static inline int moe_shapes_resolve(void)
+{
+    for (unsigned i = 0; i < MOE_N_SHAPES; i++) {
+        struct moe_shape *s = &moe_shapes[i];
+        if (s->H)
+            continue;
+        struct moed_dims d;
+        char err[256];
+        if (moed_gen_preset(s->name, &d, err, sizeof err)) {
+            fprintf(stderr, "moe_cases: shape %s: %s\n", s->name, err);
+            return -1;
+        }
+        s->H = d.hidden, s->I = d.inter, s->E = d.n_experts, s->k = d.top_k, s->S = d.n_shared;
+    }
+    return 0;
+}
 
 static inline const struct moe_shape *moe_shape_find(const char *name)
 {

@@ -781,6 +781,8 @@ static void test_deadline(void)
 
 int main(int argc, char **argv)
 {
+    if (moe_shapes_resolve())
+        return 2;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick"))
             g_quick = 1;
