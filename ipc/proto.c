@@ -1,4 +1,4 @@
-/* proto.c - the moed wire protocol, version 1: frame header parse/encode and
+/* proto.c - the moed wire protocol, versions 1 and 2: frame header parse/encode and
  * FORWARD payload validation (ipc/PROTOCOL.md is the byte-level spec).
  *
  * Everything here is a pure function of its arguments so that both the server
@@ -136,16 +136,17 @@ int moed_forward_validate(const uint8_t *payload, uint64_t len, uint32_t hidden,
     };
     if (req)
         *req = r;
-    if (r.flags != 0)
+    if (r.flags & ~MOED_FORWARD_FLAGS_KNOWN)
         return moed_seterr(err, errlen, MOED_E_INVAL,
-                           "forward flags 0x%" PRIx32 " are not 0 (no flags in version 1)",
-                           r.flags);
+                           "forward flags 0x%" PRIx32 " has unknown bits 0x%" PRIx32
+                           " (known: 0x1 routed-only, 0x2 empty slots)",
+                           r.flags, r.flags & ~MOED_FORWARD_FLAGS_KNOWN);
     if (is_moe_layer && !is_moe_layer(ctx, r.layer))
         return moed_seterr(err, errlen, MOED_E_INVAL, "layer %" PRIu32
                            " is not an MoE layer of this model", r.layer);
-    if (r.n_tokens < 1 || r.n_tokens > max_tokens)
+    if (r.n_tokens > max_tokens)
         return moed_seterr(err, errlen, MOED_E_INVAL,
-                           "n_tokens %" PRIu32 " is out of range [1, %" PRIu32 "]", r.n_tokens,
+                           "n_tokens %" PRIu32 " is out of range [0, %" PRIu32 "]", r.n_tokens,
                            max_tokens);
     if (r.top_k != top_k)
         return moed_seterr(err, errlen, MOED_E_INVAL,
@@ -158,14 +159,20 @@ int moed_forward_validate(const uint8_t *payload, uint64_t len, uint32_t hidden,
                            ", k=%" PRIu32 " need %" PRIu64,
                            len, r.n_tokens, hidden, r.top_k, need);
     const uint8_t *ids = payload + sizeof(struct moed_forward_req) + 2 * (uint64_t)r.n_tokens * hidden;
+    const int empty_ok = (r.flags & MOED_FORWARD_EMPTY_SLOTS) != 0;
     for (uint32_t t = 0; t < r.n_tokens; t++) {
         for (uint32_t j = 0; j < r.top_k; j++) {
             int32_t id = (int32_t)le_get32(ids + 4 * ((uint64_t)t * r.top_k + j));
+            if (id == MOED_EXPERT_NONE && empty_ok)
+                continue;
             if (id < 0 || (uint32_t)id >= n_experts)
                 return moed_seterr(err, errlen, MOED_E_INVAL,
                                    "expert id %" PRId32 " at token %" PRIu32 " slot %" PRIu32
-                                   " is out of range [0, %" PRIu32 ")",
-                                   id, t, j, n_experts);
+                                   " is out of range [0, %" PRIu32 ")%s",
+                                   id, t, j, n_experts,
+                                   id == MOED_EXPERT_NONE
+                                       ? " (-1 is an empty slot only with forward flag 0x2)"
+                                       : "");
         }
     }
     return 0;

@@ -188,18 +188,21 @@ class F64Reference:
         t = self.tensors
         return dequant(t[p + "weight"], t[p + "weight_scale"], t[p + "weight_scale_2"])
 
-    def forward(self, layer, x_bits, ids, w):
+    def forward(self, layer, x_bits, ids, w, routed_only=False):
+        """y for routing (ids, w); an id of -1 is an empty slot (adds nothing,
+        FORWARD flag 0x2); routed_only leaves out the shared experts (0x1)."""
         x = bf16_to_f64(x_bits)
         ids = np.asarray(ids, dtype=np.int64)
         w = np.asarray(w, dtype=np.float32).astype(np.float64)
         T, k = ids.shape
         assert x.shape == (T, self.hidden) and k == self.top_k
-        S = self.n_shared
+        S = 0 if routed_only else self.n_shared
+        w = np.where(ids < 0, 0.0, w)
         # d[t, slot] for routed slots 0..k-1 and shared slots k..k+S-1.
         d = np.zeros((T, k + S, self.hidden))
         slot_expert = np.concatenate([ids, np.tile(self.n_experts + np.arange(S), (T, 1))],
                                      axis=1)
-        for e in np.unique(slot_expert):
+        for e in np.unique(slot_expert[slot_expert >= 0]):
             tt, ss = np.nonzero(slot_expert == e)
             xe = x[tt]
             g = xe @ self.matrix(layer, e, "gate_proj").T

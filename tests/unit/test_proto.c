@@ -227,7 +227,16 @@ START_TEST(test_validate)
     ck_assert_str_eq(err, "expert id 128 at token 3 slot 1 is out of range [0, 128)");
     set_id(&ok, 256, 2, 3, 1, -1);
     ck_assert_int_eq(VAL(ok, &req, err), MOED_E_INVAL);
-    ck_assert_str_eq(err, "expert id -1 at token 3 slot 1 is out of range [0, 128)");
+    ck_assert_str_eq(err, "expert id -1 at token 3 slot 1 is out of range [0, 128) (-1 is an "
+                          "empty slot only with forward flag 0x2)");
+    /* FORWARD flag 0x2: -1 is an empty slot; any other negative id is still refused. */
+    put32(ok.buf + 12, MOED_FORWARD_EMPTY_SLOTS);
+    ck_assert_int_eq(VAL(ok, &req, err), 0);
+    ck_assert_uint_eq(req.flags, MOED_FORWARD_EMPTY_SLOTS);
+    set_id(&ok, 256, 2, 3, 1, -2);
+    ck_assert_int_eq(VAL(ok, &req, err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "expert id -2 at token 3 slot 1 is out of range [0, 128)");
+    put32(ok.buf + 12, 0);
     set_id(&ok, 256, 2, 3, 1, 127);
     set_id(&ok, 256, 2, 0, 0, INT32_MIN);
     ck_assert_int_eq(VAL(ok, &req, err), MOED_E_INVAL);
@@ -235,15 +244,19 @@ START_TEST(test_validate)
     free(ok.buf);
 
     struct fwd f = make_fwd(3, 2, 256, 2, 128);
+    /* T = 0 is valid with the 16-byte head alone; its length is still checked. */
     put32(f.buf + 4, 0);
+    ck_assert_int_eq(moed_forward_validate(f.buf, 16, 256, 128, 2, 512, NULL, NULL, &req, err,
+                                           sizeof err), 0);
+    ck_assert_uint_eq(req.n_tokens, 0);
     ck_assert_int_eq(VAL(f, &req, err), MOED_E_INVAL);
-    ck_assert_str_eq(err, "n_tokens 0 is out of range [1, 512]");
+    ck_assert_str_eq(err, "payload is 1072 bytes but T=0, H=256, k=2 need 16");
     put32(f.buf + 4, 513);
     ck_assert_int_eq(VAL(f, &req, err), MOED_E_INVAL);
-    ck_assert_str_eq(err, "n_tokens 513 is out of range [1, 512]");
+    ck_assert_str_eq(err, "n_tokens 513 is out of range [0, 512]");
     put32(f.buf + 4, 0xffffffffu);
     ck_assert_int_eq(VAL(f, &req, err), MOED_E_INVAL);
-    ck_assert_str_eq(err, "n_tokens 4294967295 is out of range [1, 512]");
+    ck_assert_str_eq(err, "n_tokens 4294967295 is out of range [0, 512]");
     put32(f.buf + 4, 2);
 
     put32(f.buf + 8, 4);
@@ -276,15 +289,24 @@ START_TEST(test_validate)
     ck_assert_str_eq(err, "layer 2 is not an MoE layer of this model");
     put32(f.buf, 3);
 
-    put32(f.buf + 12, 1);
+    /* Flags 0x1 and 0x2 are known (version 2); any other bit is refused by name. */
+    put32(f.buf + 12, MOED_FORWARD_ROUTED_ONLY | MOED_FORWARD_EMPTY_SLOTS);
+    ck_assert_int_eq(VAL(f, &req, err), 0);
+    ck_assert_uint_eq(req.flags, 3);
+    put32(f.buf + 12, 0x5);
     ck_assert_int_eq(VAL(f, &req, err), MOED_E_INVAL);
-    ck_assert_str_eq(err, "forward flags 0x1 are not 0 (no flags in version 1)");
+    ck_assert_str_eq(err, "forward flags 0x5 has unknown bits 0x4 (known: 0x1 routed-only, 0x2 "
+                          "empty slots)");
+    put32(f.buf + 12, 0x80000000u);
+    ck_assert_int_eq(VAL(f, &req, err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "forward flags 0x80000000 has unknown bits 0x80000000 (known: 0x1 "
+                          "routed-only, 0x2 empty slots)");
     put32(f.buf + 12, 0);
 
     ck_assert_int_eq(VAL(f, &req, err), 0);
     /* A small err buffer truncates, never overflows. */
     char small[8];
-    put32(f.buf + 4, 0);
+    put32(f.buf + 4, 513);
     ck_assert_int_eq(moed_forward_validate(f.buf, f.len, 256, 128, 2, 512, NULL, NULL, NULL,
                                            small, sizeof small), MOED_E_INVAL);
     ck_assert_str_eq(small, "n_token");
