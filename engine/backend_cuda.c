@@ -76,6 +76,8 @@ static uint64_t rt_ns(void)
 
 /* cudaMalloc of a scratch buffer of `bytes` (between two guard regions of
  * cb->guard bytes). */
+#define CUDA_MAX_TOKENS 4096u /* engine.max_tokens on this backend (cuda_open) */
+
 static int scratch_alloc(struct cuda_backend *cb, int which, void **out, size_t bytes, char *err,
                          size_t errlen)
 {
@@ -609,6 +611,17 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     cb->guard = __atomic_load_n(&g_test_guards, __ATOMIC_RELAXED) ? GUARD_BYTES : 0;
     if ((rc = moe_gpu_check_dims(&cb->d, err, errlen)))
         goto cleanup;
+    /* engine.max_tokens goes to 16384 for the CPU backend; the kernel has run
+     * batches of up to 512 tokens in the op tests, and a 16384-token batch of
+     * the tiny model failed on the H200 (2026-12-01, MOED_E_BACKEND): keep the
+     * 4096 the config allowed before. The clients split larger requests. */
+    if (cfg->max_tokens > CUDA_MAX_TOKENS) {
+        rc = moed_seterr(err, errlen, MOED_E_CONFIG,
+                         "cuda backend: engine.max_tokens %u is over the %u tokens per batch "
+                         "this backend serves (the clients split larger requests)",
+                         cfg->max_tokens, CUDA_MAX_TOKENS);
+        goto cleanup;
+    }
 
     /* layer id -> slot */
     uint32_t max_id = 0;

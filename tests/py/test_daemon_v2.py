@@ -226,13 +226,22 @@ def test_client_splits_over_max_tokens(daemon, ref):
 
 
 def test_max_tokens_16384(tmp_path, models_dir):
-    """engine.max_tokens 16384 is accepted and served (CPU backend: computed
-    1024 tokens at a time)."""
+    """engine.max_tokens 16384 is accepted and served by the CPU backend
+    (computed 1024 tokens at a time); the CUDA backend refuses more than 4096
+    at start, naming its limit."""
     T = 16384
     cfg = du.base_config(str(tmp_path), models_dir, engine__max_tokens=T,
                          server__max_frame_bytes=64 << 20,
                          server__max_client_buffer_bytes=64 << 20,
                          server__frame_timeout_ms=int(du.wait_s(30) * 1000))
+    if du.TEST_BACKEND == "cuda":
+        d = du.Daemon(tmp_path, cfg)
+        try:
+            with pytest.raises(RuntimeError, match="max_tokens 16384 is over the 4096 tokens"):
+                d.start()
+        finally:
+            d.kill()
+        return
     with du.Daemon(tmp_path, cfg) as d:
         with mc.Client(d.sock_path, timeout=du.wait_s(120)) as c:
             info = c.hello()
