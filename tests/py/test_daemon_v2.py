@@ -197,12 +197,21 @@ def test_zero_tokens(daemon):
         s.sendall(du.frame(MSG_FORWARD, 4, struct.pack("<IIII", layer, 0, info.top_k, 0) + b"x"))
         du.expect_error(s, E["inval"], "payload is 17 bytes but T=0", rid=4)
         s.close()
-        # the Python client: numpy, torch-free, any dtype -> an empty [0, H] of that kind
+        # the Python client: an empty [0, H] of the input's kind and dtype
         for dt in (np.float32, np.uint16):
             y = c.forward(layer, np.zeros((0, info.hidden), dt), np.zeros((0, info.top_k),
                                                                           np.int32),
                           np.zeros((0, info.top_k), np.float32))
             assert y.shape == (0, info.hidden) and y.dtype == dt
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        if torch is not None:  # a torch tensor in: an empty tensor of its dtype out
+            y = c.forward(layer, torch.zeros((0, info.hidden), dtype=torch.float16),
+                          torch.zeros((0, info.top_k), dtype=torch.int64),
+                          torch.zeros((0, info.top_k)))
+            assert tuple(y.shape) == (0, info.hidden) and y.dtype == torch.float16
         assert c.status()["requests"]["served"] >= 3
 
 
