@@ -447,63 +447,13 @@ int moedc_hello(struct moedc *c, struct moed_hello_rep *rep, char *err, size_t e
     rc = call(c, MOED_MSG_HELLO, p, sizeof p, &h, err, errlen);
     if (rc)
         return rc;
-    if (h.payload_len < sizeof(struct moed_hello_rep)) {
+    struct moed_hello_rep r;
+    rc = moed_hello_parse(c->rbuf, h.payload_len, &r, c->moe_layers, &c->n_moe_layers, err,
+                          errlen);
+    if (rc) {
         c->broken = 1;
-        return moed_seterr(err, errlen, MOED_E_PROTO,
-                           "HELLO reply is %" PRIu64 " bytes, expected at least %zu",
-                           h.payload_len, sizeof(struct moed_hello_rep));
+        return rc;
     }
-    const uint8_t *b = c->rbuf;
-    struct moed_hello_rep r = {
-        .version = le_get16(b),
-        .reserved0 = le_get16(b + 2),
-        .hidden = le_get32(b + 4),
-        .inter = le_get32(b + 8),
-        .n_experts = le_get32(b + 12),
-        .top_k = le_get32(b + 16),
-        .n_shared = le_get32(b + 20),
-        .n_layers = le_get32(b + 24),
-        .first_moe_layer = le_get32(b + 28),
-        .max_tokens = le_get32(b + 32),
-        .reserved1 = le_get32(b + 36),
-        .max_frame_bytes = le_get64(b + 40),
-    };
-    memcpy(r.backend, b + 48, sizeof r.backend);
-    r.backend[sizeof r.backend - 1] = 0;
-    if (r.version < 1 || r.version > MOED_PROTO_MAX_VERSION) {
-        c->broken = 1;
-        return moed_seterr(err, errlen, MOED_E_VERSION,
-                           "daemon chose protocol version %u; this client speaks 1..%d",
-                           (unsigned)r.version, MOED_PROTO_MAX_VERSION);
-    }
-    /* Version 2: n_moe_layers, then the ids, ascending, each < n_layers;
-     * version 1: exactly the 64 bytes, the layers first_moe_layer.. */
-    uint32_t nl = 0;
-    if (r.version >= 2 && h.payload_len >= sizeof r + 4)
-        nl = le_get32(b + sizeof r);
-    uint64_t want = r.version >= 2 ? sizeof r + 4 + 4ull * nl : sizeof r;
-    if ((r.version >= 2 && (h.payload_len < sizeof r + 4 || nl > MOED_PROTO_MAX_LAYERS)) ||
-        h.payload_len != want) {
-        c->broken = 1;
-        return moed_seterr(err, errlen, MOED_E_PROTO,
-                           "version-%u HELLO reply is %" PRIu64 " bytes; its layer list needs %"
-                           PRIu64, (unsigned)r.version, h.payload_len, want);
-    }
-    for (uint32_t i = 0; i < nl; i++) {
-        uint32_t l = le_get32(b + sizeof r + 4 + 4 * i);
-        if (l >= r.n_layers || (i && l <= c->moe_layers[i - 1])) {
-            c->broken = 1;
-            return moed_seterr(err, errlen, MOED_E_PROTO,
-                               "HELLO layer list: entry %" PRIu32 " (%" PRIu32
-                               ") is not ascending and below n_layers %" PRIu32,
-                               i, l, r.n_layers);
-        }
-        c->moe_layers[i] = l;
-    }
-    if (r.version < 2)
-        for (uint32_t l = r.first_moe_layer; l < r.n_layers && nl < MOED_PROTO_MAX_LAYERS; l++)
-            c->moe_layers[nl++] = l;
-    c->n_moe_layers = nl;
     /* The reply bounds of FORWARD derive from these; refuse absurd values so
      * that arithmetic on them stays far from overflow. */
     if (r.hidden < 1 || r.hidden > MOEDC_MAX_HIDDEN || r.max_tokens < 1 ||

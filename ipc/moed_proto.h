@@ -159,4 +159,13 @@ int moed_forward_validate(const uint8_t *payload, uint64_t len, uint32_t hidden,
                           const void *ctx, struct moed_forward_req *req, char *err,
                           size_t errlen);
 
+/* Decode a HELLO reply payload b[0..len) (pure): version 1 (exactly 64
+ * bytes) or 2 (64 + 4 + 4 * n_moe_layers, the ids ascending and < n_layers).
+ * Fills *rep, layers[0..*n_moe_layers) (version 1: first_moe_layer ..
+ * n_layers - 1, at most MOED_PROTO_MAX_LAYERS). MOED_E_PROTO or
+ * MOED_E_VERSION with a message on a reply that breaks those rules. */
+int moed_hello_parse(const uint8_t *b, uint64_t len, struct moed_hello_rep *rep,
+                     uint32_t layers[MOED_PROTO_MAX_LAYERS], uint32_t *n_moe_layers, char *err,
+                     size_t errlen);
+
 #endif

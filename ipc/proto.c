@@ -10,6 +10,7 @@
 #include "moed_proto.h"
 
 #include <inttypes.h>
+#include <string.h>
 
 #include "moed_err.h"
 
@@ -175,6 +176,61 @@ int moed_forward_validate(const uint8_t *payload, uint64_t len, uint32_t hidden,
                                        : "");
         }
     }
+    return 0;
+}
+
+int moed_hello_parse(const uint8_t *b, uint64_t len, struct moed_hello_rep *rep,
+                     uint32_t layers[MOED_PROTO_MAX_LAYERS], uint32_t *n_moe_layers, char *err,
+                     size_t errlen)
+{
+    if (len < MOED_HELLO_V1_BYTES)
+        return moed_seterr(err, errlen, MOED_E_PROTO,
+                           "HELLO reply is %" PRIu64 " bytes, expected at least %d", len,
+                           MOED_HELLO_V1_BYTES);
+    struct moed_hello_rep r = {
+        .version = le_get16(b),
+        .reserved0 = le_get16(b + 2),
+        .hidden = le_get32(b + 4),
+        .inter = le_get32(b + 8),
+        .n_experts = le_get32(b + 12),
+        .top_k = le_get32(b + 16),
+        .n_shared = le_get32(b + 20),
+        .n_layers = le_get32(b + 24),
+        .first_moe_layer = le_get32(b + 28),
+        .max_tokens = le_get32(b + 32),
+        .reserved1 = le_get32(b + 36),
+        .max_frame_bytes = le_get64(b + 40),
+    };
+    memcpy(r.backend, b + 48, sizeof r.backend);
+    r.backend[sizeof r.backend - 1] = 0;
+    if (r.version < 1 || r.version > MOED_PROTO_MAX_VERSION)
+        return moed_seterr(err, errlen, MOED_E_VERSION,
+                           "daemon chose protocol version %u; this client speaks 1..%d",
+                           (unsigned)r.version, MOED_PROTO_MAX_VERSION);
+    /* Version 2: n_moe_layers, then the ids, ascending, each < n_layers;
+     * version 1: exactly the 64 bytes, the layers first_moe_layer.. */
+    uint32_t nl = r.version >= 2 && len >= MOED_HELLO_V1_BYTES + 4
+                      ? le_get32(b + MOED_HELLO_V1_BYTES) : 0;
+    uint64_t want = r.version >= 2 ? MOED_HELLO_V1_BYTES + 4 + 4ull * nl : MOED_HELLO_V1_BYTES;
+    if ((r.version >= 2 && (len < MOED_HELLO_V1_BYTES + 4 || nl > MOED_PROTO_MAX_LAYERS)) ||
+        len != want)
+        return moed_seterr(err, errlen, MOED_E_PROTO,
+                           "version-%u HELLO reply is %" PRIu64 " bytes; its layer list needs %"
+                           PRIu64, (unsigned)r.version, len, want);
+    for (uint32_t i = 0; i < nl; i++) {
+        uint32_t l = le_get32(b + MOED_HELLO_V1_BYTES + 4 + 4 * i);
+        if (l >= r.n_layers || (i && l <= layers[i - 1]))
+            return moed_seterr(err, errlen, MOED_E_PROTO,
+                               "HELLO layer list: entry %" PRIu32 " (%" PRIu32
+                               ") is not ascending and below n_layers %" PRIu32,
+                               i, l, r.n_layers);
+        layers[i] = l;
+    }
+    if (r.version < 2)
+        for (uint32_t l = r.first_moe_layer; l < r.n_layers && nl < MOED_PROTO_MAX_LAYERS; l++)
+            layers[nl++] = l;
+    *n_moe_layers = nl;
+    *rep = r;
     return 0;
 }
 

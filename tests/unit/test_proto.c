@@ -315,6 +315,55 @@ START_TEST(test_validate)
 END_TEST
 
 /* The byte-wise decoder must not depend on the buffer's alignment. */
+/* HELLO replies: version 1 (64 bytes, layers first_moe_layer..), version 2
+ * (the layer list), and the ones a client must refuse. */
+START_TEST(test_hello_parse)
+{
+    uint8_t b[64 + 4 + 4 * 4] = {0};
+    uint32_t layers[MOED_PROTO_MAX_LAYERS], n = 0;
+    struct moed_hello_rep r;
+    char err[256];
+    b[0] = 1;
+    put32(b + 4, 256);
+    put32(b + 24, 6);  /* n_layers */
+    put32(b + 28, 3);  /* first_moe_layer */
+    memcpy(b + 48, "cpu", 3);
+    ck_assert_int_eq(moed_hello_parse(b, 64, &r, layers, &n, err, sizeof err), 0);
+    ck_assert_uint_eq(r.hidden, 256);
+    ck_assert_str_eq(r.backend, "cpu");
+    ck_assert_uint_eq(n, 3);
+    ck_assert_uint_eq(layers[0], 3);
+    ck_assert_uint_eq(layers[2], 5);
+    ck_assert_int_eq(moed_hello_parse(b, 68, &r, layers, &n, err, sizeof err), MOED_E_PROTO);
+    ck_assert_str_eq(err, "version-1 HELLO reply is 68 bytes; its layer list needs 64");
+    b[0] = 2; /* layers 1, 3, 4 */
+    put32(b + 64, 3);
+    put32(b + 68, 1);
+    put32(b + 72, 3);
+    put32(b + 76, 4);
+    ck_assert_int_eq(moed_hello_parse(b, 80, &r, layers, &n, err, sizeof err), 0);
+    ck_assert_uint_eq(r.version, 2);
+    ck_assert_uint_eq(n, 3);
+    ck_assert_uint_eq(layers[0], 1);
+    ck_assert_uint_eq(layers[1], 3);
+    ck_assert_uint_eq(layers[2], 4);
+    ck_assert_int_eq(moed_hello_parse(b, 84, &r, layers, &n, err, sizeof err), MOED_E_PROTO);
+    ck_assert_str_eq(err, "version-2 HELLO reply is 84 bytes; its layer list needs 80");
+    ck_assert_int_eq(moed_hello_parse(b, 64, &r, layers, &n, err, sizeof err), MOED_E_PROTO);
+    put32(b + 76, 3); /* not ascending */
+    ck_assert_int_eq(moed_hello_parse(b, 80, &r, layers, &n, err, sizeof err), MOED_E_PROTO);
+    ck_assert_str_eq(err, "HELLO layer list: entry 2 (3) is not ascending and below n_layers 6");
+    put32(b + 76, 6); /* not below n_layers */
+    ck_assert_int_eq(moed_hello_parse(b, 80, &r, layers, &n, err, sizeof err), MOED_E_PROTO);
+    put32(b + 64, MOED_PROTO_MAX_LAYERS + 1); /* a count over the limit is never read */
+    ck_assert_int_eq(moed_hello_parse(b, 80, &r, layers, &n, err, sizeof err), MOED_E_PROTO);
+    b[0] = 3;
+    ck_assert_int_eq(moed_hello_parse(b, 64, &r, layers, &n, err, sizeof err), MOED_E_VERSION);
+    ck_assert_str_eq(err, "daemon chose protocol version 3; this client speaks 1..2");
+    ck_assert_int_eq(moed_hello_parse(b, 63, &r, layers, &n, err, sizeof err), MOED_E_PROTO);
+}
+END_TEST
+
 START_TEST(test_unaligned)
 {
     uint8_t raw[64 + 1];
@@ -336,6 +385,7 @@ static Suite *proto_suite(void)
     tcase_add_test(tc, test_payload_len);
     tcase_add_test(tc, test_validate);
     tcase_add_test(tc, test_unaligned);
+    tcase_add_test(tc, test_hello_parse);
     suite_add_tcase(s, tc);
     return s;
 }
