@@ -133,8 +133,15 @@ const struct cfg_key cfg_keys[] = {
      FIELD(sms_free),
      .doc = "SMs per GPU left free of the persistent kernel (for NCCL or a co-located "
             "server)."},
-    {.path = "engine.max_tokens", .type = T_UINT, .min = 1, .max = 4096, .def = "512",
-     FIELD(max_tokens), .doc = "Most tokens in one batch (and in one request)."},
+    {.path = "engine.max_tokens", .type = T_UINT, .min = 1, .max = 16384, .def = "512",
+     FIELD(max_tokens),
+     .doc = "Most tokens in one batch (and in one request; the clients split a larger one "
+            "into pipelined requests). server.max_frame_bytes must hold a request of this "
+            "many tokens. Memory: the CPU backend computes at most 1024 tokens at a time; "
+            "the CUDA backend takes at most 4096, reserves device scratch for max_tokens at "
+            "start (about max_tokens * (k + S) * (2I + 4H) bytes: 1.1 GiB at 4096 tokens of "
+            "a DeepSeek-V3 layer) and needs max_tokens * (k + S) <= 65535 (its routing "
+            "tables are 16-bit)."},
     {.path = "engine.cpu_threads", .type = T_UINT, .min = 0, .max = 1024, .def = "0",
      FIELD(cpu_threads), .doc = "Threads of the CPU backend; 0: one per core."},
     {.path = "engine.batch_deadline_ms", .type = T_UINT, .min = 1, .max = 600000,

@@ -50,9 +50,11 @@ struct moed_batch {
     uint32_t n_tokens;    /* T, 1..max_tokens */
     uint32_t top_k;
     struct moed_buf x;    /* bf16 [T, H] */
-    struct moed_buf ids;  /* int32 [T, k], every id in [0, E) (validated) */
+    struct moed_buf ids;  /* int32 [T, k], every id in [0, E) or -1, an empty slot
+                             (validated; an empty slot's w is 0) */
     struct moed_buf w;    /* fp32 [T, k] */
     struct moed_buf y;    /* bf16 [T, H] output */
+    uint32_t flags;       /* MOED_BATCH_* */
     int status;           /* set by the backend before done(): 0 or MOED_E_* */
     uint64_t kernel_ns;   /* set by the backend before done() of a batch it completed
                              (submit it 0): the batch's kernel time in ns, 0 when not
@@ -62,6 +64,10 @@ struct moed_batch {
                              with the test switch MOED_TEST_CPU_KERNEL_TIME */
     void *user;           /* engine's */
 };
+
+/* moed_batch.flags: the batch leaves out the shared experts (every request
+ * in it asked for the routed experts only). */
+#define MOED_BATCH_ROUTED_ONLY 0x1u
 
 struct moed_backend;
 typedef void (*moed_backend_done_fn)(void *ctx, struct moed_batch *b);

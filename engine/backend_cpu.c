@@ -74,8 +74,11 @@ static void *cpu_worker(void *arg)
             !moed_buf_on_host(&b->ids) || !moed_buf_on_host(&b->w)) {
             b->status = MOED_E_INVAL;
         } else {
-            b->status = moe_ref_forward(layer, b->n_tokens, b->x.ptr, b->ids.ptr, b->w.ptr, b->y.ptr,
-                                        cb->n_threads);
+            unsigned fl = MOE_REF_EMPTY_SLOTS; /* the engine validated every -1 */
+            if (b->flags & MOED_BATCH_ROUTED_ONLY)
+                fl |= MOE_REF_ROUTED_ONLY;
+            b->status = moe_ref_forward_flags(layer, b->n_tokens, b->x.ptr, b->ids.ptr, b->w.ptr,
+                                              b->y.ptr, cb->n_threads, fl);
             if (cb->kernel_time)
                 b->kernel_ns = moed_mono_ns() - t0;
         }

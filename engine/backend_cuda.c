@@ -76,6 +76,8 @@ static uint64_t rt_ns(void)
 
 /* cudaMalloc of a scratch buffer of `bytes` (between two guard regions of
  * cb->guard bytes). */
+#define CUDA_MAX_TOKENS 4096u /* engine.max_tokens on this backend (cuda_open) */
+
 static int scratch_alloc(struct cuda_backend *cb, int which, void **out, size_t bytes, char *err,
                          size_t errlen)
 {
@@ -146,6 +148,7 @@ static void publish_locked(struct cuda_backend *cb, struct moed_batch *b)
     }
     dsc->y = buf_in_place(&b->y) ? (uint64_t)(uintptr_t)b->y.ptr
                                  : (uint64_t)(uintptr_t)(sd + cb->off_y);
+    dsc->flags = (b->flags & MOED_BATCH_ROUTED_ONLY) ? MOE_GPU_ROUTED_ONLY : 0;
     dsc->stall_ns = cb->stall_ns;
     cb->stall_ns = 0;
     cb->inflight[slot] = b;
@@ -187,8 +190,8 @@ static int cuda_submit(struct moed_backend *be, struct moed_batch *b)
     if (moed_buf_on_host(&b->ids)) {
         const int32_t *ids = b->ids.ptr;
         for (uint64_t i = 0; i < (uint64_t)T * k; i++)
-            if (ids[i] < 0 || (uint32_t)ids[i] >= cb->d.n_experts)
-                return MOED_E_INVAL;
+            if (ids[i] < -1 || (ids[i] >= 0 && (uint32_t)ids[i] >= cb->d.n_experts))
+                return MOED_E_INVAL; /* -1: an empty slot (moed_batch.ids) */
     }
     pthread_mutex_lock(&cb->mu);
     if (cb->failed) {
@@ -608,6 +611,17 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     cb->guard = __atomic_load_n(&g_test_guards, __ATOMIC_RELAXED) ? GUARD_BYTES : 0;
     if ((rc = moe_gpu_check_dims(&cb->d, err, errlen)))
         goto cleanup;
+    /* engine.max_tokens goes to 16384 for the CPU backend; the kernel has run
+     * batches of up to 512 tokens in the op tests, and a 16384-token batch of
+     * the tiny model failed on the H200 (2026-12-01, MOED_E_BACKEND): keep the
+     * 4096 the config allowed before. The clients split larger requests. */
+    if (cfg->max_tokens > CUDA_MAX_TOKENS) {
+        rc = moed_seterr(err, errlen, MOED_E_CONFIG,
+                         "cuda backend: engine.max_tokens %u is over the %u tokens per batch "
+                         "this backend serves (the clients split larger requests)",
+                         cfg->max_tokens, CUDA_MAX_TOKENS);
+        goto cleanup;
+    }
 
     /* layer id -> slot */
     uint32_t max_id = 0;
@@ -657,7 +671,7 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     const uint32_t H = cb->d.hidden, I = cb->d.inter, NE = cb->d.n_experts + cb->d.n_shared;
     const uint64_t MT = cb->d.max_tokens, KS = cb->d.top_k + cb->d.n_shared, k = cb->d.top_k;
     cb->weight_bytes = (moe_gpu_gu_bytes(H, I) + moe_gpu_dn_bytes(H, I)) * NE * cb->n_layers;
-    cb->scratch_bytes = MT * H * 2 + MT * k * 8 + MT * KS * I * 2 + MT * KS * H * 4 +
+    cb->scratch_bytes = MT * H * 2 + MT * k * 8 + MT * KS * I * 2 + (MT * KS + 1) * H * 4 +
                         moe_gpu_state_bytes(&cb->d) + (uint64_t)sizeof(float) * 3 * NE * cb->n_layers +
                         /* routing tables: one region per CTA; 1024 bounds the grid
                          * (<= 16 warps per SM, >= 4 warps per CTA, <= 256 SMs) */
@@ -686,7 +700,9 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     MOED_TRY(scratch_alloc(cb, G_IDS, (void **)&cb->ids_s, MT * k * 4, err, errlen));
     MOED_TRY(scratch_alloc(cb, G_W, (void **)&cb->w_s, MT * k * 4, err, errlen));
     MOED_TRY(scratch_alloc(cb, G_H, (void **)&cb->h, MT * KS * I * 2, err, errlen));
-    MOED_TRY(scratch_alloc(cb, G_DOUT, (void **)&cb->dout, MT * KS * H * 4, err, errlen));
+    /* one more row than pairs: zeros, what an empty slot adds (route.cuh) */
+    MOED_TRY(scratch_alloc(cb, G_DOUT, (void **)&cb->dout, (MT * KS + 1) * H * 4, err, errlen));
+    MOED_CUDA_TRY(cudaMemset(cb->dout + MT * KS * H, 0, (size_t)H * 4));
 
     /* mapped host memory: control block + per-slot staging */
     MOED_CUDA_TRY(cudaHostAlloc((void **)&cb->ctrl, sizeof *cb->ctrl, cudaHostAllocMapped));

@@ -227,9 +227,33 @@ static void on_health_timer(uv_timer_t *t)
         engine_fail(e, MOED_E_BACKEND, "backend unhealthy (device error or stalled kernel)");
 }
 
+/* Answer the T = 0 requests: the reply head alone, n_tokens 0 and no y. */
+static void reply_empty(struct moed_engine *e)
+{
+    struct eng_req *list = e->empty_head;
+    e->empty_head = e->empty_tail = NULL;
+    for (struct eng_req *r = list, *nx; r; r = nx) {
+        nx = r->next;
+        struct moed_hbuf f = {0};
+        if (moed_server_conn_gone(r->conn)) {
+            moed_server_reply(r->conn, NULL, 0, 0, NULL);
+        } else if (moed_bufpool_get(e->pool, REPLY_Y_OFF, 0, &f) != 0) {
+            moed_server_reply_error(r->conn, r->request_id, MOED_E_NOMEM,
+                                    "out of memory building the reply");
+        } else {
+            r->t.submit_ns = r->t.done_ns = now_ns();
+            moed_server_reply_forward(r->conn, &f, 0, r->request_id, 0, e->dims->hidden, &r->t);
+            e->stats.requests++;
+        }
+        e->stats.in_flight--;
+        req_free(e, r);
+    }
+}
+
 void on_async(uv_async_t *h)
 {
     struct moed_engine *e = h->data;
+    reply_empty(e);
     pthread_mutex_lock(&e->done_mu);
     struct eng_batch *list = e->done_head;
     e->done_head = e->done_tail = NULL;
@@ -256,15 +280,15 @@ static void req_skip(struct moed_engine *e, struct eng_req *r)
     req_free(e, r);
 }
 
-/* Take the oldest waiting request's layer; merge every waiting request of
- * that layer that still fits. Returns the batch's requests in FIFO order.
+/* Take the oldest waiting request's layer and flags; merge every waiting
+ * request of that layer and flags that still fits. Returns the batch's requests in FIFO order.
  * Requests of clients that have gone (closed their socket) are taken off the
  * list on the way into *gone, not computed. NULL if only those were left. */
 static struct eng_req *take_batch(struct moed_engine *e, uint32_t *layer, uint32_t *n_tokens,
                                   struct eng_req **gone)
 {
     struct eng_req *head = NULL, *tail = NULL, **pp = &e->wait_head, *prev = NULL;
-    uint32_t L = 0, T = 0;
+    uint32_t L = 0, T = 0, F = 0;
     while (*pp) {
         struct eng_req *r = *pp;
         if (moed_server_conn_gone(r->conn)) {
@@ -276,9 +300,11 @@ static struct eng_req *take_batch(struct moed_engine *e, uint32_t *layer, uint32
             e->n_waiting--;
             continue;
         }
-        if (!head)
+        if (!head) {
             L = r->layer;
-        if (r->layer == L && T + r->n_tokens <= e->max_tokens) {
+            F = r->flags;
+        }
+        if (r->layer == L && r->flags == F && T + r->n_tokens <= e->max_tokens) {
             *pp = r->next;
             if (e->wait_tail == r)
                 e->wait_tail = prev;
@@ -393,6 +419,8 @@ static void dispatch(struct moed_engine *e)
         struct eng_batch *eb = reqs->next ? NULL : batch_alloc_direct(e, reqs);
         if (!eb)
             eb = batch_alloc(e, layer, T);
+        if (eb)
+            eb->b.flags = reqs->flags;
         if (!eb) {
             for (struct eng_req *r = reqs, *nx; r; r = nx) {
                 nx = r->next;
@@ -450,6 +478,22 @@ static int eng_forward(void *ctx, struct moed_conn *c, uint64_t request_id, cons
         return rc;
     struct eng_req *r = calloc(1, sizeof *r);
     size_t body = fr.body_len;
+    if (r && fr.n_tokens == 0) {
+        /* An idle data-parallel rank: nothing to compute. Answered from the
+         * loop's next pass (on_async), never from inside the server's frame
+         * handling. */
+        r->conn = c;
+        r->request_id = request_id;
+        r->t = *t;
+        if (e->empty_tail)
+            e->empty_tail->next = r;
+        else
+            e->empty_head = r;
+        e->empty_tail = r;
+        e->stats.in_flight++;
+        MOED_UV_CHECK(uv_async_send(&e->async));
+        return 0;
+    }
     if (r && rx) {
         /* Keep the server's buffer: the inputs are used where they were read
          * (a 256 KiB copy less at T=64, H=2048). Pool buffers are aligned
@@ -468,16 +512,22 @@ static int eng_forward(void *ctx, struct moed_conn *c, uint64_t request_id, cons
     r->t = *t;
     r->layer = fr.layer;
     r->n_tokens = fr.n_tokens;
+    r->flags = fr.routed_only && d->n_shared ? MOED_BATCH_ROUTED_ONLY : 0;
     /* Per-layer, per-expert hits (row fr.layer, an MoE layer < n_layers):
-     * routed ids (validated in range), then every shared expert once per
-     * token. */
-    const uint8_t *ids = r->data + x_bytes(e, fr.n_tokens);
+     * routed ids (validated in range; an empty slot, -1, counts nothing and
+     * its weight is made 0 here, so that no backend reads a weight it should
+     * ignore), then every shared expert once per token unless routed-only. */
+    uint8_t *ids = r->data + x_bytes(e, fr.n_tokens), *w = ids + ids_bytes(e, fr.n_tokens);
     for (size_t i = 0; i < (size_t)fr.n_tokens * d->top_k; i++) {
         int32_t id;
         memcpy(&id, ids + 4 * i, 4);
+        if (id < 0) {
+            memset(w + 4 * i, 0, 4);
+            continue;
+        }
         e->stats.expert_hits[(size_t)fr.layer * e->stats.n_expert_hits + (uint32_t)id]++;
     }
-    for (uint32_t s = 0; s < d->n_shared; s++)
+    for (uint32_t s = 0; s < d->n_shared && !r->flags; s++)
         e->stats.expert_hits[(size_t)fr.layer * e->stats.n_expert_hits + d->n_experts + s] +=
             fr.n_tokens;
     if (e->wait_tail)
@@ -507,6 +557,19 @@ static void eng_hello(void *ctx, struct moed_hello_rep *rep)
     snprintf(rep->backend, sizeof rep->backend, "%s", e->be->ops->name);
 }
 
+static uint32_t eng_moe_layers(void *ctx, uint32_t *out, uint32_t max)
+{
+    struct moed_engine *e = ctx;
+    uint32_t n = 0;
+    for (uint32_t l = 0; l < e->dims->n_layers; l++)
+        if (moed_model_is_moe_layer(e->model, l)) {
+            if (n < max)
+                out[n] = l;
+            n++;
+        }
+    return n;
+}
+
 static const char *eng_status_json(void *ctx, size_t *len)
 {
     struct moed_engine *e = ctx;
@@ -523,6 +586,7 @@ static void eng_reply_written(void *ctx, const struct moed_req_times *t, uint64_
 static const struct moed_server_ops engine_ops = {
     .forward = eng_forward,
     .hello = eng_hello,
+    .moe_layers = eng_moe_layers,
     .status_json = eng_status_json,
     .reply_written = eng_reply_written,
 };

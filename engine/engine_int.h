@@ -24,6 +24,7 @@ struct eng_req {
     uint64_t request_id;
     struct moed_req_times t; /* rx and complete from the server; the rest here */
     uint32_t layer, n_tokens;
+    uint32_t flags;       /* MOED_BATCH_ROUTED_ONLY: merged only with its like */
     uint8_t *data;        /* x bf16 [T,H] | ids int32 [T,k] | w fp32 [T,k] */
     struct moed_hbuf rx;  /* base != NULL: data lies in this lent read buffer */
 };
@@ -54,6 +55,8 @@ struct moed_engine {
     /* waiting FIFO */
     struct eng_req *wait_head, *wait_tail;
     uint64_t n_waiting;
+    /* FORWARDs of T = 0, answered by the next on_async */
+    struct eng_req *empty_head, *empty_tail;
     /* batches at the backend */
     uint32_t outstanding;
     uint64_t busy_since_ns;

@@ -377,10 +377,14 @@ static int is_scalar_f32(const struct st_tensor *t)
     return t->dtype == ST_F32 && (t->ndim == 0 || (t->ndim == 1 && t->shape[0] == 1));
 }
 
-/* Scalars found in pass 1 and read in pass 2 (after the budget check). */
+/* Scalars found in pass 1 and read in pass 2 (after the budget check). A
+ * down_proj cut out of a merged shared MLP (split_k != 0) is copied in pass 2
+ * too: its columns split_col .. split_col + I of rows split_k weights long. */
 struct mat_scalars {
     const struct st_tensor *s2, *in;
     char s2_name[256];
+    const uint8_t *split_w, *split_s;
+    uint32_t split_k, split_col;
 };
 
 static int missing_msg(const char *name, const char *mapped_to, char *err, size_t errlen)
@@ -509,6 +513,84 @@ static struct nvfp4_mat *mat_at(struct moe_expert *experts, size_t i)
 
 static const char *const proj_names[3] = {"gate_proj", "up_proj", "down_proj"};
 
+/* Hugging Face stores S > 1 shared experts as one MLP of intermediate size
+ * S*I (layers.L.mlp.shared_experts.{gate,up,down}_proj, as DeepSeek-V2/V3 and
+ * GLM-4.5 build it: moe_intermediate_size * n_shared_experts). SiLU(gate)*up
+ * is elementwise along the intermediate dimension and down is linear in it,
+ * so that MLP is exactly the sum of S experts cut at multiples of I: gate/up
+ * rows s*I .. (s+1)*I (whole rows with their block scales) and down columns
+ * s*I .. (s+1)*I (I is a multiple of 16: no 16-weight scale block is cut).
+ * Every piece keeps the tensor's one weight_scale_2 and input_scale, so each
+ * dequantized weight is the same number as in the merged tensor; the only
+ * difference from computing the merged MLP is the fp32 order of the down
+ * sums (S partial sums added in the combine). A checkpoint whose shared
+ * experts were quantized one by one uses the per-index names instead
+ * (shared_experts.{s}.*, each with its own scales).
+ *
+ * Returns 1 and fills the S experts' matrices (sc entries of mats
+ * [mi, mi + 3S)) when the merged layout is there, 0 when the layer uses the
+ * per-index layout, or a negative code. *split_bytes grows by the bytes the
+ * down pieces need (copied in pass 2). */
+static int shared_merged(const struct moed_model *m, uint32_t l, struct moe_expert *x,
+                         struct mat_scalars *sc, uint64_t *need, uint64_t *split_bytes,
+                         char *err, size_t errlen)
+{
+    const struct moed_dims *d = &m->dims;
+    const uint32_t S = d->n_shared, I = d->inter, H = d->hidden;
+    char suffix[192], name[256];
+    const char *mapped;
+    snprintf(suffix, sizeof suffix, "layers.%u.mlp.shared_experts.gate_proj.weight", l);
+    if (!find_tensor(m, suffix, name, sizeof name, &mapped))
+        return 0;
+    for (int p = 0; p < 3; p++) {
+        char base[160];
+        struct nvfp4_mat whole;
+        struct mat_scalars wsc = {0};
+        snprintf(base, sizeof base, "layers.%u.mlp.shared_experts.%s", l, proj_names[p]);
+        uint32_t n = p < 2 ? S * I : H, k = p < 2 ? H : S * I;
+        int rc = mat_lookup(m, base, n, k, &whole, &wsc, need, err, errlen);
+        if (rc)
+            return rc;
+        for (uint32_t s = 0; s < S; s++) {
+            struct nvfp4_mat *mat = p == 0 ? &x[s].gate : p == 1 ? &x[s].up : &x[s].down;
+            struct mat_scalars *ms = &sc[3 * s + (uint32_t)p];
+            *mat = whole;
+            *ms = wsc;
+            if (p < 2) { /* rows s*I .. (s+1)*I */
+                mat->n = I;
+                mat->w = whole.w + (size_t)s * I * (H / 2);
+                mat->scale = whole.scale + (size_t)s * I * (H / NVFP4_GROUP);
+            } else { /* columns s*I .. (s+1)*I: copied after the budget check */
+                mat->k = I;
+                ms->split_w = whole.w;
+                ms->split_s = whole.scale;
+                ms->split_k = S * I;
+                ms->split_col = s * I;
+                *split_bytes += nvfp4_mat_bytes(H, I);
+            }
+        }
+    }
+    return 1;
+}
+
+/* Pass 2 for a down piece of a merged shared MLP: copy its columns into
+ * dst (weights then block scales, nvfp4_mat_bytes(n, k) bytes). */
+static void split_copy(struct nvfp4_mat *mat, const struct mat_scalars *sc, uint8_t *dst)
+{
+    const size_t wrow = mat->k / 2, srow = mat->k / NVFP4_GROUP;
+    uint8_t *w = dst, *sd = dst + (size_t)mat->n * wrow;
+    for (uint32_t r = 0; r < mat->n; r++) {
+        memcpy(w + r * wrow, sc->split_w + (size_t)r * (sc->split_k / 2) + sc->split_col / 2,
+               wrow);
+        memcpy(sd + r * srow,
+               sc->split_s + (size_t)r * (sc->split_k / NVFP4_GROUP) +
+                   sc->split_col / NVFP4_GROUP,
+               srow);
+    }
+    mat->w = w;
+    mat->scale = sd;
+}
+
 int moed_model_open(const char *dir, uint64_t budget_bytes, moed_progress_fn progress,
                     void *progress_ctx, struct moed_model **out, char *err, size_t errlen)
 {
@@ -548,7 +630,7 @@ int moed_model_open(const char *dir, uint64_t budget_bytes, moed_progress_fn pro
 
     /* Pass 1: headers only. */
     size_t mi = 0, ei = 0;
-    uint64_t need = 0;
+    uint64_t need = 0, split_bytes = 0;
     for (uint32_t l = 0; l < d->n_layers; l++) {
         struct moe_layer *ly = &m->layers[l];
         if (!m->is_moe[l])
@@ -560,6 +642,17 @@ int moed_model_open(const char *dir, uint64_t budget_bytes, moed_progress_fn pro
         ly->top_k = d->top_k;
         ly->experts = &m->experts[ei];
         for (uint32_t e = 0; e < per_layer; e++, ei++) {
+            if (e == d->n_experts && d->n_shared > 1) {
+                rc = shared_merged(m, l, &m->experts[ei], &sc[mi], &need, &split_bytes, err,
+                                   errlen);
+                if (rc < 0)
+                    goto fail;
+                if (rc == 1) {
+                    ei += d->n_shared;
+                    mi += 3 * (size_t)d->n_shared;
+                    break;
+                }
+            }
             struct moe_expert *x = &m->experts[ei];
             struct nvfp4_mat *mats[3] = {&x->gate, &x->up, &x->down};
             for (int p = 0; p < 3; p++, mi++) {
@@ -592,7 +685,21 @@ int moed_model_open(const char *dir, uint64_t budget_bytes, moed_progress_fn pro
         goto fail;
     }
 
-    /* Pass 2: scalars, then the block scales and pages of every matrix. */
+    /* Pass 2: the merged shared MLPs' down pieces, the scalars, then the block
+     * scales and pages of every matrix. */
+    if (split_bytes && !(m->split_mem = malloc((size_t)split_bytes))) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM,
+                         "out of memory for %llu bytes of shared-expert pieces",
+                         (unsigned long long)split_bytes);
+        goto fail;
+    }
+    for (size_t i = 0, off = 0; i < n_mats; i++) {
+        struct nvfp4_mat *mat = mat_at(m->experts, i);
+        if (sc[i].split_k) {
+            split_copy(mat, &sc[i], m->split_mem + off);
+            off += nvfp4_mat_bytes(mat->n, mat->k);
+        }
+    }
     for (size_t i = 0; i < n_mats; i++) {
         struct nvfp4_mat *mat = mat_at(m->experts, i);
         float s2 = read_f32(sc[i].s2->data);
@@ -660,6 +767,7 @@ void moed_model_close(struct moed_model *m)
     cJSON_Delete(m->index);
     free(m->experts);
     free(m->layers);
+    free(m->split_mem);
     free(m->dir);
     free(m);
 }

@@ -14,12 +14,21 @@ static const struct cfg_alias {
     uint32_t dflt, min, max;
 } cfg_aliases[C__COUNT] = {
     [C_HIDDEN] = {"hidden size", {"hidden_size"}, 1, 0, NVFP4_GROUP, MOED_MAX_HIDDEN},
-    [C_INTER] = {"expert intermediate size", {"moe_intermediate_size"}, 1, 0, NVFP4_GROUP,
-                 MOED_MAX_INTER},
-    [C_EXPERTS] = {"routed experts", {"n_routed_experts", "num_experts"}, 1, 0, 1,
-                   MOED_MAX_EXPERTS},
+    /* intermediate_size: Mixtral-style configs, whose experts are the size of
+     * the dense MLP (DeepSeek, GLM and Qwen3 give moe_intermediate_size too,
+     * which comes first) */
+    [C_INTER] = {"expert intermediate size", {"moe_intermediate_size", "intermediate_size"}, 1,
+                 0, NVFP4_GROUP, MOED_MAX_INTER},
+    /* DeepSeek-V2/V3, GLM-4.5/5: n_routed_experts; Qwen2/3-MoE before
+     * transformers 5: num_experts; transformers 5 (Qwen3-MoE, Mixtral):
+     * num_local_experts */
+    [C_EXPERTS] = {"routed experts", {"n_routed_experts", "num_experts", "num_local_experts"}, 1,
+                   0, 1, MOED_MAX_EXPERTS},
     [C_TOPK] = {"experts per token", {"num_experts_per_tok"}, 1, 0, 1, MOED_MAX_TOPK},
-    [C_SHARED] = {"shared experts", {"n_shared_experts"}, 0, 0, 0, MOED_MAX_SHARED},
+    /* n_shared_experts (DeepSeek, GLM; one merged MLP of S*I in the
+     * checkpoint, model.c splits it); num_shared_experts (Ling/Bailing) */
+    [C_SHARED] = {"shared experts", {"n_shared_experts", "num_shared_experts"}, 0, 0, 0,
+                  MOED_MAX_SHARED},
     [C_LAYERS] = {"layers", {"num_hidden_layers"}, 1, 0, 1, MOED_MAX_LAYERS},
 };
 
@@ -195,6 +204,15 @@ int model_cfg_parse(const cJSON *root, struct moed_dims *d, uint8_t *is_moe, cha
     if (d->n_moe_layers == 0)
         return moed_seterr(err, errlen, MOED_E_MODEL,
                            "config.json: none of the %u layers is an MoE layer", d->n_layers);
+    /* Qwen2-MoE / Qwen3-Next: one shared expert of its own size behind a
+     * sigmoid gate (shared_expert_gate), which moed cannot compute: it holds
+     * none, HELLO says n_shared 0, and the serving framework keeps it. */
+    const cJSON *sei = model_cfg_get(root, "shared_expert_intermediate_size");
+    uint64_t sei_v = 0;
+    if (d->n_shared == 0 && sei && model_json_uint(sei, UINT32_MAX, &sei_v) == 0 && sei_v > 0)
+        LOG_W("config.json: shared_expert_intermediate_size %llu (a gated shared expert): not "
+              "served by moed (HELLO n_shared 0); the serving framework must compute it",
+              (unsigned long long)sei_v);
     const cJSON *mt = model_cfg_get(root, "model_type");
     snprintf(d->family, sizeof d->family, "%s",
              cJSON_IsString(mt) ? mt->valuestring : "unknown");

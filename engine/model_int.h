@@ -52,6 +52,7 @@ struct moed_model {
     struct moe_expert *experts;      /* [n_moe_layers * (E + S)] */
     struct moe_layer *layers;        /* [n_layers]; experts == NULL for dense layers */
     uint64_t weight_bytes, expert_bytes;
+    uint8_t *split_mem;              /* down pieces of merged shared MLPs (model.c) */
 };
 
 const cJSON *model_cfg_get(const cJSON *root, const char *key);

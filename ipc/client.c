@@ -50,6 +50,8 @@ struct moedc {
     int broken;              /* a local failure happened; stream position lost */
     int have_hello;
     struct moed_hello_rep hello;
+    uint32_t n_moe_layers;   /* version-2 HELLO: the MoE layer ids */
+    uint32_t moe_layers[MOED_PROTO_MAX_LAYERS];
     uint64_t next_id;        /* ids of the blocking calls */
     uint32_t inflight;       /* pipelined FORWARDs not yet answered */
     uint8_t *rbuf;           /* receive buffer (payload of the last reply) */
@@ -203,7 +205,7 @@ static uint64_t reply_bound(const struct moedc *c, uint16_t type)
 {
     switch (type) {
     case MOED_MSG_HELLO | MOED_PROTO_REPLY:
-        return sizeof(struct moed_hello_rep);
+        return MOED_HELLO_V1_BYTES + 4 + 4 * MOED_PROTO_MAX_LAYERS;
     case MOED_MSG_FORWARD | MOED_PROTO_REPLY:
         if (!c->have_hello)
             return 0;
@@ -439,40 +441,18 @@ int moedc_hello(struct moedc *c, struct moed_hello_rep *rep, char *err, size_t e
     if (rc)
         return rc;
     uint8_t p[sizeof(struct moed_hello_req)] = {0};
-    le_put16(p, MOED_PROTO_VERSION);
-    le_put16(p + 2, MOED_PROTO_VERSION);
+    le_put16(p, 1);
+    le_put16(p + 2, MOED_PROTO_MAX_VERSION);
     struct moed_frame_hdr h;
     rc = call(c, MOED_MSG_HELLO, p, sizeof p, &h, err, errlen);
     if (rc)
         return rc;
-    if (h.payload_len != sizeof(struct moed_hello_rep)) {
+    struct moed_hello_rep r;
+    rc = moed_hello_parse(c->rbuf, h.payload_len, &r, c->moe_layers, &c->n_moe_layers, err,
+                          errlen);
+    if (rc) {
         c->broken = 1;
-        return moed_seterr(err, errlen, MOED_E_PROTO,
-                           "HELLO reply is %" PRIu64 " bytes, expected %zu", h.payload_len,
-                           sizeof(struct moed_hello_rep));
-    }
-    const uint8_t *b = c->rbuf;
-    struct moed_hello_rep r = {
-        .version = le_get16(b),
-        .reserved0 = le_get16(b + 2),
-        .hidden = le_get32(b + 4),
-        .inter = le_get32(b + 8),
-        .n_experts = le_get32(b + 12),
-        .top_k = le_get32(b + 16),
-        .n_shared = le_get32(b + 20),
-        .n_layers = le_get32(b + 24),
-        .first_moe_layer = le_get32(b + 28),
-        .max_tokens = le_get32(b + 32),
-        .reserved1 = le_get32(b + 36),
-        .max_frame_bytes = le_get64(b + 40),
-    };
-    memcpy(r.backend, b + 48, sizeof r.backend);
-    r.backend[sizeof r.backend - 1] = 0;
-    if (r.version != MOED_PROTO_VERSION) {
-        c->broken = 1;
-        return moed_seterr(err, errlen, MOED_E_VERSION,
-                           "daemon chose protocol version %u; this client speaks only %d",
-                           (unsigned)r.version, MOED_PROTO_VERSION);
+        return rc;
     }
     /* The reply bounds of FORWARD derive from these; refuse absurd values so
      * that arithmetic on them stays far from overflow. */
@@ -495,20 +475,28 @@ int moedc_hello(struct moedc *c, struct moed_hello_rep *rep, char *err, size_t e
  * anything is sent (the daemon checks it again; this only gives an early and
  * clear message and keeps our size arithmetic in range). */
 static int forward_precheck(struct moedc *c, uint32_t n_tokens, uint32_t top_k, const void *x,
-                            const void *ids, const void *w, uint64_t *plen, char *err,
-                            size_t errlen)
+                            const void *ids, const void *w, uint32_t flags, uint64_t *plen,
+                            char *err, size_t errlen)
 {
     if (!c->have_hello) {
         int rc = moedc_hello(c, NULL, err, errlen);
         if (rc)
             return rc;
     }
-    if (!x || !ids || !w)
+    if (n_tokens > 0 && (!x || !ids || !w))
         return moed_seterr(err, errlen, MOED_E_INVAL, "forward: x, ids and w are required");
-    if (n_tokens < 1 || n_tokens > c->hello.max_tokens)
+    if (n_tokens > c->hello.max_tokens)
         return moed_seterr(err, errlen, MOED_E_INVAL,
-                           "n_tokens %" PRIu32 " is out of range [1, %" PRIu32 "]", n_tokens,
+                           "n_tokens %" PRIu32 " is out of range [0, %" PRIu32 "]", n_tokens,
                            c->hello.max_tokens);
+    if (flags & ~MOED_FORWARD_FLAGS_KNOWN)
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "forward flags 0x%" PRIx32 " has unknown bits 0x%" PRIx32, flags,
+                           flags & ~MOED_FORWARD_FLAGS_KNOWN);
+    if (flags && c->hello.version < 2)
+        return moed_seterr(err, errlen, MOED_E_VERSION,
+                           "forward flags 0x%" PRIx32 " need protocol version 2; the daemon "
+                           "speaks version %u", flags, (unsigned)c->hello.version);
     uint64_t n = moed_forward_payload_len(n_tokens, c->hello.hidden, top_k);
     if (n == 0 || n > c->hello.max_frame_bytes || n > SIZE_MAX)
         return moed_seterr(err, errlen, MOED_E_TOOBIG,
@@ -536,10 +524,10 @@ static void *le_copy(const void *src, size_t n_elems, size_t elem)
 
 static int send_forward(struct moedc *c, uint64_t id, uint32_t layer, uint32_t n_tokens,
                         uint32_t top_k, const uint16_t *x, const int32_t *ids, const float *w,
-                        int64_t deadline, char *err, size_t errlen)
+                        uint32_t flags, int64_t deadline, char *err, size_t errlen)
 {
     uint64_t plen = 0;
-    int rc = forward_precheck(c, n_tokens, top_k, x, ids, w, &plen, err, errlen);
+    int rc = forward_precheck(c, n_tokens, top_k, x, ids, w, flags, &plen, err, errlen);
     if (rc)
         return rc;
     uint8_t hb[MOED_PROTO_HDR_SIZE + sizeof(struct moed_forward_req)];
@@ -547,7 +535,7 @@ static int send_forward(struct moedc *c, uint64_t id, uint32_t layer, uint32_t n
     le_put32(hb + 32, layer);
     le_put32(hb + 36, n_tokens);
     le_put32(hb + 40, top_k);
-    le_put32(hb + 44, 0);
+    le_put32(hb + 44, flags);
     size_t nx = (size_t)n_tokens * c->hello.hidden, nk = (size_t)n_tokens * top_k;
     const void *px = x, *pi = ids, *pw = w;
 #ifdef MOEDC_BIG_ENDIAN
@@ -576,7 +564,7 @@ free_copies:
 
 /* Check a FORWARD reply's head against HELLO (and T when known) and point
  * *y at its output in native order. */
-static int forward_reply(struct moedc *c, const struct moed_frame_hdr *h, uint32_t expect_t,
+static int forward_reply(struct moedc *c, const struct moed_frame_hdr *h, int64_t expect_t,
                          uint32_t *n_tokens, const uint16_t **y, char *err, size_t errlen)
 {
     if (h->payload_len < sizeof(struct moed_forward_rep)) {
@@ -586,15 +574,17 @@ static int forward_reply(struct moedc *c, const struct moed_frame_hdr *h, uint32
     }
     uint32_t t = le_get32(c->rbuf), hid = le_get32(c->rbuf + 4);
     uint64_t need = sizeof(struct moed_forward_rep) + 2ull * t * hid;
-    if (hid != c->hello.hidden || t < 1 || t > c->hello.max_tokens ||
-        (expect_t && t != expect_t) || h->payload_len != need) {
+    if (hid != c->hello.hidden || t > c->hello.max_tokens ||
+        (expect_t >= 0 && t != (uint64_t)expect_t) || h->payload_len != need) {
         c->broken = 1;
         return moed_seterr(err, errlen, MOED_E_PROTO,
                            "FORWARD reply says T=%" PRIu32 ", H=%" PRIu32 " in %" PRIu64
-                           " bytes; expected T=%" PRIu32 ", H=%" PRIu32 " in %" PRIu64 " bytes",
-                           t, hid, h->payload_len, expect_t ? expect_t : t, c->hello.hidden,
+                           " bytes; expected T=%" PRIu64 ", H=%" PRIu32 " in %" PRIu64 " bytes",
+                           t, hid, h->payload_len, expect_t >= 0 ? (uint64_t)expect_t : t,
+                           c->hello.hidden,
                            (uint64_t)(sizeof(struct moed_forward_rep) +
-                                      2ull * (expect_t ? expect_t : t) * c->hello.hidden));
+                                      2ull * (expect_t >= 0 ? (uint64_t)expect_t : t) *
+                                          c->hello.hidden));
     }
     *n_tokens = t;
 #ifdef MOEDC_BIG_ENDIAN
@@ -620,14 +610,21 @@ int moedc_forward(struct moedc *c, uint32_t layer, uint32_t n_tokens, uint32_t t
                   const uint16_t *x, const int32_t *ids, const float *w, uint16_t *y, char *err,
                   size_t errlen)
 {
+    return moedc_forward_flags(c, layer, n_tokens, top_k, x, ids, w, 0, y, err, errlen);
+}
+
+int moedc_forward_flags(struct moedc *c, uint32_t layer, uint32_t n_tokens, uint32_t top_k,
+                        const uint16_t *x, const int32_t *ids, const float *w, uint32_t flags,
+                        uint16_t *y, char *err, size_t errlen)
+{
     int rc = usable(c, 1, err, errlen);
     if (rc)
         return rc;
-    if (!y)
+    if (!y && n_tokens > 0)
         return moed_seterr(err, errlen, MOED_E_INVAL, "forward: y is required");
     int64_t deadline = deadline_of(c);
     uint64_t id = ++c->next_id;
-    rc = send_forward(c, id, layer, n_tokens, top_k, x, ids, w, deadline, err, errlen);
+    rc = send_forward(c, id, layer, n_tokens, top_k, x, ids, w, flags, deadline, err, errlen);
     if (rc)
         return rc;
     struct moed_frame_hdr h;
@@ -652,7 +649,8 @@ int moedc_forward(struct moedc *c, uint32_t layer, uint32_t n_tokens, uint32_t t
     rc = forward_reply(c, &h, n_tokens, &t, &yy, err, errlen);
     if (rc)
         return rc;
-    memcpy(y, yy, (size_t)t * c->hello.hidden * 2);
+    if (t)
+        memcpy(y, yy, (size_t)t * c->hello.hidden * 2);
     return 0;
 }
 
@@ -705,11 +703,20 @@ int moedc_send_forward(struct moedc *c, uint64_t request_id, uint32_t layer, uin
                        uint32_t top_k, const uint16_t *x, const int32_t *ids, const float *w,
                        char *err, size_t errlen)
 {
+    return moedc_send_forward_flags(c, request_id, layer, n_tokens, top_k, x, ids, w, 0, err,
+                                    errlen);
+}
+
+int moedc_send_forward_flags(struct moedc *c, uint64_t request_id, uint32_t layer,
+                             uint32_t n_tokens, uint32_t top_k, const uint16_t *x,
+                             const int32_t *ids, const float *w, uint32_t flags, char *err,
+                             size_t errlen)
+{
     int rc = usable(c, 0, err, errlen);
     if (rc)
         return rc;
-    rc = send_forward(c, request_id, layer, n_tokens, top_k, x, ids, w, deadline_of(c), err,
-                      errlen);
+    rc = send_forward(c, request_id, layer, n_tokens, top_k, x, ids, w, flags, deadline_of(c),
+                      err, errlen);
     if (rc)
         return rc;
     c->inflight++;
@@ -744,7 +751,7 @@ int moedc_recv(struct moedc *c, struct moedc_reply *rep, char *err, size_t errle
                          "reply type 0x%04x while only FORWARDs are in flight", (unsigned)h.type);
         goto out;
     }
-    rc = forward_reply(c, &h, 0, &r.n_tokens, &r.y, err, errlen);
+    rc = forward_reply(c, &h, -1, &r.n_tokens, &r.y, err, errlen);
     if (rc) {
         r.from_daemon = 0;
         goto out;
@@ -755,4 +762,13 @@ out:
     if (rep)
         *rep = r;
     return rc;
+}
+
+uint32_t moedc_moe_layers(const struct moedc *c, uint32_t *out, uint32_t max)
+{
+    if (!c || !c->have_hello)
+        return 0;
+    for (uint32_t i = 0; i < c->n_moe_layers && i < max; i++)
+        out[i] = c->moe_layers[i];
+    return c->n_moe_layers;
 }

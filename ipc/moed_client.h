@@ -59,14 +59,20 @@ MOEDC_API int moedc_connect(const char *path, int timeout_ms, struct moedc **out
  * dropped. */
 MOEDC_API void moedc_close(struct moedc *c);
 
-/* Send HELLO (version 1..1) and wait for the reply; fills *rep (the model's
- * dims, limits and backend name) and caches it in c for moedc_forward's size
- * checks. */
+/* Send HELLO (versions 1..2) and wait for the reply; fills *rep (the model's
+ * dims, limits and backend name; rep->version is the version chosen) and
+ * caches it in c for moedc_forward's size checks, with the MoE layer list
+ * (moedc_moe_layers). */
 MOEDC_API int moedc_hello(struct moedc *c, struct moed_hello_rep *rep, char *err, size_t errlen);
+/* The model's MoE layer ids from the last HELLO, ascending, into
+ * out[0..max); returns how many there are (0 before HELLO). A version-1
+ * daemon's are first_moe_layer .. n_layers - 1. */
+MOEDC_API uint32_t moedc_moe_layers(const struct moedc *c, uint32_t *out, uint32_t max);
 
 /* One MoE layer forward, blocking:
  *   x    bf16  [n_tokens, H]   H = the model's hidden size (from HELLO)
- *   ids  int32 [n_tokens, top_k]   expert ids in [0, E)
+ *   ids  int32 [n_tokens, top_k]   expert ids in [0, E) (-1 too with
+ *                                   MOED_FORWARD_EMPTY_SLOTS, moedc_forward_flags)
  *   w    fp32  [n_tokens, top_k]   final routing weights
  *   y    bf16  [n_tokens, H]   output, written by the call (caller allocates)
  * Sends HELLO first if this connection has not done it yet. Returns 0, the
@@ -76,6 +82,16 @@ MOEDC_API int moedc_hello(struct moedc *c, struct moed_hello_rep *rep, char *err
 MOEDC_API int moedc_forward(struct moedc *c, uint32_t layer, uint32_t n_tokens, uint32_t top_k,
                             const uint16_t *x, const int32_t *ids, const float *w, uint16_t *y,
                             char *err, size_t errlen);
+/* moedc_forward with FORWARD flags (protocol version 2): MOED_FORWARD_ROUTED_ONLY
+ * (the routed experts only, no shared-expert term) and MOED_FORWARD_EMPTY_SLOTS
+ * (an id of MOED_EXPERT_NONE, -1, is an empty slot that adds nothing). A
+ * version-1 daemon gets none (MOED_E_VERSION, nothing sent). n_tokens 0 is
+ * valid in both calls: x, ids, w and y may then be NULL, and nothing is
+ * written to y. */
+MOEDC_API int moedc_forward_flags(struct moedc *c, uint32_t layer, uint32_t n_tokens,
+                                  uint32_t top_k, const uint16_t *x, const int32_t *ids,
+                                  const float *w, uint32_t flags, uint16_t *y, char *err,
+                                  size_t errlen);
 
 /* STATUS: on success *json_out is a NUL-terminated malloc'd copy of the
  * daemon's status JSON (at most MOEDC_MAX_STATUS_BYTES); the caller frees it. */
@@ -100,6 +116,11 @@ MOEDC_API const char *moedc_strerror(int code);
 MOEDC_API int moedc_send_forward(struct moedc *c, uint64_t request_id, uint32_t layer,
                                  uint32_t n_tokens, uint32_t top_k, const uint16_t *x,
                                  const int32_t *ids, const float *w, char *err, size_t errlen);
+/* moedc_send_forward with FORWARD flags (see moedc_forward_flags). */
+MOEDC_API int moedc_send_forward_flags(struct moedc *c, uint64_t request_id, uint32_t layer,
+                                       uint32_t n_tokens, uint32_t top_k, const uint16_t *x,
+                                       const int32_t *ids, const float *w, uint32_t flags,
+                                       char *err, size_t errlen);
 
 /* One reply, filled by moedc_recv (caller allocates). */
 struct moedc_reply {

@@ -1,5 +1,8 @@
-/* moed_proto.h - the moed wire protocol, version 1. ipc/PROTOCOL.md is the
- * byte-level specification; this header defines it for C.
+/* moed_proto.h - the moed wire protocol, versions 1 and 2. ipc/PROTOCOL.md is
+ * the byte-level specification; this header defines it for C. Version 2 keeps
+ * the frame (header `version` is 1 in both: it names the framing) and adds
+ * the MoE layer list to the HELLO reply and FORWARD flags; HELLO negotiates
+ * it.
  *
  * Every message is one frame: a 32-byte little-endian header followed by
  * `payload_len` bytes. Requests may be pipelined; every reply carries the
@@ -21,7 +24,8 @@
 #include <stdint.h>
 
 #define MOED_PROTO_MAGIC 0x44454F4Du /* bytes 'M' 'O' 'E' 'D' */
-#define MOED_PROTO_VERSION 1
+#define MOED_PROTO_VERSION 1     /* the frame header's `version` (the framing) */
+#define MOED_PROTO_MAX_VERSION 2 /* highest protocol version HELLO negotiates */
 #define MOED_PROTO_HDR_SIZE 32
 #define MOED_PROTO_REPLY 0x8000u
 #define MOED_PROTO_MAX_ERRMSG 1024
@@ -56,7 +60,11 @@ struct moed_hello_req {
 };
 _Static_assert(sizeof(struct moed_hello_req) == 8, "hello request");
 
-/* HELLO reply payload (64 bytes). */
+/* HELLO reply payload (64 bytes). Version 2 appends n_moe_layers (u32) and
+ * that many u32 absolute MoE layer ids, ascending (at most
+ * MOED_PROTO_MAX_LAYERS). */
+#define MOED_PROTO_MAX_LAYERS 1024
+#define MOED_HELLO_V1_BYTES 64
 struct moed_hello_rep {
     uint16_t version;        /* chosen version */
     uint16_t reserved0;
@@ -83,9 +91,17 @@ struct moed_forward_req {
     uint32_t layer;
     uint32_t n_tokens;
     uint32_t top_k;
-    uint32_t flags;          /* 0 in version 1 */
+    uint32_t flags;          /* MOED_FORWARD_* bits; 0: the version-1 behaviour */
 };
 _Static_assert(sizeof(struct moed_forward_req) == 16, "forward request head");
+
+/* FORWARD flags. ROUTED_ONLY: only the routed experts, no shared-expert term.
+ * EMPTY_SLOTS: an expert id of MOED_EXPERT_NONE (-1) is an empty slot that
+ * contributes nothing (its weight is ignored); without it -1 is refused. */
+#define MOED_FORWARD_ROUTED_ONLY 0x1u
+#define MOED_FORWARD_EMPTY_SLOTS 0x2u
+#define MOED_FORWARD_FLAGS_KNOWN (MOED_FORWARD_ROUTED_ONLY | MOED_FORWARD_EMPTY_SLOTS)
+#define MOED_EXPERT_NONE (-1)
 
 /* FORWARD reply payload: this 8-byte head then y bf16 [T, H]. */
 struct moed_forward_rep {
@@ -131,8 +147,10 @@ void moed_frame_encode(uint8_t out[MOED_PROTO_HDR_SIZE], uint16_t type, uint64_t
 uint64_t moed_forward_payload_len(uint64_t n_tokens, uint64_t hidden, uint64_t top_k);
 
 /* Validate a FORWARD payload against the model and limits (pure): head
- * fields, payload length == moed_forward_payload_len, T in [1, max_tokens],
- * top_k == model's, every id in [0, n_experts), layer is an MoE layer
+ * fields, flags only MOED_FORWARD_FLAGS_KNOWN, payload length ==
+ * moed_forward_payload_len, T in [0, max_tokens], top_k == model's, every id
+ * in [0, n_experts) (or MOED_EXPERT_NONE with MOED_FORWARD_EMPTY_SLOTS), layer
+ * is an MoE layer
  * (is_moe_layer(ctx, layer)). On error returns MOED_E_INVAL and writes a
  * message naming the field and the allowed range. */
 int moed_forward_validate(const uint8_t *payload, uint64_t len, uint32_t hidden,
@@ -140,5 +158,14 @@ int moed_forward_validate(const uint8_t *payload, uint64_t len, uint32_t hidden,
                           int (*is_moe_layer)(const void *ctx, uint32_t layer),
                           const void *ctx, struct moed_forward_req *req, char *err,
                           size_t errlen);
+
+/* Decode a HELLO reply payload b[0..len) (pure): version 1 (exactly 64
+ * bytes) or 2 (64 + 4 + 4 * n_moe_layers, the ids ascending and < n_layers).
+ * Fills *rep, layers[0..*n_moe_layers) (version 1: first_moe_layer ..
+ * n_layers - 1, at most MOED_PROTO_MAX_LAYERS). MOED_E_PROTO or
+ * MOED_E_VERSION with a message on a reply that breaks those rules. */
+int moed_hello_parse(const uint8_t *b, uint64_t len, struct moed_hello_rep *rep,
+                     uint32_t layers[MOED_PROTO_MAX_LAYERS], uint32_t *n_moe_layers, char *err,
+                     size_t errlen);
 
 #endif

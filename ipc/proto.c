@@ -1,4 +1,4 @@
-/* proto.c - the moed wire protocol, version 1: frame header parse/encode and
+/* proto.c - the moed wire protocol, versions 1 and 2: frame header parse/encode and
  * FORWARD payload validation (ipc/PROTOCOL.md is the byte-level spec).
  *
  * Everything here is a pure function of its arguments so that both the server
@@ -10,6 +10,7 @@
 #include "moed_proto.h"
 
 #include <inttypes.h>
+#include <string.h>
 
 #include "moed_err.h"
 
@@ -136,16 +137,17 @@ int moed_forward_validate(const uint8_t *payload, uint64_t len, uint32_t hidden,
     };
     if (req)
         *req = r;
-    if (r.flags != 0)
+    if (r.flags & ~MOED_FORWARD_FLAGS_KNOWN)
         return moed_seterr(err, errlen, MOED_E_INVAL,
-                           "forward flags 0x%" PRIx32 " are not 0 (no flags in version 1)",
-                           r.flags);
+                           "forward flags 0x%" PRIx32 " has unknown bits 0x%" PRIx32
+                           " (known: 0x1 routed-only, 0x2 empty slots)",
+                           r.flags, r.flags & ~MOED_FORWARD_FLAGS_KNOWN);
     if (is_moe_layer && !is_moe_layer(ctx, r.layer))
         return moed_seterr(err, errlen, MOED_E_INVAL, "layer %" PRIu32
                            " is not an MoE layer of this model", r.layer);
-    if (r.n_tokens < 1 || r.n_tokens > max_tokens)
+    if (r.n_tokens > max_tokens)
         return moed_seterr(err, errlen, MOED_E_INVAL,
-                           "n_tokens %" PRIu32 " is out of range [1, %" PRIu32 "]", r.n_tokens,
+                           "n_tokens %" PRIu32 " is out of range [0, %" PRIu32 "]", r.n_tokens,
                            max_tokens);
     if (r.top_k != top_k)
         return moed_seterr(err, errlen, MOED_E_INVAL,
@@ -158,16 +160,77 @@ int moed_forward_validate(const uint8_t *payload, uint64_t len, uint32_t hidden,
                            ", k=%" PRIu32 " need %" PRIu64,
                            len, r.n_tokens, hidden, r.top_k, need);
     const uint8_t *ids = payload + sizeof(struct moed_forward_req) + 2 * (uint64_t)r.n_tokens * hidden;
+    const int empty_ok = (r.flags & MOED_FORWARD_EMPTY_SLOTS) != 0;
     for (uint32_t t = 0; t < r.n_tokens; t++) {
         for (uint32_t j = 0; j < r.top_k; j++) {
             int32_t id = (int32_t)le_get32(ids + 4 * ((uint64_t)t * r.top_k + j));
+            if (id == MOED_EXPERT_NONE && empty_ok)
+                continue;
             if (id < 0 || (uint32_t)id >= n_experts)
                 return moed_seterr(err, errlen, MOED_E_INVAL,
                                    "expert id %" PRId32 " at token %" PRIu32 " slot %" PRIu32
-                                   " is out of range [0, %" PRIu32 ")",
-                                   id, t, j, n_experts);
+                                   " is out of range [0, %" PRIu32 ")%s",
+                                   id, t, j, n_experts,
+                                   id == MOED_EXPERT_NONE
+                                       ? " (-1 is an empty slot only with forward flag 0x2)"
+                                       : "");
         }
     }
+    return 0;
+}
+
+int moed_hello_parse(const uint8_t *b, uint64_t len, struct moed_hello_rep *rep,
+                     uint32_t layers[MOED_PROTO_MAX_LAYERS], uint32_t *n_moe_layers, char *err,
+                     size_t errlen)
+{
+    if (len < MOED_HELLO_V1_BYTES)
+        return moed_seterr(err, errlen, MOED_E_PROTO,
+                           "HELLO reply is %" PRIu64 " bytes, expected at least %d", len,
+                           MOED_HELLO_V1_BYTES);
+    struct moed_hello_rep r = {
+        .version = le_get16(b),
+        .reserved0 = le_get16(b + 2),
+        .hidden = le_get32(b + 4),
+        .inter = le_get32(b + 8),
+        .n_experts = le_get32(b + 12),
+        .top_k = le_get32(b + 16),
+        .n_shared = le_get32(b + 20),
+        .n_layers = le_get32(b + 24),
+        .first_moe_layer = le_get32(b + 28),
+        .max_tokens = le_get32(b + 32),
+        .reserved1 = le_get32(b + 36),
+        .max_frame_bytes = le_get64(b + 40),
+    };
+    memcpy(r.backend, b + 48, sizeof r.backend);
+    r.backend[sizeof r.backend - 1] = 0;
+    if (r.version < 1 || r.version > MOED_PROTO_MAX_VERSION)
+        return moed_seterr(err, errlen, MOED_E_VERSION,
+                           "daemon chose protocol version %u; this client speaks 1..%d",
+                           (unsigned)r.version, MOED_PROTO_MAX_VERSION);
+    /* Version 2: n_moe_layers, then the ids, ascending, each < n_layers;
+     * version 1: exactly the 64 bytes, the layers first_moe_layer.. */
+    uint32_t nl = r.version >= 2 && len >= MOED_HELLO_V1_BYTES + 4
+                      ? le_get32(b + MOED_HELLO_V1_BYTES) : 0;
+    uint64_t want = r.version >= 2 ? MOED_HELLO_V1_BYTES + 4 + 4ull * nl : MOED_HELLO_V1_BYTES;
+    if ((r.version >= 2 && (len < MOED_HELLO_V1_BYTES + 4 || nl > MOED_PROTO_MAX_LAYERS)) ||
+        len != want)
+        return moed_seterr(err, errlen, MOED_E_PROTO,
+                           "version-%u HELLO reply is %" PRIu64 " bytes; its layer list needs %"
+                           PRIu64, (unsigned)r.version, len, want);
+    for (uint32_t i = 0; i < nl; i++) {
+        uint32_t l = le_get32(b + MOED_HELLO_V1_BYTES + 4 + 4 * i);
+        if (l >= r.n_layers || (i && l <= layers[i - 1]))
+            return moed_seterr(err, errlen, MOED_E_PROTO,
+                               "HELLO layer list: entry %" PRIu32 " (%" PRIu32
+                               ") is not ascending and below n_layers %" PRIu32,
+                               i, l, r.n_layers);
+        layers[i] = l;
+    }
+    if (r.version < 2)
+        for (uint32_t l = r.first_moe_layer; l < r.n_layers && nl < MOED_PROTO_MAX_LAYERS; l++)
+            layers[nl++] = l;
+    *n_moe_layers = nl;
+    *rep = r;
     return 0;
 }
 

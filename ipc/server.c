@@ -661,6 +661,8 @@ int moed_server_forward_parse(const uint8_t *payload, uint64_t len, uint32_t hid
         return rc;
     out->layer = fr.layer;
     out->n_tokens = fr.n_tokens;
+    out->routed_only = (fr.flags & MOED_FORWARD_ROUTED_ONLY) != 0;
+    out->empty_slots = (fr.flags & MOED_FORWARD_EMPTY_SLOTS) != 0;
     out->body = payload + sizeof fr;
     out->body_len = (size_t)len - sizeof fr;
     return 0;

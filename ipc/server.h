@@ -75,7 +75,9 @@ struct moed_req_times {
 /* A FORWARD request as moed_server_forward_parse read it. */
 struct moed_server_fwd {
     uint32_t layer;
-    uint32_t n_tokens;
+    uint32_t n_tokens;    /* 0 is valid: the engine answers at once, with no y */
+    int routed_only;      /* flag 0x1: no shared-expert term for this request */
+    int empty_slots;      /* flag 0x2: ids of -1 are empty slots (validated) */
     const uint8_t *body;  /* x bf16 [T, H], ids int32 [T, top_k], w f32 [T, top_k] */
     size_t body_len;
 };
@@ -98,6 +100,9 @@ struct moed_server_ops {
                    char *err, size_t errlen);
     /* Fill the HELLO reply (everything but `version`). */
     void (*hello)(void *ctx, struct moed_hello_rep *rep);
+    /* The model's MoE layer ids, ascending, into out[0..max) (HELLO version
+     * 2); returns how many there are (at most max are written). */
+    uint32_t (*moe_layers)(void *ctx, uint32_t *out, uint32_t max);
     /* Status JSON for a STATUS request: `*len` bytes the engine keeps (valid
      * until the next call; the server copies them into the reply), so that a
      * flood of STATUS requests is served from one rendering; NULL on

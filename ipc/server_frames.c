@@ -25,9 +25,12 @@
 
 /* ---- frame handling ------------------------------------------------------ */
 
+/* HELLO: the highest version both sides speak. A version-2 reply is the
+ * 64-byte version-1 reply, then n_moe_layers (u32) and the MoE layer ids. */
 static void handle_hello(struct moed_conn *c, const struct moed_frame_hdr *h, const uint8_t *p)
 {
     struct moed_server *srv = c->srv;
+    uint16_t version = 1;
     if (h->payload_len != sizeof(struct moed_hello_req) && h->payload_len != 0) {
         char msg[128];
         snprintf(msg, sizeof msg, "HELLO payload is %llu bytes; expected %zu",
@@ -37,19 +40,37 @@ static void handle_hello(struct moed_conn *c, const struct moed_frame_hdr *h, co
     }
     if (h->payload_len == sizeof(struct moed_hello_req)) {
         struct moed_hello_req rq = {.min_version = le_get16(p), .max_version = le_get16(p + 2)};
-        if (rq.min_version > MOED_PROTO_VERSION || rq.max_version < MOED_PROTO_VERSION) {
+        if (rq.min_version > MOED_PROTO_MAX_VERSION || rq.max_version < 1 ||
+            rq.min_version > rq.max_version) {
             char msg[128];
-            snprintf(msg, sizeof msg, "client speaks versions %u..%u; this daemon speaks %u",
-                     rq.min_version, rq.max_version, MOED_PROTO_VERSION);
+            snprintf(msg, sizeof msg, "client speaks versions %u..%u; this daemon speaks 1..%u",
+                     rq.min_version, rq.max_version, MOED_PROTO_MAX_VERSION);
             conn_send_error(c, h->request_id, MOED_E_VERSION, msg);
             return;
         }
+        version = rq.max_version < MOED_PROTO_MAX_VERSION ? rq.max_version : MOED_PROTO_MAX_VERSION;
     }
+    uint8_t buf[MOED_HELLO_V1_BYTES + 4 + 4 * MOED_PROTO_MAX_LAYERS];
+    uint32_t layers[MOED_PROTO_MAX_LAYERS];
     struct moed_hello_rep rep;
+    _Static_assert(sizeof rep == MOED_HELLO_V1_BYTES, "HELLO version-1 reply");
     memset(&rep, 0, sizeof rep);
     srv->ops->hello(srv->ctx, &rep);
-    rep.version = MOED_PROTO_VERSION;
-    conn_send(c, MOED_MSG_HELLO, h->request_id, &rep, sizeof rep);
+    rep.version = version;
+    memcpy(buf, &rep, sizeof rep);
+    size_t len = sizeof rep;
+    if (version >= 2) {
+        uint32_t n = srv->ops->moe_layers ? srv->ops->moe_layers(srv->ctx, layers,
+                                                                 MOED_PROTO_MAX_LAYERS)
+                                          : 0;
+        if (n > MOED_PROTO_MAX_LAYERS)
+            n = MOED_PROTO_MAX_LAYERS;
+        le_put32(buf + len, n);
+        len += 4;
+        for (uint32_t i = 0; i < n; i++, len += 4)
+            le_put32(buf + len, layers[i]);
+    }
+    conn_send(c, MOED_MSG_HELLO, h->request_id, buf, len);
 }
 
 /* Returns 1 when the engine kept the read buffer (a FORWARD used in place):

@@ -84,8 +84,13 @@ struct moe_gpu_desc {
     uint64_t w;         /* fp32 [T, k] */
     uint64_t y;         /* bf16 [T, H] output */
     uint64_t stall_ns;  /* test hook: dispatcher sleeps this long first (0) */
-    uint64_t inl;       /* 1: ids then w are inline in the slot (ids, w unused) */
+    uint32_t inl;       /* 1: ids then w are inline in the slot (ids, w unused) */
+    uint32_t flags;     /* MOE_GPU_ROUTED_ONLY: no shared slots in this batch */
 };
+/* desc.flags. Empty slots need no flag: an id < 0 is one (the host
+ * validated -1 only), routed to no expert; the combine reads the zero row
+ * (dout row max_tokens * (k + S), never written) for it. */
+#define MOE_GPU_ROUTED_ONLY 0x1u
 
 /* A ring slot: the descriptor and, for small batches (T * top_k * 8 <=
  * MOE_GPU_INLINE_BYTES), ids (int32 [T, k]) then w (fp32 [T, k]) inline, so
@@ -139,7 +144,8 @@ struct moe_gpu_params {
     int32_t *ids_s;     /* device: staged ids [max_tokens, k] */
     float *w_s;         /* device: staged w [max_tokens, k] */
     uint16_t *h;        /* device: [max_tokens*(k+S), I] bf16 */
-    float *dout;        /* device: [max_tokens*(k+S), H] fp32 */
+    float *dout;        /* device: [max_tokens*(k+S) + 1, H] fp32; the last row is
+                           zeros (what an empty slot adds) */
     uint64_t start_seq; /* first seq this launch processes */
     uint32_t smem_route;/* bytes of the routing part of dynamic smem */
     uint16_t *route_g;  /* device: per-CTA pos/tok tables, moe_gpu_route_gmem_bytes each */
@@ -155,7 +161,8 @@ MOE_GPU_STATIC_ASSERT(offsetof(struct moe_gpu_desc, layer) == 8 &&
                           offsetof(struct moe_gpu_desc, w) == 32 &&
                           offsetof(struct moe_gpu_desc, y) == 40 &&
                           offsetof(struct moe_gpu_desc, stall_ns) == 48 &&
-                          offsetof(struct moe_gpu_desc, inl) == 56,
+                          offsetof(struct moe_gpu_desc, inl) == 56 &&
+                          offsetof(struct moe_gpu_desc, flags) == 60,
                       "desc: field offsets");
 MOE_GPU_STATIC_ASSERT(MOE_GPU_INLINE_BYTES % 16 == 0, "inline area: copied as uint4");
 MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_slot) == 512 &&
@@ -195,6 +202,7 @@ MOE_GPU_HD MOE_GPU_CONSTEXPR static inline uint64_t moe_gpu_abi_fingerprint(void
         offsetof(struct moe_gpu_desc, x), offsetof(struct moe_gpu_desc, ids),
         offsetof(struct moe_gpu_desc, w), offsetof(struct moe_gpu_desc, y),
         offsetof(struct moe_gpu_desc, stall_ns), offsetof(struct moe_gpu_desc, inl),
+        offsetof(struct moe_gpu_desc, flags), MOE_GPU_ROUTED_ONLY,
         sizeof(struct moe_gpu_slot), offsetof(struct moe_gpu_slot, inl),
         sizeof(struct moe_gpu_ctrl), offsetof(struct moe_gpu_ctrl, head),
         offsetof(struct moe_gpu_ctrl, stop), offsetof(struct moe_gpu_ctrl, heartbeat),

@@ -20,7 +20,15 @@
  * atomic counter purely for load balance).
  *
  * Memory per call: x as fp32 [T, H], h [T*(k+S), I], the pair index, plus
- * per-thread scratch of max(2H, PD_ROWS * (I + T*(k+S))) floats.
+ * per-thread scratch of max(2H, PD_ROWS * (I + T*(k+S))) floats, for T at
+ * most MOE_REF_CHUNK_TOKENS: a larger batch runs as consecutive chunks of
+ * that many tokens (every token is computed alone, so the result is the
+ * same), which bounds the memory at large T (16384 tokens of a DeepSeek-V3
+ * layer would need 1.2 GB of h at once; a chunk needs 75 MB).
+ *
+ * Empty slots (id -1, moe_ref_forward_flags with MOE_REF_EMPTY_SLOTS) make no
+ * pair and are left out of the sum; MOE_REF_ROUTED_ONLY leaves out the
+ * shared slots (the layer is used as if S were 0).
  */
 #include "moe_ref.h"
 
@@ -38,6 +46,7 @@
 #define PH_ROWS 32     /* I rows per gate/up work item */
 #define PD_ROWS 8      /* H rows per down work item: 8 dequantized rows stay in L1/L2 */
 #define MAX_THREADS 256
+#define MOE_REF_CHUNK_TOKENS 1024u
 
 /* Fixed-order fp32 dot products. Each output is the sum of 8 interleaved
  * lanes (two 4-wide GCC vectors: SSE on any x86-64 and NEON on arm64, without
@@ -95,6 +104,7 @@ struct ref_job {
     uint32_t T, slots;         /* slots = k + S */
     const float *x;            /* [T, H] fp32 copy of the bf16 input */
     const float *w;            /* [T, k] routing weights */
+    const int32_t *ids;        /* [T, k] expert ids; < 0: an empty slot (no pair) */
     uint16_t *y;               /* [T, H] */
     float *h;                  /* [T * slots, I] bf16-rounded activations */
     const uint32_t *pair_off;  /* [E + S + 1] offsets into pairs */
@@ -182,6 +192,8 @@ static void phase_down(struct ref_job *j, float *rows, float *d)
             for (uint32_t rr = 0; rr < nr; rr++) {
                 float acc = 0.0f;
                 for (uint32_t s = 0; s < slots; s++) {
+                    if (s < k && j->ids[(size_t)t * k + s] < 0)
+                        continue; /* an empty slot: no pair, nothing to add */
                     float dv = d[(size_t)(t * slots + s) * PD_ROWS + rr];
                     acc += s < k ? j->w[(size_t)t * k + s] * dv : dv;
                 }
@@ -231,7 +243,7 @@ static int check_mat(const struct nvfp4_mat *m, uint32_t n, uint32_t k)
 }
 
 static int validate(const struct moe_layer *L, uint32_t T, const uint16_t *x, const int32_t *ids,
-                    const float *w, const uint16_t *y)
+                    const float *w, const uint16_t *y, int empty_ok)
 {
     if (!L || !L->experts || !x || !ids || !w || !y)
         return MOED_E_INVAL;
@@ -253,6 +265,8 @@ static int validate(const struct moe_layer *L, uint32_t T, const uint16_t *x, co
             return MOED_E_INVAL;
     }
     for (uint64_t i = 0; i < (uint64_t)T * L->top_k; i++) {
+        if (ids[i] == -1 && empty_ok)
+            continue;
         if (ids[i] < 0 || (uint32_t)ids[i] >= L->n_experts) {
             LOG_D("moe_ref: token %llu slot %u: expert id %d not in [0, %u)",
                   (unsigned long long)(i / L->top_k), (unsigned)(i % L->top_k), ids[i],
@@ -263,14 +277,11 @@ static int validate(const struct moe_layer *L, uint32_t T, const uint16_t *x, co
     return 0;
 }
 
-int moe_ref_forward(const struct moe_layer *layer, uint32_t n_tokens, const uint16_t *x,
-                    const int32_t *ids, const float *w, uint16_t *y, int n_threads)
+/* One chunk of at most MOE_REF_CHUNK_TOKENS tokens (validated). */
+static int forward_chunk(const struct moe_layer *layer, uint32_t n_tokens, const uint16_t *x,
+                         const int32_t *ids, const float *w, uint16_t *y, int n_threads)
 {
-    int rc = validate(layer, n_tokens, x, ids, w, y);
-    if (rc)
-        return rc;
-    if (n_tokens == 0)
-        return 0;
+    int rc = 0;
 
     const uint32_t H = layer->hidden, I = layer->inter, k = layer->top_k;
     const uint32_t S = layer->n_shared, NE = layer->n_experts + S;
@@ -296,6 +307,8 @@ int moe_ref_forward(const struct moe_layer *layer, uint32_t n_tokens, const uint
      * (token, slot) order. */
     for (uint32_t p = 0; p < P; p++) {
         uint32_t t = p / slots, s = p % slots;
+        if (s < k && ids[(size_t)t * k + s] < 0)
+            continue;
         uint32_t e = s < k ? (uint32_t)ids[(size_t)t * k + s] : layer->n_experts + (s - k);
         pair_off[e + 1]++;
     }
@@ -303,6 +316,8 @@ int moe_ref_forward(const struct moe_layer *layer, uint32_t n_tokens, const uint
         pair_off[e + 1] += pair_off[e];
     for (uint32_t p = 0; p < P; p++) {
         uint32_t t = p / slots, s = p % slots;
+        if (s < k && ids[(size_t)t * k + s] < 0)
+            continue;
         uint32_t e = s < k ? (uint32_t)ids[(size_t)t * k + s] : layer->n_experts + (s - k);
         pairs[pair_off[e] + fill[e]++] = p;
     }
@@ -318,6 +333,7 @@ int moe_ref_forward(const struct moe_layer *layer, uint32_t n_tokens, const uint
     job.slots = slots;
     job.x = xf;
     job.w = w;
+    job.ids = ids;
     job.y = y;
     job.h = h;
     job.pair_off = pair_off;
@@ -369,4 +385,31 @@ out_free:
     free(fill);
     free(pair_off);
     return rc;
+}
+
+int moe_ref_forward_flags(const struct moe_layer *layer, uint32_t n_tokens, const uint16_t *x,
+                          const int32_t *ids, const float *w, uint16_t *y, int n_threads,
+                          unsigned flags)
+{
+    struct moe_layer routed;
+    if (layer && (flags & MOE_REF_ROUTED_ONLY)) {
+        routed = *layer;
+        routed.n_shared = 0;
+        layer = &routed;
+    }
+    int rc = validate(layer, n_tokens, x, ids, w, y, (flags & MOE_REF_EMPTY_SLOTS) != 0);
+    if (rc)
+        return rc;
+    const size_t H = layer->hidden, k = layer->top_k;
+    for (uint32_t t0 = 0; t0 < n_tokens && rc == 0; t0 += MOE_REF_CHUNK_TOKENS) {
+        uint32_t n = n_tokens - t0 < MOE_REF_CHUNK_TOKENS ? n_tokens - t0 : MOE_REF_CHUNK_TOKENS;
+        rc = forward_chunk(layer, n, x + t0 * H, ids + t0 * k, w + t0 * k, y + t0 * H, n_threads);
+    }
+    return rc;
+}
+
+int moe_ref_forward(const struct moe_layer *layer, uint32_t n_tokens, const uint16_t *x,
+                    const int32_t *ids, const float *w, uint16_t *y, int n_threads)
+{
+    return moe_ref_forward_flags(layer, n_tokens, x, ids, w, y, n_threads, 0);
 }

@@ -38,8 +38,18 @@ struct moe_layer {
  * Validates ids in [0, E) and shapes; returns 0 or MOED_E_INVAL/MOED_E_NOMEM.
  * n_threads <= 0 means "all online cores". Allocates per call: x as float
  * [T, H], h as float [T*(k+S), I], the token-by-expert index, and per thread
- * max(2H, 8*(I + T*(k+S))) floats; starts its worker threads per call. */
+ * max(2H, 8*(I + T*(k+S))) floats, T at most 1024 at a time (larger batches
+ * run in chunks of 1024 tokens); starts its worker threads per call. */
 int moe_ref_forward(const struct moe_layer *layer, uint32_t n_tokens, const uint16_t *x,
                     const int32_t *ids, const float *w, uint16_t *y, int n_threads);
+
+/* moe_ref_forward with flags: MOE_REF_ROUTED_ONLY leaves out the shared
+ * experts; MOE_REF_EMPTY_SLOTS lets an id be -1, an empty slot that adds
+ * nothing (its weight is not read into the sum). */
+#define MOE_REF_ROUTED_ONLY 0x1u
+#define MOE_REF_EMPTY_SLOTS 0x2u
+int moe_ref_forward_flags(const struct moe_layer *layer, uint32_t n_tokens, const uint16_t *x,
+                          const int32_t *ids, const float *w, uint16_t *y, int n_threads,
+                          unsigned flags);
 
 #endif

@@ -91,12 +91,27 @@ fi
 if grep -q MOED_TEST_BACKEND tests/py/daemon_util.py 2>/dev/null; then
     # the client package from the tree (the GPU machine cannot pip-install)
     PYTHONPATH="$PWD/ipc/python${PYTHONPATH:+:$PYTHONPATH}" MOED_BUILD="$BUILD" MOED_TEST_BACKEND=cuda \
-        timeout 1500 python3 -m pytest -q -p no:cacheprovider tests/py > "$LOGDIR/pytest-cuda.log" 2>&1
+        timeout 1500 python3 -m pytest -q -p no:cacheprovider tests/py \
+        --ignore=tests/py/test_e2e_transformers.py > "$LOGDIR/pytest-cuda.log" 2>&1
     rc=$?
     step "pytest tests/py (MOED_TEST_BACKEND=cuda)" "$([ $rc = 0 ] && echo PASS || echo FAIL)" \
         "$(tail -1 "$LOGDIR/pytest-cuda.log")"
 else
     step "pytest tests/py (MOED_TEST_BACKEND=cuda)" SKIP "tests/py/daemon_util.py has no MOED_TEST_BACKEND"
+fi
+
+# 5. a real transformers model (Qwen3-MoE, DeepSeek-V3) on the GPU with its MoE
+# layers served by moed on the CUDA backend (inline path, idle exit 20 ms)
+if python3 -c 'import torch, transformers; assert torch.cuda.is_available()' 2>/dev/null; then
+    PYTHONPATH="$PWD/ipc/python${PYTHONPATH:+:$PYTHONPATH}" MOED_BUILD="$BUILD" MOED_TEST_BACKEND=cuda \
+        timeout 900 python3 -m pytest -q -s -p no:cacheprovider -W ignore::FutureWarning \
+        tests/py/test_e2e_transformers.py > "$LOGDIR/e2e-transformers-cuda.log" 2>&1
+    rc=$?
+    grep -E 'rel-L2' "$LOGDIR/e2e-transformers-cuda.log"
+    step "e2e transformers (cuda)" "$([ $rc = 0 ] && echo PASS || echo FAIL)" \
+        "$(tail -1 "$LOGDIR/e2e-transformers-cuda.log")"
+else
+    step "e2e transformers (cuda)" SKIP "torch with CUDA or transformers not importable"
 fi
 
 echo

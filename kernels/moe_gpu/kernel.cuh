@@ -155,6 +155,7 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                 sd.n_tokens = __ldcg(&st->desc.n_tokens);
                 sd.x = __ldcg(&st->desc.x);
                 sd.y = __ldcg(&st->desc.y);
+                sd.flags = __ldcg(&st->desc.flags);
             }
             s_go = go;
         }
@@ -179,7 +180,7 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
 
         /* ---- route ---- */
         const struct moe_gpu_layer L = p.layers[sd.layer];
-        build_route(p.d, T, p.ids_s, r);
+        build_route(p.d, T, p.ids_s, r, sd.flags);
         const unsigned n_ch = r.chs[NE];
         /* row tiles per task: up to NTILE_MAX while the batch still has
          * NTILE_WAVES tasks per CTA (small T keeps 1: every SM busy) */

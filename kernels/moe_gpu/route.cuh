@@ -11,19 +11,25 @@ struct route {
     uint16_t *tok;     /* [T*KS] token of pair */
 };
 
+/* An entry routed to no expert: an empty slot (id -1) or, in a routed-only
+ * batch, a shared slot. It makes no pair; its pos is the zero row of dout. */
+#define ROUTE_NONE 0xffffffffu
+
 __device__ __forceinline__ unsigned expert_of(const int32_t *ids, unsigned i, unsigned k,
-                                              unsigned ks, unsigned E)
+                                              unsigned ks, unsigned E, unsigned flags)
 {
     unsigned t = i / ks, j = i - t * ks;
     if (j < k) {
         int v = __ldcg(ids + (size_t)t * k + j);
-        return (v >= 0 && (unsigned)v < E) ? (unsigned)v : 0u; /* host validated; stay in bounds */
+        if (v < 0)
+            return ROUTE_NONE;
+        return (unsigned)v < E ? (unsigned)v : 0u; /* host validated; stay in bounds */
     }
-    return E + (j - k);
+    return (flags & MOE_GPU_ROUTED_ONLY) ? ROUTE_NONE : E + (j - k);
 }
 
 __device__ void build_route(const struct moe_gpu_dims &d, unsigned T, const int32_t *ids,
-                            const route &r)
+                            const route &r, unsigned flags)
 {
     const unsigned NE = d.n_experts + d.n_shared, KS = d.top_k + d.n_shared;
     const unsigned n_ent = T * KS;
@@ -35,8 +41,10 @@ __device__ void build_route(const struct moe_gpu_dims &d, unsigned T, const int3
         /* rank of each entry among earlier entries of the same expert */
         for (unsigned base = 0; base < n_ent; base += 32) {
             unsigned i = base + lane;
-            bool act = i < n_ent;
-            unsigned ex = act ? expert_of(ids, i, d.top_k, KS, d.n_experts) : (0x80000000u | lane);
+            unsigned ex = i < n_ent ? expert_of(ids, i, d.top_k, KS, d.n_experts, flags) : ROUTE_NONE;
+            bool act = ex != ROUTE_NONE;
+            if (!act)
+                ex = 0x80000000u | lane;
             unsigned m = __match_any_sync(0xffffffffu, ex);
             unsigned lt = m & ((1u << lane) - 1u);
             unsigned c = act ? r.cnt[ex] : 0u;
@@ -77,7 +85,11 @@ __device__ void build_route(const struct moe_gpu_dims &d, unsigned T, const int3
     }
     __syncthreads();
     for (unsigned i = tid; i < n_ent; i += THREADS) {
-        unsigned ex = expert_of(ids, i, d.top_k, KS, d.n_experts);
+        unsigned ex = expert_of(ids, i, d.top_k, KS, d.n_experts, flags);
+        if (ex == ROUTE_NONE) {
+            r.pos[i] = (uint16_t)(d.max_tokens * KS); /* the zero row */
+            continue;
+        }
         unsigned p = r.off[ex] + r.pos[i];
         r.pos[i] = (uint16_t)p;
         r.tok[p] = (uint16_t)(i / KS);

@@ -85,9 +85,19 @@ static inline const struct moe_shape *moe_shape_find(const char *name)
 
 /* uniform: distinct random experts per token; skewed: every token on experts
  * 0..k-1 (one crowded expert group); all: token t slot j on (t k + j) % E
- * (every expert used, evenly) */
-enum moe_routing { R_UNIFORM, R_SKEW, R_ALL };
-static const char *const moe_routing_name[] = {"uniform", "skewed", "all-experts"};
+ * (every expert used, evenly); empty-slots: uniform with slot j of token t
+ * empty (id -1, its weight left nonzero: it must be ignored) where
+ * (t + j) % 3 == 1 and every slot of every 5th token empty (FORWARD flag
+ * 0x2); routed-only: uniform, the batch without its shared experts (flag
+ * 0x1); empty-routed: both, so every 5th token's output is exactly 0 */
+enum moe_routing { R_UNIFORM, R_SKEW, R_ALL, R_EMPTY, R_ROUTED, R_EMPTY_ROUTED };
+static const char *const moe_routing_name[] = {"uniform",     "skewed",      "all-experts",
+                                               "empty-slots", "routed-only", "empty-routed"};
+static inline int moe_routing_empty(enum moe_routing r) { return r == R_EMPTY || r == R_EMPTY_ROUTED; }
+static inline int moe_routing_routed_only(enum moe_routing r)
+{
+    return r == R_ROUTED || r == R_EMPTY_ROUTED;
+}
 
 /* x and y in ordinary host memory (staged through the ring slot) or in the
  * backend's pinned, device-mapped memory (the kernel reads x and writes y
@@ -111,7 +121,18 @@ struct moe_case {
         {shape, T, R_SKEW, 1000ull * (T) + 1, MOE_TOL, B_PINNED, 0},                           \
         {shape, T, R_ALL, 1000ull * (T) + 2, MOE_TOL, B_HOST, 0}
 
+/* the FORWARD-flag routings of one (shape, T); seed 1000 T + routing */
+#define MOE_CASES_FLAGS(shape, T)                                                              \
+    {shape, T, R_EMPTY, 1000ull * (T) + 3, MOE_TOL, B_HOST, 0},                                \
+        {shape, T, R_ROUTED, 1000ull * (T) + 4, MOE_TOL, B_PINNED, 0},                         \
+        {shape, T, R_EMPTY_ROUTED, 1000ull * (T) + 5, MOE_TOL, B_HOST, 0}
+
 static const struct moe_case moe_cases[] = {
+    MOE_CASES_FLAGS("tiny", 1), MOE_CASES_FLAGS("tiny", 5), MOE_CASES_FLAGS("tiny", 64),
+    MOE_CASES_FLAGS("tiny", 512), MOE_CASES_FLAGS("e60-h320-i192", 3),
+    MOE_CASES_FLAGS("e60-h320-i192", 257), MOE_CASES_FLAGS("qwen3-30b-a3b", 13),
+    MOE_CASES_FLAGS("deepseek-v3", 7), MOE_CASES_FLAGS("deepseek-v3", 64),
+
     MOE_CASES3("tiny", 1), MOE_CASES3("tiny", 2), MOE_CASES3("tiny", 3), MOE_CASES3("tiny", 5),
     MOE_CASES3("tiny", 7), MOE_CASES3("tiny", 13), MOE_CASES3("tiny", 16), MOE_CASES3("tiny", 64),
     MOE_CASES3("tiny", 256), MOE_CASES3("tiny", 257), MOE_CASES3("tiny", 512),

@@ -213,6 +213,7 @@ struct io {
     int32_t *ids;
     float *w;
     int kind;                /* MOED_BUF_HOST or MOED_BUF_PINNED */
+    unsigned ref_flags;      /* MOE_REF_EMPTY_SLOTS / MOE_REF_ROUTED_ONLY of the routing */
     struct moed_backend *be; /* the pinned memory's owner */
     uint16_t *xa, *ya;       /* the allocations: guard, buffer, guard */
 };
@@ -313,6 +314,13 @@ static void io_fill(struct io *io, uint32_t E, enum moe_routing r, uint64_t seed
         for (uint32_t j = 0; j < io->k; j++)
             io->w[t * io->k + j] /= sum;
     }
+    io->ref_flags = (moe_routing_empty(r) ? MOE_REF_EMPTY_SLOTS : 0) |
+                    (moe_routing_routed_only(r) ? MOE_REF_ROUTED_ONLY : 0);
+    if (moe_routing_empty(r)) /* weights stay: an empty slot's weight is ignored */
+        for (uint32_t t = 0; t < io->T; t++)
+            for (uint32_t j = 0; j < io->k; j++)
+                if (t % 5 == 4 || (t + j) % 3 == 1)
+                    io->ids[t * io->k + j] = -1;
 }
 
 static void batch_of(struct moed_batch *b, struct io *io, uint32_t layer)
@@ -325,6 +333,7 @@ static void batch_of(struct moed_batch *b, struct io *io, uint32_t layer)
     b->ids = (struct moed_buf){MOED_BUF_HOST, 0, io->ids, (uint64_t)io->T * io->k * 4};
     b->w = (struct moed_buf){MOED_BUF_HOST, 0, io->w, (uint64_t)io->T * io->k * 4};
     b->y = (struct moed_buf){io->kind, 0, io->y, (uint64_t)io->T * io->H * 2};
+    b->flags = (io->ref_flags & MOE_REF_ROUTED_ONLY) ? MOED_BATCH_ROUTED_ONLY : 0;
 }
 
 /* Submit one batch, wait for it. Returns its status, or a negative code if
@@ -374,7 +383,7 @@ static double check_ref(const struct moe_layer *L, struct io *io, uint32_t max_s
         memcpy(is + (size_t)i * k, io->ids + (size_t)pick[i] * k, (size_t)k * 4);
         memcpy(ws + (size_t)i * k, io->w + (size_t)pick[i] * k, (size_t)k * 4);
     }
-    if (moe_ref_forward(L, ns, xs, is, ws, yr, 0) != 0) {
+    if (moe_ref_forward_flags(L, ns, xs, is, ws, yr, 0, io->ref_flags) != 0) {
         num = 1e9;
         den = 1;
     } else {

@@ -15,7 +15,8 @@ fixtures are found by pytest by name):
   for F8_E4M3 which numpy does not have; test_genmodel checks that the
   safetensors package reads the same header.
 * ``dequant(weight, weight_scale, weight_scale_2)``: NVFP4 -> float64 (low
-  nibble = even column, value = e2m1 * e4m3 * scale_2).
+  nibble = even column, value = e2m1 * e4m3 * scale_2); ``nvfp4_quantize(w)``
+  the other way (ModelOpt's scales); ``write_safetensors(path, tensors)``.
 * ``F64Reference(model_dir)``: an independent float64 MoE reference of the
   contract in kernels/moe_ref.h: g, u, d and the slot sum in float64, only
   h rounded to bf16 (ml_dtypes.bfloat16), output left in float64.
@@ -143,6 +144,41 @@ def e2m1_codes(weight):
     return codes
 
 
+def nvfp4_quantize(w):
+    """float [N, K] -> (weight uint8 [N, K/2], weight_scale uint8 [N, K/16]
+    (E4M3 bytes), weight_scale_2 float32) in the ModelOpt NVFP4 layout:
+    scale_2 = amax / (6 * 448), each 16-weight block's scale amax_b / 6 /
+    scale_2 rounded to E4M3, the weights rounded to E2M1 (nearest even) in
+    units of block scale * scale_2. dequant() of the result is what a
+    checkpoint of these tensors means."""
+    w = np.asarray(w, dtype=np.float64)
+    n, k = w.shape
+    s2 = np.float32(max(np.abs(w).max(), 1e-30) / (6.0 * 448.0))
+    blocks = w.reshape(n, k // 16, 16)
+    sb = (np.abs(blocks).max(axis=2) / 6.0 / float(s2)).astype(ml_dtypes.float8_e4m3fn)
+    sbf = sb.astype(np.float64)
+    unit = np.where(sbf > 0, sbf, 1.0)[:, :, None] * float(s2)
+    q = np.clip(blocks / unit, -6.0, 6.0).astype(ml_dtypes.float4_e2m1fn)
+    codes = q.reshape(n, k).view(np.uint8) & 0xF
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    return packed, sb.view(np.uint8), s2
+
+
+def write_safetensors(path, tensors):
+    """tensors: name -> (dtype name, numpy array of that dtype)."""
+    head, blobs, off = {}, [], 0
+    for name in sorted(tensors):
+        dt, a = tensors[name]
+        b = np.ascontiguousarray(a).tobytes()
+        head[name] = {"dtype": dt, "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(head).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
 def dequant(weight, weight_scale, weight_scale_2):
     """NVFP4 matrix -> float64 [N, K]: e2m1 * e4m3(block scale) * scale_2."""
     vals = E2M1_VALUES[e2m1_codes(weight)]
@@ -188,18 +224,21 @@ class F64Reference:
         t = self.tensors
         return dequant(t[p + "weight"], t[p + "weight_scale"], t[p + "weight_scale_2"])
 
-    def forward(self, layer, x_bits, ids, w):
+    def forward(self, layer, x_bits, ids, w, routed_only=False):
+        """y for routing (ids, w); an id of -1 is an empty slot (adds nothing,
+        FORWARD flag 0x2); routed_only leaves out the shared experts (0x1)."""
         x = bf16_to_f64(x_bits)
         ids = np.asarray(ids, dtype=np.int64)
         w = np.asarray(w, dtype=np.float32).astype(np.float64)
         T, k = ids.shape
         assert x.shape == (T, self.hidden) and k == self.top_k
-        S = self.n_shared
+        S = 0 if routed_only else self.n_shared
+        w = np.where(ids < 0, 0.0, w)
         # d[t, slot] for routed slots 0..k-1 and shared slots k..k+S-1.
         d = np.zeros((T, k + S, self.hidden))
         slot_expert = np.concatenate([ids, np.tile(self.n_experts + np.arange(S), (T, 1))],
                                      axis=1)
-        for e in np.unique(slot_expert):
+        for e in np.unique(slot_expert[slot_expert >= 0]):
             tt, ss = np.nonzero(slot_expert == e)
             xe = x[tt]
             g = xe @ self.matrix(layer, e, "gate_proj").T

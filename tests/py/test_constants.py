@@ -58,3 +58,16 @@ def test_error_codes_match_moed_err():
     assert set(mc.ERROR_NAMES) == set(codes.values()) | {0}
     for attr in ("E_PROTO", "E_VERSION", "E_TOOBIG", "E_INVAL", "E_TIMEOUT", "E_CONN"):
         assert getattr(mc, attr) == codes[attr[2:]], attr
+
+
+def test_version2_constants_match_moed_proto_h():
+    proto = read("ipc/moed_proto.h")
+    d = c_defines(proto, "MOED_PROTO_")
+    assert d["MAX_VERSION"] == mc.PROTO_MAX_VERSION == 2
+    assert d["MAX_LAYERS"] == mc.MAX_LAYERS
+    assert c_defines(proto, "MOED_HELLO_")["V1_BYTES"] == mc.HELLO_V1_BYTES == 64
+    f = c_defines(proto, "MOED_FORWARD_")
+    assert f["ROUTED_ONLY"] == mc.FORWARD_ROUTED_ONLY
+    assert f["EMPTY_SLOTS"] == mc.FORWARD_EMPTY_SLOTS
+    assert re.search(r"#define MOED_EXPERT_NONE \((-\d+)\)", proto).group(1) == \
+        str(mc.EXPERT_NONE)

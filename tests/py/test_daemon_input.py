@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import daemon_util as du
-from conftest import F64Reference, bf16_bits, gen_model, read_safetensors_header, rel_l2
+from conftest import (F64Reference, bf16_bits, gen_model, read_safetensors_header, rel_l2,
+                      write_safetensors)
 
 EXIT_RUNTIME, EXIT_MODEL = 1, 3
 
@@ -87,21 +88,6 @@ def test_nan_block_scale_refused(tmp_path, tiny_ckpt, tensor, row, block, code):
 
 
 # ---- a checkpoint of any dims, written here (numpy + the safetensors layout)
-
-def write_safetensors(path, tensors):
-    """tensors: name -> (dtype name, numpy array of that dtype)."""
-    head, blobs, off = {}, [], 0
-    for name in sorted(tensors):
-        dt, a = tensors[name]
-        b = np.ascontiguousarray(a).tobytes()
-        head[name] = {"dtype": dt, "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
-        blobs.append(b)
-        off += len(b)
-    h = json.dumps(head).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
-
 
 def write_checkpoint(d, H, I, E=4, k=2, S=1, layers=1, seed=5):
     """An NVFP4 checkpoint with random codes and finite block scales."""

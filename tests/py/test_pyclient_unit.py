@@ -127,7 +127,8 @@ class FakeDaemon:
             if self.script and self.script(conn, mtype, rid, p):
                 continue
             if mtype == 1:
-                assert plen == 8 and p[:4] == b"\x01\x00\x01\x00"
+                assert plen == 8 and p[:4] == b"\x01\x00\x02\x00"  # offers 1..2
+                # and this fake daemon picks version 1 (64 bytes, no layer list)
                 rep = struct.pack("<HHIIIIIIIIIQ16s", 1, 0, H, INTER, E, K, 1, 4, 1, MAX_T, 0,
                                   1 << 20, b"fake")
                 conn.sendall(hdr(0x8001, rid, 64) + rep)
@@ -240,6 +241,10 @@ def test_hello_status_ping(daemon):
         assert (info.n_shared, info.n_layers, info.first_moe_layer) == (1, 4, 1)
         assert info.max_tokens == MAX_T and info.max_frame_bytes == 1 << 20
         assert info.backend == "fake"
+        assert info.version == 1 and info.moe_layers == (1, 2, 3)  # first_moe_layer..n_layers
+        with pytest.raises(mc.MoedError) as e:  # flags need version 2: refused unsent
+            c.forward(2, *rand_batch(1, seed=0), routed_only=True)
+        assert e.value.name == "version"
         assert c.status() == {"model": {"hidden": 8}, "ok": True}
         assert c.ping() >= 0
     # request ids are distinct and echoed
@@ -294,8 +299,13 @@ def test_client_side_checks(daemon):
         with pytest.raises(ValueError, match="must both be"):
             c.forward(1, x, ids[:1], w)
         xb, ib, wb = rand_batch(MAX_T + 1)
-        with pytest.raises(mc.MoedError, match=r"n_tokens 17 is out of range \[1, 16\]"):
-            c.forward(1, xb, ib, wb)
+        with pytest.raises(mc.MoedError, match=r"n_tokens 17 is out of range \[0, 16\]"):
+            c.send_forward(7, 1, xb, ib, wb)  # no splitting in the pipelined call
+        # forward() splits T over max_tokens: chunks of 16 and 1, in order
+        n = len(daemon.seen)
+        np.testing.assert_array_equal(c.forward(1, xb, ib, wb), expected(xb, wb))
+        ts = [u32(f[32:], 4) for f in daemon.seen[n:] if int.from_bytes(f[6:8], "little") == 2]
+        assert ts == [MAX_T, 1]
 
 
 def test_pipelined_out_of_order():

@@ -297,8 +297,20 @@ START_TEST(test_daemon_error_passthrough)
     ck_assert_int_eq(moedc_forward(c, 1, 2, K, x, ids, w, y, err, sizeof err), 0);
     ck_assert_mem_eq(x, y, sizeof x);
     /* Local checks before sending. */
-    ck_assert_int_eq(moedc_forward(c, 1, 0, K, x, ids, w, y, err, sizeof err), MOED_E_INVAL);
-    ck_assert_str_eq(err, "n_tokens 0 is out of range [1, 16]");
+    ck_assert_int_eq(moedc_forward(c, 1, MAX_T + 1, K, x, ids, w, y, err, sizeof err),
+                     MOED_E_INVAL);
+    ck_assert_str_eq(err, "n_tokens 17 is out of range [0, 16]");
+    /* This fake daemon speaks version 1: flags are refused before anything is sent. */
+    ck_assert_int_eq(moedc_forward_flags(c, 1, 2, K, x, ids, w, MOED_FORWARD_ROUTED_ONLY, y, err,
+                                         sizeof err), MOED_E_VERSION);
+    ck_assert_str_eq(err, "forward flags 0x1 need protocol version 2; the daemon speaks version 1");
+    ck_assert_int_eq(moedc_forward_flags(c, 1, 2, K, x, ids, w, 0x4, y, err, sizeof err),
+                     MOED_E_INVAL);
+    ck_assert_str_eq(err, "forward flags 0x4 has unknown bits 0x4");
+    uint32_t layers[8];
+    ck_assert_uint_eq(moedc_moe_layers(c, layers, 8), 3); /* version 1: first_moe_layer 1 .. 3 */
+    ck_assert_uint_eq(layers[0], 1);
+    ck_assert_uint_eq(layers[2], 3);
     ck_assert_int_eq(moedc_forward(c, 1, 2, K, x, ids, w, NULL, err, sizeof err), MOED_E_INVAL);
     fake_stop(&f, c);
 }

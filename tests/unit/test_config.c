@@ -221,9 +221,9 @@ START_TEST(error_classes)
                "server.socket: expected a path string, got number 5");
     expect_err("{\"server\": 3}", "server: expected an object, got number 3");
     expect_err("{\"engine\": {\"max_tokens\": 0}}",
-               "engine.max_tokens: 0 is out of range [1, 4096]");
-    expect_err("{\"engine\": {\"max_tokens\": 4097}}",
-               "engine.max_tokens: 4097 is out of range [1, 4096]");
+               "engine.max_tokens: 0 is out of range [1, 16384]");
+    expect_err("{\"engine\": {\"max_tokens\": 16385}}",
+               "engine.max_tokens: 16385 is out of range [1, 16384]");
     expect_err("{\"server\": {\"max_clients\": -3}}",
                "server.max_clients: -3 is out of range [1, 4096]");
     expect_err("{\"engine\": {\"backend\": \"gpu\"}}",
@@ -532,7 +532,7 @@ START_TEST(load_files)
     fclose(f);
     rc = moed_cfg_load(path, &c, err, sizeof err);
     ck_assert_int_eq(rc, MOED_E_CONFIG);
-    snprintf(want, sizeof want, "%s: engine.max_tokens: 0 is out of range [1, 4096]", path);
+    snprintf(want, sizeof want, "%s: engine.max_tokens: 0 is out of range [1, 16384]", path);
     ck_assert_str_eq(err, want);
     unlink(path);
     snprintf(path, sizeof path, "%s/big.json", dir);
@@ -605,7 +605,7 @@ START_TEST(reference_md_up_to_date)
         "| `server.socket` |",
         "| `server.socket_mode` |",
         "| `status.port` |",
-        "| `engine.max_tokens` | unsigned integer | `512` | 1 .. 4096 |",
+        "| `engine.max_tokens` | unsigned integer | `512` | 1 .. 16384 |",
         "| `log.level` |",
     };
     for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++)

@@ -175,6 +175,46 @@ START_TEST(alias_qwen3)
 }
 END_TEST
 
+/* transformers 5 writes Qwen3-MoE's expert count as num_local_experts (its
+ * config class's attribute map reads num_experts from it), as Mixtral does;
+ * Mixtral-style experts are intermediate_size wide (no moe_intermediate_size);
+ * moe_intermediate_size wins where both are given. Ling-style configs name
+ * their shared experts num_shared_experts. */
+/* config.json from `json`, read back (it must parse). */
+static struct moed_dims dims_of(const char *json)
+{
+    struct moed_dims d;
+    write_text("config.json", json);
+    int rc = moed_model_read_config(dir, &d, err, sizeof err);
+    ck_assert_msg(rc == 0, "%s", err);
+    return d;
+}
+
+START_TEST(alias_transformers5)
+{
+    struct moed_dims d = dims_of(
+        "{\"model_type\": \"qwen3_moe\", \"hidden_size\": 2048, \"intermediate_size\": 6144, "
+        "\"moe_intermediate_size\": 768, \"num_local_experts\": 128, "
+        "\"num_experts_per_tok\": 8, \"decoder_sparse_step\": 1, \"mlp_only_layers\": [], "
+        "\"num_hidden_layers\": 48, \"transformers_version\": \"5.24.0\"}");
+    ck_assert_uint_eq(d.inter, 768);
+    ck_assert_uint_eq(d.n_experts, 128);
+    ck_assert_uint_eq(d.n_moe_layers, 48);
+    d = dims_of("{\"model_type\": \"mixtral\", \"hidden_size\": 4096, \"intermediate_size\": "
+                "14336, \"num_local_experts\": 8, \"num_experts_per_tok\": 2, "
+                "\"num_hidden_layers\": 32, \"first_k_dense_replace\": 0}");
+    ck_assert_uint_eq(d.inter, 14336);
+    ck_assert_uint_eq(d.n_experts, 8);
+    ck_assert_uint_eq(d.n_shared, 0);
+    d = dims_of("{\"model_type\": \"bailing_moe\", \"hidden_size\": 2048, "
+                "\"moe_intermediate_size\": 512, \"num_experts\": 256, "
+                "\"num_shared_experts\": 1, \"num_experts_per_tok\": 8, "
+                "\"num_hidden_layers\": 20, \"first_k_dense_replace\": 1}");
+    ck_assert_uint_eq(d.n_shared, 1);
+    ck_assert_uint_eq(d.n_moe_layers, 19);
+}
+END_TEST
+
 /* Which layers are MoE, checked through a loaded model holding exactly
  * those layers' tensors. */
 static void check_layers(const char *config, uint32_t layers, uint32_t S, uint64_t mask)
@@ -263,6 +303,7 @@ int main(void)
     tcase_add_test(alias, alias_glm45);
     tcase_add_test(alias, alias_glm5);
     tcase_add_test(alias, alias_qwen3);
+    tcase_add_test(alias, alias_transformers5);
     tcase_add_test(alias, alias_text_config);
     tcase_add_test(alias, layers_first_k_dense);
     tcase_add_test(alias, layers_mlp_layer_types);

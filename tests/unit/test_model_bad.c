@@ -28,7 +28,8 @@ START_TEST(config_missing_experts)
     expect_config_fail("{\"hidden_size\": 64, \"moe_intermediate_size\": 32, "
                        "\"num_experts_per_tok\": 2, \"num_hidden_layers\": 2, "
                        "\"first_k_dense_replace\": 0}",
-                       "config.json: missing 'n_routed_experts' (or alias 'num_experts')");
+                       "config.json: missing 'n_routed_experts' (or alias 'num_experts', "
+                       "'num_local_experts')");
 }
 END_TEST
 

@@ -227,7 +227,16 @@ START_TEST(test_validate)
     ck_assert_str_eq(err, "expert id 128 at token 3 slot 1 is out of range [0, 128)");
     set_id(&ok, 256, 2, 3, 1, -1);
     ck_assert_int_eq(VAL(ok, &req, err), MOED_E_INVAL);
-    ck_assert_str_eq(err, "expert id -1 at token 3 slot 1 is out of range [0, 128)");
+    ck_assert_str_eq(err, "expert id -1 at token 3 slot 1 is out of range [0, 128) (-1 is an "
+                          "empty slot only with forward flag 0x2)");
+    /* FORWARD flag 0x2: -1 is an empty slot; any other negative id is still refused. */
+    put32(ok.buf + 12, MOED_FORWARD_EMPTY_SLOTS);
+    ck_assert_int_eq(VAL(ok, &req, err), 0);
+    ck_assert_uint_eq(req.flags, MOED_FORWARD_EMPTY_SLOTS);
+    set_id(&ok, 256, 2, 3, 1, -2);
+    ck_assert_int_eq(VAL(ok, &req, err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "expert id -2 at token 3 slot 1 is out of range [0, 128)");
+    put32(ok.buf + 12, 0);
     set_id(&ok, 256, 2, 3, 1, 127);
     set_id(&ok, 256, 2, 0, 0, INT32_MIN);
     ck_assert_int_eq(VAL(ok, &req, err), MOED_E_INVAL);
@@ -235,15 +244,19 @@ START_TEST(test_validate)
     free(ok.buf);
 
     struct fwd f = make_fwd(3, 2, 256, 2, 128);
+    /* T = 0 is valid with the 16-byte head alone; its length is still checked. */
     put32(f.buf + 4, 0);
+    ck_assert_int_eq(moed_forward_validate(f.buf, 16, 256, 128, 2, 512, NULL, NULL, &req, err,
+                                           sizeof err), 0);
+    ck_assert_uint_eq(req.n_tokens, 0);
     ck_assert_int_eq(VAL(f, &req, err), MOED_E_INVAL);
-    ck_assert_str_eq(err, "n_tokens 0 is out of range [1, 512]");
+    ck_assert_str_eq(err, "payload is 1072 bytes but T=0, H=256, k=2 need 16");
     put32(f.buf + 4, 513);
     ck_assert_int_eq(VAL(f, &req, err), MOED_E_INVAL);
-    ck_assert_str_eq(err, "n_tokens 513 is out of range [1, 512]");
+    ck_assert_str_eq(err, "n_tokens 513 is out of range [0, 512]");
     put32(f.buf + 4, 0xffffffffu);
     ck_assert_int_eq(VAL(f, &req, err), MOED_E_INVAL);
-    ck_assert_str_eq(err, "n_tokens 4294967295 is out of range [1, 512]");
+    ck_assert_str_eq(err, "n_tokens 4294967295 is out of range [0, 512]");
     put32(f.buf + 4, 2);
 
     put32(f.buf + 8, 4);
@@ -276,15 +289,24 @@ START_TEST(test_validate)
     ck_assert_str_eq(err, "layer 2 is not an MoE layer of this model");
     put32(f.buf, 3);
 
-    put32(f.buf + 12, 1);
+    /* Flags 0x1 and 0x2 are known (version 2); any other bit is refused by name. */
+    put32(f.buf + 12, MOED_FORWARD_ROUTED_ONLY | MOED_FORWARD_EMPTY_SLOTS);
+    ck_assert_int_eq(VAL(f, &req, err), 0);
+    ck_assert_uint_eq(req.flags, 3);
+    put32(f.buf + 12, 0x5);
     ck_assert_int_eq(VAL(f, &req, err), MOED_E_INVAL);
-    ck_assert_str_eq(err, "forward flags 0x1 are not 0 (no flags in version 1)");
+    ck_assert_str_eq(err, "forward flags 0x5 has unknown bits 0x4 (known: 0x1 routed-only, 0x2 "
+                          "empty slots)");
+    put32(f.buf + 12, 0x80000000u);
+    ck_assert_int_eq(VAL(f, &req, err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "forward flags 0x80000000 has unknown bits 0x80000000 (known: 0x1 "
+                          "routed-only, 0x2 empty slots)");
     put32(f.buf + 12, 0);
 
     ck_assert_int_eq(VAL(f, &req, err), 0);
     /* A small err buffer truncates, never overflows. */
     char small[8];
-    put32(f.buf + 4, 0);
+    put32(f.buf + 4, 513);
     ck_assert_int_eq(moed_forward_validate(f.buf, f.len, 256, 128, 2, 512, NULL, NULL, NULL,
                                            small, sizeof small), MOED_E_INVAL);
     ck_assert_str_eq(small, "n_token");
@@ -293,6 +315,55 @@ START_TEST(test_validate)
 END_TEST
 
 /* The byte-wise decoder must not depend on the buffer's alignment. */
+/* HELLO replies: version 1 (64 bytes, layers first_moe_layer..), version 2
+ * (the layer list), and the ones a client must refuse. */
+START_TEST(test_hello_parse)
+{
+    uint8_t b[64 + 4 + 4 * 4] = {0};
+    uint32_t layers[MOED_PROTO_MAX_LAYERS], n = 0;
+    struct moed_hello_rep r;
+    char err[256];
+    b[0] = 1;
+    put32(b + 4, 256);
+    put32(b + 24, 6);  /* n_layers */
+    put32(b + 28, 3);  /* first_moe_layer */
+    memcpy(b + 48, "cpu", 3);
+    ck_assert_int_eq(moed_hello_parse(b, 64, &r, layers, &n, err, sizeof err), 0);
+    ck_assert_uint_eq(r.hidden, 256);
+    ck_assert_str_eq(r.backend, "cpu");
+    ck_assert_uint_eq(n, 3);
+    ck_assert_uint_eq(layers[0], 3);
+    ck_assert_uint_eq(layers[2], 5);
+    ck_assert_int_eq(moed_hello_parse(b, 68, &r, layers, &n, err, sizeof err), MOED_E_PROTO);
+    ck_assert_str_eq(err, "version-1 HELLO reply is 68 bytes; its layer list needs 64");
+    b[0] = 2; /* layers 1, 3, 4 */
+    put32(b + 64, 3);
+    put32(b + 68, 1);
+    put32(b + 72, 3);
+    put32(b + 76, 4);
+    ck_assert_int_eq(moed_hello_parse(b, 80, &r, layers, &n, err, sizeof err), 0);
+    ck_assert_uint_eq(r.version, 2);
+    ck_assert_uint_eq(n, 3);
+    ck_assert_uint_eq(layers[0], 1);
+    ck_assert_uint_eq(layers[1], 3);
+    ck_assert_uint_eq(layers[2], 4);
+    ck_assert_int_eq(moed_hello_parse(b, 84, &r, layers, &n, err, sizeof err), MOED_E_PROTO);
+    ck_assert_str_eq(err, "version-2 HELLO reply is 84 bytes; its layer list needs 80");
+    ck_assert_int_eq(moed_hello_parse(b, 64, &r, layers, &n, err, sizeof err), MOED_E_PROTO);
+    put32(b + 76, 3); /* not ascending */
+    ck_assert_int_eq(moed_hello_parse(b, 80, &r, layers, &n, err, sizeof err), MOED_E_PROTO);
+    ck_assert_str_eq(err, "HELLO layer list: entry 2 (3) is not ascending and below n_layers 6");
+    put32(b + 76, 6); /* not below n_layers */
+    ck_assert_int_eq(moed_hello_parse(b, 80, &r, layers, &n, err, sizeof err), MOED_E_PROTO);
+    put32(b + 64, MOED_PROTO_MAX_LAYERS + 1); /* a count over the limit is never read */
+    ck_assert_int_eq(moed_hello_parse(b, 80, &r, layers, &n, err, sizeof err), MOED_E_PROTO);
+    b[0] = 3;
+    ck_assert_int_eq(moed_hello_parse(b, 64, &r, layers, &n, err, sizeof err), MOED_E_VERSION);
+    ck_assert_str_eq(err, "daemon chose protocol version 3; this client speaks 1..2");
+    ck_assert_int_eq(moed_hello_parse(b, 63, &r, layers, &n, err, sizeof err), MOED_E_PROTO);
+}
+END_TEST
+
 START_TEST(test_unaligned)
 {
     uint8_t raw[64 + 1];
@@ -314,6 +385,7 @@ static Suite *proto_suite(void)
     tcase_add_test(tc, test_payload_len);
     tcase_add_test(tc, test_validate);
     tcase_add_test(tc, test_unaligned);
+    tcase_add_test(tc, test_hello_parse);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -1,4 +1,4 @@
-"""Python client for the moed MoE expert daemon (wire protocol version 1).
+"""Python client for the moed MoE expert daemon (wire protocol versions 1 and 2).
 
 Standard library only; numpy, ml_dtypes and torch are used when importable.
 The byte layout is ipc/PROTOCOL.md (and ipc/moed_proto.h): every message is a
@@ -10,6 +10,12 @@ Typical use::
     with Client("/tmp/moed.sock") as c:
         info = c.hello()                      # dims: hidden, top_k, n_experts, ...
         y = c.forward(layer, x, topk_ids, topk_weights)
+        y = c.forward(layer, x, ids, w, routed_only=True, empty_slots=True)
+
+T = 0 is answered with an empty [0, H] result; T over the daemon's max_tokens
+is split into chunks of at most max_tokens tokens that are pipelined (several
+sent before the first reply is read, at most ``max_inflight`` at a time) and
+concatenated in order.
 
 Arrays:
 
@@ -30,6 +36,7 @@ the client is closed.
 """
 
 import os
+import select
 import socket
 import struct
 import threading
@@ -43,12 +50,20 @@ __all__ = [
 __version__ = "0.1.0"  # the daemon's version it was released with (Makefile VERSION)
 
 PROTO_MAGIC = 0x44454F4D  # b"MOED" read as a little-endian u32
-PROTO_VERSION = 1
+PROTO_VERSION = 1      # the frame header's version (the framing)
+PROTO_MAX_VERSION = 2  # the highest protocol version this client negotiates
 HDR_SIZE = 32
 REPLY = 0x8000
 MAX_ERRMSG = 1024
 MAX_PING = 64
 MAX_STATUS_BYTES = 16 << 20
+MAX_LAYERS = 1024          # MoE layer ids in a version-2 HELLO reply, at most
+HELLO_V1_BYTES = 64
+
+# FORWARD flags (protocol version 2)
+FORWARD_ROUTED_ONLY = 0x1  # routed experts only: no shared-expert term
+FORWARD_EMPTY_SLOTS = 0x2  # an id of EXPERT_NONE (-1) is an empty slot
+EXPERT_NONE = -1
 
 MSG_HELLO = 1
 MSG_FORWARD = 2
@@ -109,7 +124,7 @@ class Hello:
     """The HELLO reply: the model's dims and the daemon's limits."""
 
     __slots__ = ("version", "hidden", "inter", "n_experts", "top_k", "n_shared", "n_layers",
-                 "first_moe_layer", "max_tokens", "max_frame_bytes", "backend")
+                 "first_moe_layer", "max_tokens", "max_frame_bytes", "backend", "moe_layers")
 
     def __init__(self, **kw):
         for k in self.__slots__:
@@ -267,9 +282,30 @@ def _wire_to_hidden(raw, t, h, kind):
     return _bf16_bits_to_f32(np, bits).astype(kind.dtype)
 
 
-def encode_forward(layer, x_raw, n_tokens, ids_raw, w_raw, top_k):
-    """FORWARD payload: 16-byte head (layer, n_tokens, top_k, flags=0), x, ids, w."""
-    return _FWD_REQ.pack(layer, n_tokens, top_k, 0) + x_raw + ids_raw + w_raw
+def encode_forward(layer, x_raw, n_tokens, ids_raw, w_raw, top_k, flags=0):
+    """FORWARD payload: 16-byte head (layer, n_tokens, top_k, flags), x, ids, w."""
+    return _FWD_REQ.pack(layer, n_tokens, top_k, flags) + x_raw + ids_raw + w_raw
+
+
+def _forward_flags(routed_only, empty_slots):
+    return (FORWARD_ROUTED_ONLY if routed_only else 0) | \
+        (FORWARD_EMPTY_SLOTS if empty_slots else 0)
+
+
+def _rows(a, t0, t1):
+    """Rows t0..t1 of a [T, ...] array, tensor, bytes of bf16 rows or sequence."""
+    if isinstance(a, (bytes, bytearray, memoryview)):
+        raise TypeError("bytes hidden_states cannot be split: pass at most max_tokens rows")
+    return a[t0:t1]
+
+
+def _concat(parts, kind):
+    if kind.kind == "torch":
+        import torch
+        return torch.cat(parts, dim=0)
+    if kind.kind == "bytes":
+        return b"".join(parts)
+    return _np().concatenate(parts, axis=0)
 
 
 # --- the client ---------------------------------------------------------------
@@ -284,9 +320,10 @@ class Client:
     is sent lazily by the first forward()/send_forward() if not called.
     """
 
-    def __init__(self, path=None, timeout=30.0, sock=None):
+    def __init__(self, path=None, timeout=30.0, sock=None, max_inflight=8):
         self.path = path or os.environ.get("MOED_SOCKET") or DEFAULT_SOCKET
         self.timeout = timeout
+        self.max_inflight = max(1, int(max_inflight))  # chunks of a split forward in flight
         self.info = None
         self._next_id = 0
         self._pending = {}  # pipelined request id -> (T, kind)
@@ -383,7 +420,7 @@ class Client:
 
     def _reply_bound(self, mtype):
         if mtype == MSG_HELLO | REPLY:
-            return 64
+            return HELLO_V1_BYTES + 4 + 4 * MAX_LAYERS
         if mtype == MSG_FORWARD | REPLY:
             if self.info is None:
                 return None
@@ -444,25 +481,44 @@ class Client:
 
     # requests -----------------------------------------------------------------
     def hello(self):
-        """Negotiate version 1; returns (and caches in .info) a Hello with the
-        model's dims (hidden, inter, n_experts, top_k, n_shared, n_layers,
-        first_moe_layer), max_tokens, max_frame_bytes and backend name."""
-        rep = self._call(MSG_HELLO, _HELLO_REQ.pack(PROTO_VERSION, PROTO_VERSION, 0))
-        if len(rep) != 64:
-            self._fail(E_PROTO, "HELLO reply is %d bytes, expected 64" % len(rep))
-        f = _HELLO_REP.unpack(rep)
-        if f[0] != PROTO_VERSION:
-            self._fail(E_VERSION, "daemon chose protocol version %d; this client speaks 1"
-                       % f[0])
+        """Negotiate version 2 (or 1 with an older daemon); returns (and caches
+        in .info) a Hello with the model's dims (hidden, inter, n_experts,
+        top_k, n_shared, n_layers, first_moe_layer, moe_layers: the MoE layer
+        ids, a tuple), max_tokens, max_frame_bytes and backend name."""
+        rep = self._call(MSG_HELLO, _HELLO_REQ.pack(1, PROTO_MAX_VERSION, 0))
+        if len(rep) < HELLO_V1_BYTES:
+            self._fail(E_PROTO, "HELLO reply is %d bytes, expected at least 64" % len(rep))
+        f = _HELLO_REP.unpack_from(rep)
+        version = f[0]
+        if version not in (1, 2):
+            self._fail(E_VERSION, "daemon chose protocol version %d; this client speaks 1..%d"
+                       % (version, PROTO_MAX_VERSION))
         hidden, top_k, n_experts, max_tokens = f[2], f[5], f[4], f[9]
         if not (1 <= hidden <= 1 << 20 and 1 <= max_tokens <= 1 << 24 and
                 1 <= top_k <= n_experts):
             self._fail(E_PROTO, "HELLO reply has implausible dims: hidden %d, max_tokens %d, "
                        "top_k %d, n_experts %d" % (hidden, max_tokens, top_k, n_experts))
-        self.info = Hello(version=f[0], hidden=f[2], inter=f[3], n_experts=f[4], top_k=f[5],
-                          n_shared=f[6], n_layers=f[7], first_moe_layer=f[8], max_tokens=f[9],
-                          max_frame_bytes=f[11],
-                          backend=f[12].split(b"\0", 1)[0].decode("ascii", "replace"))
+        n_layers, first = f[7], f[8]
+        if version == 1:
+            if len(rep) != HELLO_V1_BYTES:
+                self._fail(E_PROTO, "version-1 HELLO reply is %d bytes, expected 64" % len(rep))
+            moe_layers = tuple(range(first, n_layers))
+        else:
+            n = struct.unpack_from("<I", rep, HELLO_V1_BYTES)[0] \
+                if len(rep) >= HELLO_V1_BYTES + 4 else -1
+            if n < 0 or n > MAX_LAYERS or len(rep) != HELLO_V1_BYTES + 4 + 4 * n:
+                self._fail(E_PROTO, "version-2 HELLO reply of %d bytes does not hold its "
+                           "layer list (n_moe_layers %d)" % (len(rep), n))
+            moe_layers = struct.unpack_from("<%dI" % n, rep, HELLO_V1_BYTES + 4)
+            if any(b <= a for a, b in zip(moe_layers, moe_layers[1:])) or \
+                    any(l >= n_layers for l in moe_layers):
+                self._fail(E_PROTO, "HELLO layer list %s is not ascending ids < %d"
+                           % (moe_layers[:8], n_layers))
+        self.info = Hello(version=version, hidden=f[2], inter=f[3], n_experts=f[4], top_k=f[5],
+                          n_shared=f[6], n_layers=n_layers, first_moe_layer=first,
+                          max_tokens=f[9], max_frame_bytes=f[11],
+                          backend=f[12].split(b"\0", 1)[0].decode("ascii", "replace"),
+                          moe_layers=tuple(moe_layers))
         return self.info
 
     def status(self):
@@ -483,7 +539,7 @@ class Client:
             self._fail(E_PROTO, "PING reply does not echo its payload")
         return dt
 
-    def _encode_forward(self, layer, hidden_states, topk_ids, topk_weights):
+    def _encode_forward(self, layer, hidden_states, topk_ids, topk_weights, flags=0):
         if self.info is None:
             self.hello()
         x_raw, t, h, kind = _hidden_to_wire(hidden_states)
@@ -497,13 +553,18 @@ class Client:
         if h != self.info.hidden:
             raise ValueError("hidden_states has H=%d, the model's hidden size is %d"
                              % (h, self.info.hidden))
+        if t == 0 and ti == tw == 0:  # [0, k] routing may come as [0, anything]
+            k = kw = self.info.top_k
         if (ti, k) != (t, kw) or tw != t:
             raise ValueError("topk_ids %s and topk_weights %s must both be [T=%d, k]"
                              % ((ti, k), (tw, kw), t))
-        if not 1 <= t <= self.info.max_tokens:
-            raise MoedError(E_INVAL, "n_tokens %d is out of range [1, %d]"
+        if not 0 <= t <= self.info.max_tokens:
+            raise MoedError(E_INVAL, "n_tokens %d is out of range [0, %d]"
                             % (t, self.info.max_tokens))
-        payload = encode_forward(layer, x_raw, t, ids_raw, w_raw, k)
+        if flags and self.info.version < 2:
+            raise MoedError(E_VERSION, "forward flags 0x%x need protocol version 2; the "
+                            "daemon speaks version %d" % (flags, self.info.version))
+        payload = encode_forward(layer, x_raw, t, ids_raw, w_raw, k, flags)
         if len(payload) > self.info.max_frame_bytes:
             raise MoedError(E_TOOBIG, "FORWARD payload of %d bytes is over the daemon's max "
                             "frame %d" % (len(payload), self.info.max_frame_bytes))
@@ -514,33 +575,123 @@ class Client:
             self._fail(E_PROTO, "FORWARD reply of %d bytes, shorter than its head"
                        % len(payload))
         t, h = _FWD_REP.unpack_from(payload)
-        if h != self.info.hidden or (t_expected and t != t_expected) or \
-                len(payload) != 8 + 2 * t * h:
+        if h != self.info.hidden or t != t_expected or len(payload) != 8 + 2 * t * h:
             self._fail(E_PROTO, "FORWARD reply says T=%d, H=%d in %d bytes; expected T=%s, "
                        "H=%d" % (t, h, len(payload), t_expected, self.info.hidden))
         return _wire_to_hidden(payload[8:], t, h, kind)
 
-    def forward(self, layer, hidden_states, topk_ids, topk_weights):
+    def _n_tokens(self, hidden_states, topk_ids):
+        if isinstance(hidden_states, (bytes, bytearray, memoryview)):
+            return len(topk_ids)
+        return int(hidden_states.shape[0])
+
+    def forward(self, layer, hidden_states, topk_ids, topk_weights, *, routed_only=False,
+                empty_slots=False):
         """One MoE layer: y[T, H] = sum_j w[t, j] * expert_{ids[t, j]}(x[t]) (+ shared).
 
         layer: absolute layer id (an MoE layer of the model); hidden_states
         [T, H]; topk_ids [T, k] (int32 on the wire); topk_weights [T, k] (fp32,
-        final: any routed scaling already applied). Returns y in the kind of
-        hidden_states (see the module docstring). Raises MoedError.
+        final: any routed scaling already applied). routed_only: leave out the
+        daemon's shared experts (FORWARD flag 0x1); empty_slots: an id of -1
+        is an empty slot that adds nothing (flag 0x2; expert parallelism's
+        non-local experts). T = 0 gives an empty [0, H] result; T over the
+        daemon's max_tokens is split into pipelined chunks. Returns y in the
+        kind of hidden_states (see the module docstring). Raises MoedError.
         """
         self._check_open(True)
-        payload, t, kind = self._encode_forward(layer, hidden_states, topk_ids, topk_weights)
+        if self.info is None:
+            self.hello()
+        flags = _forward_flags(routed_only, empty_slots)
+        T, mt = self._n_tokens(hidden_states, topk_ids), self.info.max_tokens
+        if T > mt:
+            bounds = [(t0, min(t0 + mt, T)) for t0 in range(0, T, mt)]
+            chunks = [(_rows(hidden_states, a, b), _rows(topk_ids, a, b),
+                       _rows(topk_weights, a, b)) for a, b in bounds]
+            return self._forward_pipelined(layer, chunks, flags)
+        payload, t, kind = self._encode_forward(layer, hidden_states, topk_ids, topk_weights,
+                                                flags)
         rep = self._call(MSG_FORWARD, payload)
         return self._decode_forward(rep, t, kind)
 
-    def send_forward(self, request_id, layer, hidden_states, topk_ids, topk_weights):
+    def _forward_pipelined(self, layer, chunks, flags):
+        """Send the chunks' FORWARDs, at most max_inflight unanswered, reading
+        replies whenever the daemon has one (also while a large request is
+        still being written: the daemon stops reading a client whose replies
+        pile up, so a writer that never reads could stall both); returns the
+        outputs concatenated in chunk order."""
+        out, pending, kind0 = [None] * len(chunks), {}, None
+        base = self._next_id
+        self._next_id += len(chunks)
+        sent = 0
+        while sent < len(chunks) or pending:
+            if sent < len(chunks) and len(pending) < self.max_inflight:
+                x, ids, w = chunks[sent]
+                payload, t, kind = self._encode_forward(layer, x, ids, w, flags)
+                kind0 = kind0 or kind
+                rid = base + 1 + sent
+                pending[rid] = (sent, t, kind)
+                self._send_reading(MSG_FORWARD, rid, payload, pending, out)
+                sent += 1
+            else:
+                self._recv_chunk(pending, out)
+        return _concat(out, kind0)
+
+    def _recv_chunk(self, pending, out):
+        mtype, rid, payload = self._read_frame_pipelined(pending)
+        if mtype != MSG_FORWARD | REPLY or rid not in pending:
+            self._fail(E_PROTO, "reply type 0x%04x id %d does not answer a FORWARD in flight"
+                       % (mtype, rid))
+        i, t, kind = pending.pop(rid)
+        out[i] = self._decode_forward(payload, t, kind)
+
+    def _read_frame_pipelined(self, pending):
+        try:
+            return self._read_frame()
+        except MoedError as e:
+            if e.request_id:  # one chunk refused: the others' replies are unread
+                self.close()
+            raise
+
+    def _send_reading(self, msg_type, rid, payload, pending, out):
+        """Write one frame; whenever the socket has a reply to read meanwhile,
+        read it (into out)."""
+        data = memoryview(_HDR.pack(PROTO_MAGIC, PROTO_VERSION, msg_type, 0, 0, rid,
+                                    len(payload)) + payload)
+        while data:
+            try:
+                r, w, _ = select.select([self._sock], [self._sock], [], self.timeout)
+            except (OSError, ValueError) as e:
+                self._fail(E_CONN, "select on the daemon's socket: %s" % e)
+            if not r and not w:
+                self._fail(E_TIMEOUT, "write to the daemon timed out after %s s" % self.timeout)
+            if r and len(pending) > 1:  # a reply to an earlier request
+                self._recv_chunk(pending, out)
+                continue
+            if w:
+                try:
+                    n = self._sock.send(data, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    continue
+                except (BrokenPipeError, ConnectionResetError) as e:
+                    self._raise_pending_error()
+                    self._fail(E_CONN, "write to the daemon: %s" % e)
+                except OSError as e:
+                    self._fail(E_CONN, "write to the daemon: %s" % e)
+                data = data[n:]
+            elif r:  # readable with only this request in flight: an ERROR, or EOF
+                self._raise_pending_error()
+                self._fail(E_CONN, "the daemon answered before the request was written")
+
+    def send_forward(self, request_id, layer, hidden_states, topk_ids, topk_weights, *,
+                     routed_only=False, empty_slots=False):
         """Pipelined FORWARD: send and return at once. Collect the reply with
         recv(). request_id (u64) is chosen by the caller, unique among the
-        requests in flight."""
+        requests in flight. At most max_tokens tokens (no splitting here)."""
         self._check_open(False)
         if request_id in self._pending:
             raise MoedError(E_INVAL, "request id %d is already in flight" % request_id)
-        payload, t, kind = self._encode_forward(layer, hidden_states, topk_ids, topk_weights)
+        payload, t, kind = self._encode_forward(layer, hidden_states, topk_ids, topk_weights,
+                                                _forward_flags(routed_only, empty_slots))
         self._send(MSG_FORWARD, request_id, payload)
         self._pending[request_id] = (t, kind)
 
@@ -577,7 +728,8 @@ def _default_client():
     return c
 
 
-def fused_experts(hidden_states, topk_weights, topk_ids, layer, client=None):
+def fused_experts(hidden_states, topk_weights, topk_ids, layer, client=None, *,
+                  routed_only=False, empty_slots=False):
     """Run one MoE layer in moed in place of a framework's fused-experts kernel.
 
     The argument order follows SGLang's fused-experts call (hidden_states,
@@ -614,6 +766,10 @@ def fused_experts(hidden_states, topk_weights, topk_ids, layer, client=None):
     activations to the host and makes a socket round trip per layer, so it is
     not CUDA-graph safe: run SGLang with --disable-cuda-graph. (The zero-copy
     CUDA IPC path, REGISTER_BUF, is reserved for a later protocol version.)
+
+    routed_only / empty_slots: see Client.forward (the plugins set them from
+    the framework's shared-expert fusion and expert-parallel maps).
     """
     c = client if client is not None else _default_client()
-    return c.forward(layer, hidden_states, topk_ids, topk_weights)
+    return c.forward(layer, hidden_states, topk_ids, topk_weights, routed_only=routed_only,
+                     empty_slots=empty_slots)
