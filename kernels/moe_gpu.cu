@@ -165,9 +165,7 @@ extern "C" uint32_t moe_gpu_route_gmem_bytes(const struct moe_gpu_dims *d)
 extern "C" uint32_t moe_gpu_smem_route_bytes(const struct moe_gpu_dims *d)
 {
     size_t ne = d->n_experts + d->n_shared;
-    /* cnt [ne], off and chs [ne + 1] (route.cuh), the two task prefix sums
-     * [ne + 1] (task.cuh, task_plan) */
-    size_t b = sizeof(unsigned) * (ne + 4 * (ne + 1));
+    size_t b = sizeof(unsigned) * (ne + 2 * (ne + 1));
     return (uint32_t)((b + 15) & ~(size_t)15);
 }
 

@@ -35,23 +35,24 @@ constexpr int NTILE_MAX = 4;
 /* a batch uses NTILE_MAX tiles per task only while every CTA still gets this
  * many tasks (v9d, v15: 1 wave per CTA for multi-tile tasks was worse) */
 constexpr int NTILE_WAVES = 2;
-/* Chunk groups (issue 12): an expert with two or more chunks in a batch gets
- * tasks of GRP_CHUNKS consecutive chunks (16 pairs: two n-tiles, one
- * dequant of each weight unit for both) and GRP_NTILE tiles, so its weights
- * are streamed once per two chunks, not once per chunk; the accumulators are
- * as many as a one-chunk task's NTILE_MAX tiles. Rings: GRP_WS weight units
- * and GRP_XS activation slots of 16 rows (task_mma_il; XS * NTILE >= WS). */
-#ifndef MOE_GPU_GRP_NTILE /* experiment (bench/NOTES.md v22): 1 or 2 */
-#define MOE_GPU_GRP_NTILE 1
-#endif
-#ifndef MOE_GPU_GRP_MIN /* experiment: chunks an expert needs to be grouped */
-#define MOE_GPU_GRP_MIN 2
+/* Chunk pairs (issue 12, bench/NOTES.md v23): in a phase whose row tiles
+ * have at least GRP_MIN_UNITS K units (DeepSeek-V3 gate_up 112 and down 32,
+ * Qwen3-30B-A3B gate_up 32; Qwen3 down has 12: its pair passes would be 6
+ * units per warp, v22) and whose one-chunk tasks have an even number of
+ * tiles, an expert with two or more chunks runs them in pairs: the task of
+ * chunk 2i takes chunks 2i and 2i + 1 (16 pairs, two n-tiles: each weight
+ * unit is dequantized once for both), two tiles per pass (the accumulators
+ * of a one-chunk task's four tiles), and the task of chunk 2i + 1 is empty.
+ * Rings of a pass: GRP_WS weight units and GRP_XS activation slots of 16
+ * rows (task_mma_grp). */
+#ifndef MOE_GPU_GRP_MIN_UNITS
+#define MOE_GPU_GRP_MIN_UNITS 32
 #endif
 constexpr int GRP_CHUNKS = 2;
-constexpr int GRP_NTILE = MOE_GPU_GRP_NTILE;
-constexpr int GRP_WS = GRP_NTILE == 1 ? 3 : 4;
-constexpr int GRP_XS = GRP_NTILE == 1 ? 3 : 2;
-static_assert(GRP_CHUNKS * GRP_NTILE <= NTILE_MAX, "a group task's accumulators: <= NTILE_MAX tiles'");
+constexpr int GRP_NTILE = 2;
+constexpr int GRP_WS = 4;
+constexpr int GRP_XS = 2;
+static_assert(GRP_CHUNKS * GRP_NTILE == NTILE_MAX, "a pass's accumulators: a one-chunk task's");
 /* task_mma_full keeps unit (v, j) of a task's NTILE_MAX tiles in weight slot
  * j: its weight ring has NTILE_MAX slots and its activation ring as many,
  * which fill exactly the warp's STAGES stages. */
@@ -63,9 +64,7 @@ constexpr int X_ROW_BYTES = 144; /* 128 + 16: conflict-free 16-byte fragment rea
 /* a stage of the one-n-tile pipeline: one weight unit + 8 activation rows */
 constexpr int STAGE_BYTES = MOE_GPU_UNIT_BYTES + CHUNK_TOKENS * X_ROW_BYTES;
 /* each warp's shared-memory stage region */
-/* a chunk group's rings (GRP_WS weight units, GRP_XS slots of 16 rows) */
-constexpr int GRP_SMEM = GRP_WS * MOE_GPU_UNIT_BYTES + GRP_XS * GRP_CHUNKS * 8 * X_ROW_BYTES;
-constexpr int WARP_SMEM = GRP_SMEM > STAGES * STAGE_BYTES ? GRP_SMEM : STAGES * STAGE_BYTES;
+constexpr int WARP_SMEM = STAGES * STAGE_BYTES;
 static_assert((size_t)THREADS * 16 >= sizeof(struct moe_gpu_slot), "one load per thread reads a ring slot");
 static_assert(sizeof(struct moe_gpu_desc) / 16 <= THREADS, "one load per thread reads the desc");
 

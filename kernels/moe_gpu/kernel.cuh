@@ -45,12 +45,11 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
     __shared__ uint4 s_inl[MOE_GPU_INLINE_BYTES / 16];
     __shared__ int s_go, s_last;
     __shared__ unsigned s_task;
-    __shared__ task_at s_at;
-    __shared__ batch_plan s_bp; /* read after a barrier: not held in registers */
 
     const unsigned tid = threadIdx.x, warp = tid >> 5;
     const unsigned NE = p.d.n_experts + p.d.n_shared, KS = p.d.top_k + p.d.n_shared;
     const unsigned RT_GU = p.d.inter / 16 / MR * 2, RT_DN = p.d.hidden / 16 / MR;
+    const unsigned units_gu = p.d.hidden / MOE_GPU_UNIT_K, units_dn = p.d.inter / MOE_GPU_UNIT_K;
     struct moe_state *st = (struct moe_state *)p.state;
     struct moe_gpu_ctrl *ctrl = p.ctrl;
 
@@ -60,7 +59,6 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
     r.chs = r.off + NE + 1;
     r.pos = p.route_g + (size_t)blockIdx.x * (2 * (size_t)p.d.max_tokens * KS);
     r.tok = r.pos + (size_t)p.d.max_tokens * KS;
-    const task_plan tp{r.chs + NE + 1, r.chs + 2 * (NE + 1)};
     uint8_t *sw = smem + p.smem_route + warp * WARP_SMEM;
     /* Every thread of the CTA here before any starts the batch loop. Nothing
      * needs it since the bulk-copy pipeline and its mbarriers are gone (they
@@ -180,10 +178,24 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                 st_relaxed_sys(&ctrl->phase_ns[2], globaltimer_ns());
         }
 
-        /* ---- route, and the batch's work split (task.cuh: chunk groups) ---- */
-        const struct moe_gpu_layer L = p.layers[sd.layer]; /* loads while routing */
+        /* ---- route ---- */
+        const struct moe_gpu_layer L = p.layers[sd.layer];
         build_route(p.d, T, p.ids_s, r);
-        plan_batch(p, r, L, T, (uint16_t *)sd.y, RT_GU, RT_DN, tp, s_bp);
+        const unsigned n_ch = r.chs[NE];
+        /* row tiles per task: up to NTILE_MAX while the batch still has
+         * NTILE_WAVES tasks per CTA (small T keeps 1: every SM busy) */
+        const unsigned gu_tiles = n_ch * RT_GU, dn_tiles = n_ch * RT_DN;
+        const unsigned NTG = ntile_for(gu_tiles, gridDim.x), NTD = ntile_for(dn_tiles, gridDim.x);
+        const unsigned TPC_GU = (RT_GU + NTG - 1) / NTG, TPC_DN = (RT_DN + NTD - 1) / NTD;
+        const unsigned n_gu = n_ch * TPC_GU, n_dn = n_ch * TPC_DN; /* tasks */
+        uint16_t *y = (uint16_t *)sd.y;
+
+        /* ---- tasks: claimed per CTA (the next claim is issued while the
+         * current task runs); gate_up/down split K over the warps; combine
+         * gives each warp one (token, 256-column) unit ---- */
+        const unsigned n_cblk = (p.d.hidden + 255) / 256;
+        const unsigned n_cu = T * n_cblk, n_cb = (n_cu + NWARPS - 1) / NWARPS;
+        const unsigned total = n_gu + n_dn + n_cb;
         bool wrote_y = false, x_ready = false, dn_ready = false;
         uint8_t *sw_cta = smem + p.smem_route;
         if (tid == 0)
@@ -191,21 +203,31 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
         for (;;) {
             __syncthreads();
             const unsigned t = s_task;
-            if (t >= s_bp.total)
+            if (t >= total)
                 break;
             unsigned next = 0;
             if (tid == 0)
                 next = atomicAdd(&st->task_ctr, 1u); /* result waited for at the end */
-            const unsigned n_gu = s_bp.n_gu;
-            if (t < n_gu + s_bp.n_dn) {
+            if (t < n_gu + n_dn) {
                 const bool is_gu = t < n_gu;
-                if (tid == 0) {
-                    /* thread 0 decodes the task for the CTA (shared memory: no
-                     * decode state live in every thread's registers) */
-                    const unsigned e = (s_at = task_decode(r, is_gu ? tp.tgu : tp.tdn, NE,
-                                                           is_gu ? t : t - n_gu,
-                                                           is_gu ? s_bp.ntg : s_bp.ntd,
-                                                           is_gu ? RT_GU : RT_DN)).e;
+                const unsigned tt = is_gu ? t : t - n_gu, TPC = is_gu ? TPC_GU : TPC_DN;
+                const unsigned RT = is_gu ? RT_GU : RT_DN, NTT = is_gu ? NTG : NTD;
+                /* an expert's tasks are [chs[e] TPC, chs[e+1] TPC), tile group
+                 * major: the chunks of one tile group run back to back, so a
+                 * crowded expert's weights are re-read from L2, not HBM */
+                const unsigned e = chunk_expert(r.chs, NE, tt / TPC);
+                const unsigned nch = r.chs[e + 1] - r.chs[e], loc = tt - r.chs[e] * TPC;
+                const unsigned tg = loc / nch, c = loc - tg * nch, rt0 = tg * NTT;
+                const unsigned ntiles = min(NTT, RT - rt0);
+                const unsigned p0 = r.off[e] + c * CHUNK_TOKENS;
+                /* chunk pairs (task.cuh): chunk 2i also takes chunk 2i + 1,
+                 * whose task is empty (RT is even: hidden and intermediate
+                 * are multiples of 64, so ntiles is even with NTT) */
+                const bool pairs = nch >= 2 && pair_phase(is_gu ? units_gu : units_dn, NTT);
+                const bool empty = pairs && (c & 1);
+                const unsigned cnt = min(pairs ? 2u * CHUNK_TOKENS : (unsigned)CHUNK_TOKENS,
+                                         r.cnt[e] - c * CHUNK_TOKENS);
+                if (tid == 0 && !empty) {
                     if (is_gu) {
                         if (!x_ready)
                             while (ld_acquire_gpu32(&st->x_done) < gridDim.x)
@@ -218,19 +240,19 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                     }
                 }
                 __syncthreads(); /* also: every thread has read s_task */
-                const task_at a = s_at;
-                const unsigned e = a.e, ntiles = a.ntiles;
-                run_task(p, s_bp.L, r, is_gu, a.grp, is_gu ? s_bp.ntg : s_bp.ntd, e, a.p0, a.cnt, a.rt0, ntiles,
-                         sw, sw_cta);
-                /* warp w wrote tile rt0 + w of the task's chunks (counted per chunk) */
-                if (warp < ntiles) {
+                if (empty)
+                    goto claimed;
+                run_task(p, L, r, is_gu, is_gu ? NTG : NTD, e, p0, cnt, rt0, ntiles, sw, sw_cta);
+                /* warp w wrote tile rt0 + w (one chunk), or tiles rt0 + w + 2i of
+                 * both chunks (a pair: warps 0, 1 in every pass) */
+                if (warp < (cnt > CHUNK_TOKENS ? (unsigned)GRP_NTILE : ntiles)) {
                     __syncwarp();
                     if ((tid & 31) == 0) {
-                        const unsigned nd = a.nchunks;
+                        const unsigned nd = cnt > CHUNK_TOKENS ? ntiles : 1u;
                         red_release_gpu(is_gu ? &st->gu_done[e] : &st->dn_done, nd);
 #if MOE_GPU_PHASES
                         if (atomicAdd(is_gu ? &st->gu_all : &st->dn_all, nd) + nd ==
-                            (is_gu ? s_bp.gu_tiles : s_bp.dn_tiles))
+                            (is_gu ? gu_tiles : dn_tiles))
                             st_relaxed_sys(&ctrl->phase_ns[is_gu ? 3 : 4], globaltimer_ns());
 #endif
                     }
@@ -238,17 +260,18 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                 __syncthreads(); /* stage buffers (partials) free for the next task */
             } else {
                 if (tid == 0 && !dn_ready) {
-                    while (ld_acquire_gpu32(&st->dn_done) < s_bp.dn_tiles)
+                    while (ld_acquire_gpu32(&st->dn_done) < dn_tiles)
                         __nanosleep(64);
                     dn_ready = true;
                 }
                 __syncthreads();
-                const unsigned u = (t - n_gu - s_bp.n_dn) * NWARPS + warp, n_cblk = s_bp.n_cblk;
-                if (u < s_bp.n_cu) {
-                    combine_unit(p, r, u / n_cblk, u % n_cblk, s_bp.y);
+                const unsigned u = (t - n_gu - n_dn) * NWARPS + warp;
+                if (u < n_cu) {
+                    combine_unit(p, r, u / n_cblk, u % n_cblk, y);
                     wrote_y = true;
                 }
             }
+        claimed:
             if (tid == 0)
                 s_task = next;
         }

@@ -21,16 +21,11 @@ __device__ __forceinline__ void task_splitk(const uint8_t *wtask, unsigned tile_
     const unsigned nuw = tile_units > warp ? (tile_units - warp + NWARPS - 1) / NWARPS : 0;
     static_assert((NT == 1 && (NTILE == 1 || NTILE == NTILE_MAX)) ||
                       (NT == GRP_CHUNKS && NTILE == GRP_NTILE),
-                  "one chunk: one tile or NTILE_MAX; a group: GRP_NTILE tiles");
+                  "one chunk: one tile or NTILE_MAX; a chunk pair: GRP_NTILE tiles");
     float acc[NTILE][MR][NT][4];
-    if constexpr (NT > 1) { /* a chunk group: always GRP_NTILE tiles (task_decode) */
-#if MOE_GPU_GRP_FULL
-        if constexpr (NTILE == 2) {
-            static_assert(NT == 2 && GRP_WS == 4 && GRP_XS == 2, "task_mma_grp's rings");
-            task_mma_grp(wtask, warp, nuw, tile_units, xs, sw, acc);
-        } else
-#endif
-        task_mma_il<NT, NTILE, GRP_WS, GRP_XS>(wtask, warp, nuw, NTILE, tile_units, xs, sw, acc);
+    if constexpr (NT > 1) { /* a chunk pair's pass: always GRP_NTILE tiles */
+        static_assert(NT == 2 && NTILE == 2 && GRP_WS == 4 && GRP_XS == 2, "task_mma_grp's rings");
+        task_mma_grp(wtask, warp, nuw, tile_units, xs, sw, acc);
     } else if constexpr (NTILE > 1) { /* tiles interleaved per K unit (v17) */
         if (ntiles == NTILE) /* constant ring offsets (v19) */
             task_mma_full<NTILE>(wtask, warp, nuw, tile_units, xs, sw, acc);
@@ -179,115 +174,28 @@ __device__ __forceinline__ void mm_task(const struct moe_gpu_params &p,
         dn_epilogue<NT>(p, L, e, p0, cnt, rt0 + warp, acc);
 }
 
-/* One gate_up or down task (whole CTA): a chunk group (two n-tiles,
- * GRP_NTILE tiles), or one chunk (one n-tile) tile by tile when nt = 1, else
- * up to NTILE_MAX tiles interleaved. Inlined: as a function of its own (own
- * registers, the persistent loop saving its live registers around the call)
- * it was 1-7% slower (H200 2026-11-30, bench/NOTES.md v20). */
+/* One gate_up or down task (whole CTA): a chunk pair (cnt > CHUNK_TOKENS:
+ * two n-tiles, GRP_NTILE tiles per pass), or one chunk: tile by tile when nt
+ * = 1, else up to NTILE_MAX tiles interleaved. Inlined: as a function of its
+ * own (own registers, the persistent loop saving its live registers around
+ * the call) it was 1-7% slower (H200 2026-11-30, bench/NOTES.md v20). */
 __device__ __forceinline__ void run_task(const struct moe_gpu_params &p,
                                          const struct moe_gpu_layer &L, const route &r,
-                                         bool is_gu, bool grp, unsigned nt, unsigned e,
-                                         unsigned p0, unsigned cnt, unsigned rt0, unsigned ntiles,
-                                         uint8_t *sw, uint8_t *sw_cta)
+                                         bool is_gu, unsigned nt, unsigned e, unsigned p0,
+                                         unsigned cnt, unsigned rt0, unsigned ntiles, uint8_t *sw,
+                                         uint8_t *sw_cta)
 {
-    if (grp)
-        mm_task<GRP_CHUNKS, GRP_NTILE>(p, L, r, is_gu, e, p0, cnt, rt0, ntiles, sw, sw_cta);
-    else if (nt > 1)
+    if (cnt > CHUNK_TOKENS) { /* a chunk pair (pair_task): passes of GRP_NTILE tiles */
+        for (unsigned j = 0; j < ntiles; j += GRP_NTILE) {
+            if (j)
+                __syncthreads(); /* the last pass's partials read: stage buffers free */
+            mm_task<GRP_CHUNKS, GRP_NTILE>(p, L, r, is_gu, e, p0, cnt, rt0 + j, GRP_NTILE, sw,
+                                           sw_cta);
+        }
+    } else if (nt > 1)
         mm_task<1, NTILE_MAX>(p, L, r, is_gu, e, p0, cnt, rt0, ntiles, sw, sw_cta);
     else
         mm_task<1, 1>(p, L, r, is_gu, e, p0, cnt, rt0, ntiles, sw, sw_cta);
-}
-
-/* The work split of a batch, from its tokens-per-expert histogram (issue
- * 12). Expert e has C = chs[e+1] - chs[e] chunks of <= CHUNK_TOKENS pairs.
- * With C = 1 its tasks are one chunk x nt tiles (nt: the batch's
- * ntile_for, per phase); with C >= 2 they are groups of GRP_CHUNKS chunks x
- * GRP_NTILE tiles (the last group may hold one chunk), so a crowded
- * expert's weights are streamed once per GRP_CHUNKS chunks. An expert's
- * tasks are numbered tile group major (the groups of one tile group run back
- * to back: their re-reads come from L2). tgu / tdn ([NE+1], shared memory)
- * are the exclusive prefix sums of the tasks per expert, per phase. Every
- * output element keeps its sum: the same split-K of the same tile, the same
- * MMA chain per n-tile column (a column's products do not depend on the
- * other columns), so nothing depends on the batch (batch invariance). */
-struct task_plan {
-    unsigned *tgu, *tdn; /* [NE+1] first task of each expert, per phase */
-};
-
-__device__ __forceinline__ bool expert_grouped(unsigned nch) { return nch >= MOE_GPU_GRP_MIN; }
-
-/* tasks of an expert with nch chunks; tpc: tile groups of a one-chunk task */
-__device__ __forceinline__ unsigned expert_tasks(unsigned nch, unsigned tpc, unsigned RT)
-{
-    if (expert_grouped(nch))
-        return (nch + GRP_CHUNKS - 1) / GRP_CHUNKS * (RT / GRP_NTILE);
-    return nch * tpc;
-}
-
-/* Warp 0 writes the two prefix sums (after build_route); every thread
- * calls it (it ends with a CTA barrier). RT_GU and RT_DN are even
- * (moe_gpu_check_dims: hidden and intermediate are multiples of 64), so a
- * group's GRP_NTILE = 2 tiles always exist. */
-__device__ void plan_tasks(const route &r, unsigned NE, unsigned ntg, unsigned ntd,
-                           unsigned RT_GU, unsigned RT_DN, const task_plan &tp)
-{
-    const unsigned lane = threadIdx.x & 31;
-    if (threadIdx.x < 32) {
-        const unsigned tpg = (RT_GU + ntg - 1) / ntg, tpd = (RT_DN + ntd - 1) / ntd;
-        const unsigned per = (NE + 31) / 32, b = lane * per, e = min(b + per, NE);
-        unsigned s1 = 0, s2 = 0;
-        for (unsigned i = b; i < e; i++) {
-            const unsigned c = r.chs[i + 1] - r.chs[i];
-            s1 += expert_tasks(c, tpg, RT_GU);
-            s2 += expert_tasks(c, tpd, RT_DN);
-        }
-        unsigned i1 = s1, i2 = s2;
-        for (int o = 1; o < 32; o <<= 1) {
-            unsigned v1 = __shfl_up_sync(0xffffffffu, i1, o), v2 = __shfl_up_sync(0xffffffffu, i2, o);
-            if ((int)lane >= o) {
-                i1 += v1;
-                i2 += v2;
-            }
-        }
-        unsigned x1 = i1 - s1, x2 = i2 - s2;
-        for (unsigned i = b; i < e; i++) {
-            const unsigned c = r.chs[i + 1] - r.chs[i];
-            tp.tgu[i] = x1;
-            tp.tdn[i] = x2;
-            x1 += expert_tasks(c, tpg, RT_GU);
-            x2 += expert_tasks(c, tpd, RT_DN);
-        }
-        if (lane == 31) {
-            tp.tgu[NE] = i1;
-            tp.tdn[NE] = i2;
-        }
-    }
-    __syncthreads();
-}
-
-/* Task tt of a phase (tasks: its prefix sums; nt its tiles per one-chunk
- * task, RT its row tiles per expert): expert, pairs [p0, p0 + cnt), chunks
- * covered, row tiles [rt0, rt0 + ntiles), grouped or not. */
-struct task_at {
-    unsigned e, p0, cnt, nchunks, rt0, ntiles;
-    bool grp;
-};
-__device__ __forceinline__ task_at task_decode(const route &r, const unsigned *tasks, unsigned NE,
-                                               unsigned tt, unsigned nt, unsigned RT)
-{
-    task_at a;
-    a.e = chunk_expert(tasks, NE, tt); /* the largest e with tasks[e] <= tt */
-    const unsigned nch = r.chs[a.e + 1] - r.chs[a.e], loc = tt - tasks[a.e];
-    a.grp = expert_grouped(nch);
-    const unsigned gc = a.grp ? GRP_CHUNKS : 1u, ntt = a.grp ? GRP_NTILE : nt;
-    const unsigned ng = (nch + gc - 1) / gc; /* groups (or chunks) of e */
-    const unsigned tg = loc / ng, c = loc - tg * ng;
-    a.rt0 = tg * ntt;
-    a.ntiles = min(ntt, RT - a.rt0);
-    a.p0 = r.off[a.e] + c * gc * CHUNK_TOKENS;
-    a.cnt = min(gc * CHUNK_TOKENS, r.cnt[a.e] - c * gc * CHUNK_TOKENS);
-    a.nchunks = min(gc, nch - c * gc);
-    return a;
 }
 
 /* combine unit: token t, columns [256 blk, 256 blk + 256) (8 per lane).
@@ -386,43 +294,15 @@ __device__ __forceinline__ void stage_routing(unsigned n, const int32_t *ids, co
 }
 
 
-/* A batch's per-batch values, in shared memory (written by thread 0 after
- * plan_tasks, read after the task loop's barriers), so the persistent loop
- * does not hold them in registers across every task (the task code needs
- * them: at 128 registers one more live value spills). */
-struct batch_plan {
-    struct moe_gpu_layer L;
-    uint16_t *y;
-    unsigned ntg, ntd;             /* tiles per one-chunk task, per phase */
-    unsigned n_gu, n_dn, total;    /* tasks: gate_up, down, all (with combine) */
-    unsigned n_cu, n_cblk;         /* combine units, 256-column blocks per token */
-    unsigned gu_tiles, dn_tiles;   /* chunk x tile counts (the counters' targets) */
-};
-
-/* The work split of batch (layer, T, y) once routed (every thread). Row
- * tiles per one-chunk task: up to NTILE_MAX while the batch still has
- * NTILE_WAVES tasks per CTA (small T keeps 1: every SM busy). */
-__device__ __forceinline__ void plan_batch(const struct moe_gpu_params &p, const route &r,
-                                           const struct moe_gpu_layer &L, unsigned T, uint16_t *y,
-                                           unsigned RT_GU, unsigned RT_DN, const task_plan &tp,
-                                           batch_plan &bp)
+/* Chunk pairs (config.cuh, bench/NOTES.md v23): whether chunk c of an expert
+ * with nch chunks is paired, in a phase of tile_units K units per tile and
+ * ntt tiles per one-chunk task. The task numbering is unchanged (one task
+ * per chunk and tile group); a paired expert's task of chunk 2i covers
+ * chunks 2i and 2i + 1 and the task of chunk 2i + 1 is empty. Every output
+ * element keeps its sum: the same split-K of the same tile, the same MMA
+ * chain per n-tile column (a column's products do not depend on the other
+ * columns), so no token depends on its batch. */
+__device__ __forceinline__ bool pair_phase(unsigned tile_units, unsigned ntt)
 {
-    const unsigned NE = p.d.n_experts + p.d.n_shared, n_ch = r.chs[NE];
-    const unsigned gu_tiles = n_ch * RT_GU, dn_tiles = n_ch * RT_DN;
-    const unsigned ntg = ntile_for(gu_tiles, gridDim.x), ntd = ntile_for(dn_tiles, gridDim.x);
-    plan_tasks(r, NE, ntg, ntd, RT_GU, RT_DN, tp);
-    if (threadIdx.x == 0) {
-        const unsigned n_cblk = (p.d.hidden + 255) / 256, n_cu = T * n_cblk;
-        bp.L = L;
-        bp.y = y;
-        bp.ntg = ntg;
-        bp.ntd = ntd;
-        bp.n_gu = tp.tgu[NE];
-        bp.n_dn = tp.tdn[NE];
-        bp.total = bp.n_gu + bp.n_dn + (n_cu + NWARPS - 1) / NWARPS;
-        bp.n_cu = n_cu;
-        bp.n_cblk = n_cblk;
-        bp.gu_tiles = gu_tiles;
-        bp.dn_tiles = dn_tiles;
-    }
+    return tile_units >= MOE_GPU_GRP_MIN_UNITS && ntt % GRP_NTILE == 0;
 }
