@@ -35,24 +35,6 @@ constexpr int NTILE_MAX = 4;
 /* a batch uses NTILE_MAX tiles per task only while every CTA still gets this
  * many tasks (v9d, v15: 1 wave per CTA for multi-tile tasks was worse) */
 constexpr int NTILE_WAVES = 2;
-/* Chunk pairs (issue 12, bench/NOTES.md v23): in a phase whose row tiles
- * have at least GRP_MIN_UNITS K units (DeepSeek-V3 gate_up 112 and down 32,
- * Qwen3-30B-A3B gate_up 32; Qwen3 down has 12: its pair passes would be 6
- * units per warp, v22) and whose one-chunk tasks have an even number of
- * tiles, an expert with two or more chunks runs them in pairs: the task of
- * chunk 2i takes chunks 2i and 2i + 1 (16 pairs, two n-tiles: each weight
- * unit is dequantized once for both), two tiles per pass (the accumulators
- * of a one-chunk task's four tiles), and the task of chunk 2i + 1 is empty.
- * Rings of a pass: GRP_WS weight units and GRP_XS activation slots of 16
- * rows (task_mma_grp). */
-#ifndef MOE_GPU_GRP_MIN_UNITS
-#define MOE_GPU_GRP_MIN_UNITS 32
-#endif
-constexpr int GRP_CHUNKS = 2;
-constexpr int GRP_NTILE = 2;
-constexpr int GRP_WS = 4;
-constexpr int GRP_XS = 2;
-static_assert(GRP_CHUNKS * GRP_NTILE == NTILE_MAX, "a pass's accumulators: a one-chunk task's");
 /* task_mma_full keeps unit (v, j) of a task's NTILE_MAX tiles in weight slot
  * j: its weight ring has NTILE_MAX slots and its activation ring as many,
  * which fill exactly the warp's STAGES stages. */

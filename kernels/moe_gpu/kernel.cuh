@@ -49,7 +49,6 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
     const unsigned tid = threadIdx.x, warp = tid >> 5;
     const unsigned NE = p.d.n_experts + p.d.n_shared, KS = p.d.top_k + p.d.n_shared;
     const unsigned RT_GU = p.d.inter / 16 / MR * 2, RT_DN = p.d.hidden / 16 / MR;
-    const unsigned units_gu = p.d.hidden / MOE_GPU_UNIT_K, units_dn = p.d.inter / MOE_GPU_UNIT_K;
     struct moe_state *st = (struct moe_state *)p.state;
     struct moe_gpu_ctrl *ctrl = p.ctrl;
 
@@ -220,14 +219,9 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                 const unsigned tg = loc / nch, c = loc - tg * nch, rt0 = tg * NTT;
                 const unsigned ntiles = min(NTT, RT - rt0);
                 const unsigned p0 = r.off[e] + c * CHUNK_TOKENS;
-                /* chunk pairs (task.cuh): chunk 2i also takes chunk 2i + 1,
-                 * whose task is empty (RT is even: hidden and intermediate
-                 * are multiples of 64, so ntiles is even with NTT) */
-                const bool pairs = nch >= 2 && pair_phase(is_gu ? units_gu : units_dn, NTT);
-                const bool empty = pairs && (c & 1);
-                const unsigned cnt = min(pairs ? 2u * CHUNK_TOKENS : (unsigned)CHUNK_TOKENS,
+                const unsigned cnt = min((unsigned)CHUNK_TOKENS,
                                          r.cnt[e] - c * CHUNK_TOKENS);
-                if (tid == 0 && !empty) {
+                if (tid == 0) {
                     if (is_gu) {
                         if (!x_ready)
                             while (ld_acquire_gpu32(&st->x_done) < gridDim.x)
@@ -240,15 +234,12 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                     }
                 }
                 __syncthreads(); /* also: every thread has read s_task */
-                if (empty)
-                    goto claimed;
                 run_task(p, L, r, is_gu, is_gu ? NTG : NTD, e, p0, cnt, rt0, ntiles, sw, sw_cta);
-                /* warp w wrote tile rt0 + w (one chunk), or tiles rt0 + w + 2i of
-                 * both chunks (a pair: warps 0, 1 in every pass) */
-                if (warp < (cnt > CHUNK_TOKENS ? (unsigned)GRP_NTILE : ntiles)) {
+                /* warp w wrote tile rt0 + w */
+                if (warp < ntiles) {
                     __syncwarp();
                     if ((tid & 31) == 0) {
-                        const unsigned nd = cnt > CHUNK_TOKENS ? ntiles : 1u;
+                        const unsigned nd = 1u;
                         red_release_gpu(is_gu ? &st->gu_done[e] : &st->dn_done, nd);
 #if MOE_GPU_PHASES
                         if (atomicAdd(is_gu ? &st->gu_all : &st->dn_all, nd) + nd ==
@@ -271,7 +262,6 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                     wrote_y = true;
                 }
             }
-        claimed:
             if (tid == 0)
                 s_task = next;
         }

@@ -183,23 +183,19 @@ __device__ __forceinline__ void task_mma(const uint8_t *__restrict__ wtask, unsi
  * B fragments read once for all ntiles weight units: a second ring of
  * STAGES activation slots fills the rest of the warp's stage memory. Tile
  * j's MMA chain still sees its K units in the one-tile order, from zero:
- * the same sums (batch invariance). With NT = 2 (a group of two chunks, 16
- * pairs: task.cuh) the unit's dequantized A fragments serve both n-tiles.
- * XS activation slots (WS by default): K step v's B fragments are read from
- * its slot when unit (v, 0) is consumed, and the slot is refilled when unit
- * (v + XS, 0) is issued, at the consumption of unit (v + XS) ntiles - WS + 1
- * (before that iteration's own read): safe when XS ntiles >= WS. XS = WS
- * holds for any ntiles >= 1; a smaller XS needs ntiles = NTILE (checked by
- * the caller, task_splitk). */
-template <int NT, int NTILE, int WS, int XS = WS>
+ * the same sums (batch invariance). */
+template <int NT, int NTILE, int WS>
 __device__ __forceinline__ void task_mma_il(const uint8_t *__restrict__ wtask, unsigned w,
                                             unsigned nuw, unsigned ntiles, unsigned tile_units,
                                             const xsrc &xs, uint8_t *sw,
                                             float (&acc)[NTILE][MR][NT][4])
 {
     constexpr unsigned XB = NT * 8 * X_ROW_BYTES; /* one activation slot */
-    static_assert(WS * MOE_GPU_UNIT_BYTES + XS * XB <= WARP_SMEM, "rings fit the warp's region");
-    static_assert(WS >= 2 && XS >= 1 && XS * NTILE >= WS, "two stages at least; slots safe");
+    static_assert(WS * (MOE_GPU_UNIT_BYTES + XB) <= WARP_SMEM, "rings fit the warp's region");
+    /* WS activation slots: K step v's slot is refilled when unit (v + WS, 0)
+     * is issued, WS - 1 units ahead of its use, so after the last use of
+     * step v (WS - 1 < WS * ntiles - ntiles + 1 for any ntiles >= 1) */
+    static_assert(WS >= 2, "two stages at least");
     const unsigned nu = nuw * ntiles;
     const unsigned lane = threadIdx.x & 31;
     uint8_t *const xring = sw + WS * MOE_GPU_UNIT_BYTES;
@@ -221,7 +217,7 @@ __device__ __forceinline__ void task_mma_il(const uint8_t *__restrict__ wtask, u
             }
             if (ij == 0) {
                 uint8_t *xd = xring + ixs * XB;
-                ixs = ixs + 1 == XS ? 0 : ixs + 1;
+                ixs = ixs + 1 == WS ? 0 : ixs + 1;
 #pragma unroll
                 for (int j = 0; j < XR; j++)
                     if (xrow[j])
@@ -250,7 +246,7 @@ __device__ __forceinline__ void task_mma_il(const uint8_t *__restrict__ wtask, u
                 i++;
                 if (j == 0) {
                     load_b<NT>(xring + cx * XB, xs.cnt, xb);
-                    cx = cx + 1 == XS ? 0 : cx + 1;
+                    cx = cx + 1 == WS ? 0 : cx + 1;
                 }
                 unit_mma<NT>(sw + cs * MOE_GPU_UNIT_BYTES, xb, acc[j]);
                 cs = cs + 1 == WS ? 0 : cs + 1;
@@ -399,76 +395,3 @@ __device__ __forceinline__ void task_mma_full1(const uint8_t *__restrict__ wtask
     __syncwarp();
 }
 
-
-/* task_mma_il's steady state for a chunk group (task.cuh: two n-tiles,
- * GRP_NTILE = 2 tiles, GRP_WS = 4 weight slots, GRP_XS = 2 activation slots
- * of 16 rows): unit (v, j) lives in weight slot 2 (v & 1) + j and K step v's
- * rows in slot v & 1; the lookahead is three units, as task_mma_il's. No
- * issue bookkeeping per unit: the two tiles of a K step are unrolled, the
- * next units are fixed strides from one pointer, all 32 lanes copy. Same
- * order, same sums as task_mma_il<2, 2, 4, 2>. */
-__device__ __forceinline__ void task_mma_grp(const uint8_t *__restrict__ wtask, unsigned w,
-                                             unsigned nuw, unsigned tile_units, const xsrc &xs,
-                                             uint8_t *sw, float (&acc)[2][MR][2][4])
-{
-    constexpr unsigned XB = 2 * 8 * X_ROW_BYTES, USTEP = NWARPS * MOE_GPU_UNIT_BYTES;
-    static_assert(4 * MOE_GPU_UNIT_BYTES + 2 * XB <= WARP_SMEM, "rings fit");
-    static_assert(UL >= 16, "lanes >= UL repeat a lane below UL");
-    const unsigned lane = threadIdx.x & 31;
-    uint8_t *const xring = sw + 4 * MOE_GPU_UNIT_BYTES;
-    zero_acc<2, 2>(acc);
-    const unsigned lw = (lane < UL ? lane : lane - (32 - UL)) * 16;
-    const uint8_t *wsrc = wtask + (size_t)w * MOE_GPU_UNIT_BYTES + lw; /* unit (0, 0) */
-    const unsigned tstride = tile_units * MOE_GPU_UNIT_BYTES;
-    uint8_t *const wdst = sw + lw;
-    auto copy_w = [&](const uint8_t *src, unsigned slot) {
-#pragma unroll
-        for (unsigned k = 0; k < UC / UL; k++)
-            cp_async16(wdst + slot * MOE_GPU_UNIT_BYTES + k * UL * 16, src + k * UL * 16);
-    };
-    constexpr int XR = 2 * 8 * 8 / 32;
-    const uint16_t *xrow[XR];
-    x_rows(xs, (size_t)w * MOE_GPU_UNIT_K, xrow);
-    uint8_t *const xdst = xring + (lane >> 3) * X_ROW_BYTES + (lane & 7) * 16;
-    auto copy_x = [&](unsigned slot, unsigned off) {
-#pragma unroll
-        for (int i = 0; i < XR; i++)
-            if (xrow[i])
-                cp_async16(xdst + slot * XB + 4 * i * X_ROW_BYTES, xrow[i] + off);
-    };
-    /* prologue: units (0, 0) with K step 0's rows, (0, 1), (1, 0) with step 1's */
-    copy_x(0, 0);
-    copy_w(wsrc, 0);
-    cp_async_commit();
-    copy_w(wsrc + tstride, 1);
-    cp_async_commit();
-    if (nuw > 1) {
-        copy_x(1, NWARPS * MOE_GPU_UNIT_K);
-        copy_w(wsrc + USTEP, 2);
-    }
-    cp_async_commit();
-    unsigned xoff = 0; /* elements: K step v of this lane's rows */
-    for (unsigned v = 0; v < nuw; v++) {
-        const unsigned par = v & 1;
-        uint4 xb[2][2];
-        cp_async_wait<2>();
-        __syncwarp();
-        if (v + 1 < nuw) /* unit (v + 1, 1) into slot 2 (1 - par) + 1 */
-            copy_w(wsrc + USTEP + tstride, 3 - 2 * par);
-        cp_async_commit();
-        load_b<2>(xring + par * XB, xs.cnt, xb);
-        unit_mma<2>(sw + 2 * par * MOE_GPU_UNIT_BYTES, xb, acc[0]);
-        cp_async_wait<2>();
-        __syncwarp();
-        if (v + 2 < nuw) { /* unit (v + 2, 0) and K step v + 2's rows, into par's slots */
-            copy_x(par, xoff + 2 * NWARPS * MOE_GPU_UNIT_K);
-            copy_w(wsrc + 2 * USTEP, 2 * par);
-        }
-        cp_async_commit();
-        unit_mma<2>(sw + (2 * par + 1) * MOE_GPU_UNIT_BYTES, xb, acc[1]);
-        wsrc += USTEP;
-        xoff += NWARPS * MOE_GPU_UNIT_K;
-    }
-    cp_async_wait<0>();
-    __syncwarp();
-}

@@ -19,14 +19,10 @@ __device__ __forceinline__ void task_splitk(const uint8_t *wtask, unsigned tile_
                   "partials of a task must fit a warp's stage buffer");
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const unsigned nuw = tile_units > warp ? (tile_units - warp + NWARPS - 1) / NWARPS : 0;
-    static_assert((NT == 1 && (NTILE == 1 || NTILE == NTILE_MAX)) ||
-                      (NT == GRP_CHUNKS && NTILE == GRP_NTILE),
-                  "one chunk: one tile or NTILE_MAX; a chunk pair: GRP_NTILE tiles");
+    static_assert(NT == 1, "one n-tile per task (CHUNK_TOKENS 8)");
+    static_assert(NTILE == 1 || NTILE == NTILE_MAX, "one tile, or a full task's NTILE_MAX");
     float acc[NTILE][MR][NT][4];
-    if constexpr (NT > 1) { /* a chunk pair's pass: always GRP_NTILE tiles */
-        static_assert(NT == 2 && NTILE == 2 && GRP_WS == 4 && GRP_XS == 2, "task_mma_grp's rings");
-        task_mma_grp(wtask, warp, nuw, tile_units, xs, sw, acc);
-    } else if constexpr (NTILE > 1) { /* tiles interleaved per K unit (v17) */
+    if constexpr (NTILE > 1) { /* tiles interleaved per K unit (v17) */
         if (ntiles == NTILE) /* constant ring offsets (v19) */
             task_mma_full<NTILE>(wtask, warp, nuw, tile_units, xs, sw, acc);
         else
@@ -174,9 +170,8 @@ __device__ __forceinline__ void mm_task(const struct moe_gpu_params &p,
         dn_epilogue<NT>(p, L, e, p0, cnt, rt0 + warp, acc);
 }
 
-/* One gate_up or down task (whole CTA): a chunk pair (cnt > CHUNK_TOKENS:
- * two n-tiles, GRP_NTILE tiles per pass), or one chunk: tile by tile when nt
- * = 1, else up to NTILE_MAX tiles interleaved. Inlined: as a function of its
+/* One gate_up or down task (whole CTA), one n-tile: tile by tile when nt =
+ * 1, else up to NTILE_MAX tiles interleaved. Inlined: as a function of its
  * own (own registers, the persistent loop saving its live registers around
  * the call) it was 1-7% slower (H200 2026-11-30, bench/NOTES.md v20). */
 __device__ __forceinline__ void run_task(const struct moe_gpu_params &p,
@@ -185,14 +180,7 @@ __device__ __forceinline__ void run_task(const struct moe_gpu_params &p,
                                          unsigned cnt, unsigned rt0, unsigned ntiles, uint8_t *sw,
                                          uint8_t *sw_cta)
 {
-    if (cnt > CHUNK_TOKENS) { /* a chunk pair (pair_task): passes of GRP_NTILE tiles */
-        for (unsigned j = 0; j < ntiles; j += GRP_NTILE) {
-            if (j)
-                __syncthreads(); /* the last pass's partials read: stage buffers free */
-            mm_task<GRP_CHUNKS, GRP_NTILE>(p, L, r, is_gu, e, p0, cnt, rt0 + j, GRP_NTILE, sw,
-                                           sw_cta);
-        }
-    } else if (nt > 1)
+    if (nt > 1)
         mm_task<1, NTILE_MAX>(p, L, r, is_gu, e, p0, cnt, rt0, ntiles, sw, sw_cta);
     else
         mm_task<1, 1>(p, L, r, is_gu, e, p0, cnt, rt0, ntiles, sw, sw_cta);
@@ -293,16 +281,3 @@ __device__ __forceinline__ void stage_routing(unsigned n, const int32_t *ids, co
     }
 }
 
-
-/* Chunk pairs (config.cuh, bench/NOTES.md v23): whether chunk c of an expert
- * with nch chunks is paired, in a phase of tile_units K units per tile and
- * ntt tiles per one-chunk task. The task numbering is unchanged (one task
- * per chunk and tile group); a paired expert's task of chunk 2i covers
- * chunks 2i and 2i + 1 and the task of chunk 2i + 1 is empty. Every output
- * element keeps its sum: the same split-K of the same tile, the same MMA
- * chain per n-tile column (a column's products do not depend on the other
- * columns), so no token depends on its batch. */
-__device__ __forceinline__ bool pair_phase(unsigned tile_units, unsigned ntt)
-{
-    return tile_units >= MOE_GPU_GRP_MIN_UNITS && ntt % GRP_NTILE == 0;
-}
