@@ -1,7 +1,7 @@
 /* bench_moe.c - latency and effective bandwidth of the CUDA backend.
  *
  *   bench_moe [--preset deepseek-v3|qwen3-30b-a3b|...] [--layers N] [--iters N]
- *             [--tokens 1,4,16,64,256]
+ *             [--tokens 1,4,16,64,256] (at most BENCH_MAX_POINTS values)
  *
  * Shapes (--preset) come from the GPU op-test table, tests/gpu/moe_cases.h
  * (with their default layer counts); any served shape there can be timed.
@@ -27,8 +27,12 @@
  * Dispatch latency: host CLOCK_REALTIME stamps of the head store and of the
  * completion thread's first sight of done_seq, against the kernel's
  * %globaltimer phases, with the clock offset from a mapped-memory ping-pong.
- * BENCH_CSV=path appends one row per (model, T).
+ * BENCH_CSV=path appends one row per (model, T). BENCH_PROFILE_RANGE=1 makes
+ * each T's timed batches one profiler range (cudaProfilerStart/Stop, the
+ * kernel idle at both ends) and prints their distinct experts' bytes, for
+ * the DRAM-bytes-per-batch report (scripts/device-profile.sh dram).
  */
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdio.h>
@@ -46,6 +50,10 @@
 #include "moed_err.h"
 #include "moed_log.h"
 #include "nvfp4.h"
+
+/* batch sizes one run may time (--tokens: the make bench table, or the
+ * 1..512 sweep of scripts/run-bench.sh) */
+#define BENCH_MAX_POINTS 32
 
 static volatile int g_done;
 
@@ -140,7 +148,7 @@ int main(int argc, char **argv)
     const char *preset = "deepseek-v3";
     uint32_t layers = 0, iters = 0, bf16_layers = 0;
     int baselines = 1;
-    uint32_t toks[16] = {0};
+    uint32_t toks[BENCH_MAX_POINTS] = {0};
     int n_toks = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--preset") && i + 1 < argc)
@@ -154,7 +162,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--no-baselines"))
             baselines = 0;
         else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) {
-            for (char *t = strtok(argv[++i], ","); t && n_toks < 16; t = strtok(NULL, ","))
+            for (char *t = strtok(argv[++i], ","); t && n_toks < BENCH_MAX_POINTS; t = strtok(NULL, ","))
                 toks[n_toks++] = (uint32_t)atoi(t);
         } else {
             fprintf(stderr, "usage: %s [--preset SHAPE (tests/gpu/moe_cases.h)] [--layers N] "
@@ -185,6 +193,11 @@ int main(int argc, char **argv)
             fprintf(stderr, "--tokens: %u not in [1, %u]\n", toks[i], d.max_tokens);
             return 2;
         }
+    /* BENCH_PROFILE_RANGE=1: each T's timed batches are one profiler range
+     * (cudaProfilerStart/Stop, with the kernel idle at both ends), for
+     * Nsight Compute's range replay: scripts/device-profile.sh dram */
+    const char *pr = getenv("BENCH_PROFILE_RANGE");
+    const int prof_range = pr && *pr == '1';
     moed_log_set_level(MOED_LOG_WARN);
     char err[MOED_ERRLEN] = "";
 
@@ -289,7 +302,7 @@ int main(int argc, char **argv)
     struct row {
         uint32_t T;
         double dist, mb, p50, p50d, a50, b50, arel, brel, disp, comp, kern, tbs;
-    } rows[16];
+    } rows[BENCH_MAX_POINTS];
     uint64_t s = 7;
     for (int ti = 0; ti < n_toks; ti++) {
         uint32_t T = toks[ti];
@@ -338,6 +351,10 @@ int main(int argc, char **argv)
             return 1;
         }
         for (uint32_t it = 0; it < n_it + 10; it++) {
+            if (it == 10 && prof_range && (wait_idle(be) || cudaProfilerStart() != cudaSuccess)) {
+                fprintf(stderr, "BENCH_PROFILE_RANGE: could not start the range\n");
+                return 1;
+            }
             uint32_t distinct = gen_routing(&d, T, &s, ids, w, seen);
             double t0 = now_us();
             if (moed_one(be, it % layers, T, d.top_k, d.hidden, x, ids, w, y, xy_kind)) {
@@ -368,6 +385,16 @@ int main(int argc, char **argv)
                 phs[8][it - 10] = (double)(ph[5] - ph[0]) * 1e-3;
                 distinct_sum += distinct;
             }
+        }
+        if (prof_range) {
+            /* the range ends with the kernel gone (idle exit): every batch of
+             * it, and nothing else, is counted */
+            if (wait_idle(be) || cudaProfilerStop() != cudaSuccess) {
+                fprintf(stderr, "BENCH_PROFILE_RANGE: could not end the range\n");
+                return 1;
+            }
+            printf("# profile-range T=%u batches=%u distinct_bytes=%.0f\n", T, n_it,
+                   distinct_sum * (double)per_expert);
         }
         /* the kernel exits when idle; then the second calibration */
         off_b = off_a;

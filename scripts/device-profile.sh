@@ -13,10 +13,62 @@
 # PROF_ARGS: tile_probe arguments for the profile (default "gu 1 1 1").
 # PROF_SRC: a tree with kernels/, common/ and bench/probe/ to build from instead
 # (e.g. an older commit's, for an A/B of the task code); NCU=none: no profile.
+#
+#   scripts/device-profile.sh dram [PRESET:T,T,... ...]
+# DRAM bytes per batch (issue 12: no batch reads an expert's weights from HBM
+# more than once): bench_moe (BENCH_BIN, default build-cuda/bench/bench_moe,
+# carried with .device) under Nsight Compute's application range replay, each
+# T's timed batches one range (BENCH_PROFILE_RANGE=1: cudaProfilerStart/Stop
+# with the kernel idle at both ends); dram__bytes_read.sum of the range over
+# the distinct experts' bytes of its batches, per T: NAME-dram.txt.
+# DRAM_ITERS batches per T (default 20).
 set -u
 cd "$(dirname "$0")/.."
 LOG=${OUT:-build-var/profile}
 LOG=$(mkdir -p "$LOG" && cd "$LOG" && pwd)
+if [ "${1:-}" = dram ]; then
+    shift
+    NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
+    B=${BENCH_BIN:-build-cuda/bench/bench_moe}
+    export LD_LIBRARY_PATH="$PWD/.device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    [ $# = 0 ] && set -- deepseek-v3:1,4,8,16,32,64,128,256 qwen3-30b-a3b:1,4,8,16,32,64,128,256
+    rc=0
+    for spec in "$@"; do
+        m=${spec%%:*}
+        toks=${spec#*:}
+        BENCH_PROFILE_RANGE=1 timeout "${DRAM_TIMEOUT:-240}" "$NCU" --replay-mode app-range \
+            --metrics dram__bytes_read.sum,dram__bytes_write.sum --print-units base --csv \
+            --log-file "$LOG/$m-ncu.csv" "$B" --preset "$m" --tokens "$toks" --no-baselines \
+            --iters "${DRAM_ITERS:-20}" > "$LOG/$m-bench.txt" 2>&1 || rc=1
+        python3 - "$LOG/$m-ncu.csv" "$LOG/$m-bench.txt" "$m" <<'PY' | tee "$LOG/$m-dram.txt"
+import csv, re, sys
+rows = [r for r in csv.reader(open(sys.argv[1], errors="replace")) if len(r) > 3]
+hdr = next((r for r in rows if "Metric Name" in r), None)
+vals = {"dram__bytes_read.sum": [], "dram__bytes_write.sum": []}
+if hdr:
+    iname, ival = hdr.index("Metric Name"), hdr.index("Metric Value")
+    for r in rows:
+        if r is not hdr and r[iname] in vals:
+            vals[r[iname]].append(float(r[ival].replace(",", "")))
+rng = [tuple(map(float, m.groups())) for m in
+       re.finditer(r"profile-range T=(\d+) batches=(\d+) distinct_bytes=(\d+)",
+                   open(sys.argv[2]).read())]
+print("# %s: DRAM bytes per batch (ncu dram__bytes_read.sum per range / batches) over the "
+      "distinct experts' bytes" % sys.argv[3])
+print("%-14s %5s %8s %14s %14s %8s %14s" % ("model", "T", "batches", "distinct_MB", "dram_read_MB",
+                                            "ratio", "dram_write_MB"))
+rd, wr = vals["dram__bytes_read.sum"], vals["dram__bytes_write.sum"]
+for i, (T, n, db) in enumerate(rng):
+    if i >= len(rd):
+        print("%-14s %5d  (no ncu range)" % (sys.argv[3], T))
+        continue
+    w = wr[i] / n / 1e6 if i < len(wr) else float("nan")
+    print("%-14s %5d %8d %14.1f %14.1f %8.3f %14.1f" % (sys.argv[3], T, n, db / n / 1e6,
+                                                       rd[i] / n / 1e6, rd[i] / db, w))
+PY
+    done
+    exit $rc
+fi
 mkdir -p build-var
 BIN=$PWD/build-var
 [ -n "${PROF_SRC:-}" ] && cd "$PROF_SRC"

@@ -37,6 +37,11 @@ def main(argv):
         T = [int(r["T"]) for r in rs]
         mb = [float(r["MB"]) for r in rs]
         lat_ax, bw_ax = axes[0][c], axes[1][c]
+        # the roofline: distinct experts' bytes at the streaming read of the
+        # same run (kernel_us * frac_kernel = MB / streaming read)
+        floor = [float(r.get("kernel_us") or -1) * float(r.get("frac_kernel") or -1) for r in rs]
+        if all(f > 0 for f in floor):
+            lat_ax.plot(T, floor, "k--", lw=1, label="roofline: distinct bytes / streaming read")
         for key, label, style in series:
             v = [float(r.get(key) or -1) for r in rs]
             if all(x <= 0 for x in v):

@@ -3,6 +3,8 @@
 #   BUILD=build-cuda   build dir with bench/bench_moe (CUDA=1)
 #   LOGDIR=dir         bench.csv, e2e log and bench.png go there (default $BUILD/bench-logs)
 #   BENCH_E2E=0        skip the daemon end-to-end step
+#   BENCH_SWEEP=0      skip the latency sweep over T = 1..512 (sweep.csv, sweep.png)
+#   BENCH_DS_TOKENS, BENCH_QWEN_TOKENS, BENCH_SWEEP_TOKENS, BENCH_SWEEP_ITERS: the T lists
 set -u
 BUILD=${BUILD:-build}
 LOGDIR=${LOGDIR:-$BUILD/bench-logs}
@@ -23,8 +25,25 @@ echo "# $(date -u +%Y-%m-%dT%H:%MZ) commit $commit"
 export BENCH_CSV="$LOGDIR/bench.csv"
 rm -f "$BENCH_CSV"
 rc=0
-timeout "${BENCH_TIMEOUT:-600}" "$B" --preset deepseek-v3 --layers 4 --tokens 1,4,16,64,256 || rc=1
-timeout "${BENCH_TIMEOUT:-300}" "$B" --preset qwen3-30b-a3b --layers 24 --tokens 1,4,64,256 || rc=1
+timeout "${BENCH_TIMEOUT:-600}" "$B" --preset deepseek-v3 --layers 4 \
+    --tokens "${BENCH_DS_TOKENS:-1,4,8,16,32,64,128,256}" || rc=1
+timeout "${BENCH_TIMEOUT:-300}" "$B" --preset qwen3-30b-a3b --layers 24 \
+    --tokens "${BENCH_QWEN_TOKENS:-1,4,8,16,32,64,128,256}" || rc=1
+
+# Latency against T from 1 to 512 (kernel and end to end, no baselines), so
+# that no batch size falls in a hole between the table's points:
+# $LOGDIR/sweep.csv and sweep.png
+if [ "${BENCH_SWEEP:-1}" = 1 ]; then
+    SW=${BENCH_SWEEP_TOKENS:-1,2,3,4,6,8,12,16,24,32,48,64,96,128,192,256,384,512}
+    rm -f "$LOGDIR/sweep.csv"
+    for m in "deepseek-v3 --layers 4" "qwen3-30b-a3b --layers 24"; do
+        # shellcheck disable=SC2086
+        BENCH_CSV="$LOGDIR/sweep.csv" timeout "${BENCH_TIMEOUT:-300}" "$B" --preset $m \
+            --tokens "$SW" --no-baselines --iters "${BENCH_SWEEP_ITERS:-50}" |
+            sed 's/^/# sweep: /'
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+    done
+fi
 
 # End to end through the socket (inline payloads), qwen3-30b-a3b shape, T=64:
 # a synthetic 1-layer checkpoint served by moed with backend cuda; moectl
@@ -60,7 +79,9 @@ JSON
     rm -rf "$tmp"
 fi
 
-if [ -s "$BENCH_CSV" ] && python3 -c 'import matplotlib' 2>/dev/null; then
-    python3 scripts/plot_bench.py "$BENCH_CSV" "$LOGDIR/bench.png" || true
+if python3 -c 'import matplotlib' 2>/dev/null; then
+    [ -s "$BENCH_CSV" ] && { python3 scripts/plot_bench.py "$BENCH_CSV" "$LOGDIR/bench.png" || true; }
+    [ -s "$LOGDIR/sweep.csv" ] &&
+        { python3 scripts/plot_bench.py "$LOGDIR/sweep.csv" "$LOGDIR/sweep.png" || true; }
 fi
 exit $rc
