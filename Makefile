@@ -168,7 +168,7 @@ $(BUILD)/tools/%: tests/tools/%.c $(BUILD)/libmoed.a
 
 $(BUILD)/tests/gpu_%: tests/gpu/%.c $(BUILD)/libmoed.a
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itests -o $@ $< $(BUILD)/libmoed.a $(LDFLAGS) $(LIBS)
+	$(CC) $(CFLAGS) -Itests -MMD -MP -o $@ $< $(BUILD)/libmoed.a $(LDFLAGS) $(LIBS)
 
 $(BUILD)/bench/%: bench/%.c $(BUILD)/libmoed.a $(BENCH_CU_OBJ)
 	@mkdir -p $(dir $@)

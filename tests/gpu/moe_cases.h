@@ -38,17 +38,21 @@ struct moe_shape {
     int quick;             /* also under --quick (compute-sanitizer) */
     uint32_t bench_layers; /* bench_moe defaults (0: not a bench preset) */
     uint32_t bench_bf16_layers;
+    uint32_t max_tokens;   /* the backend's max_tokens in the GPU test (0: 512) */
+    const char *preset;    /* MOE_PRESET dimensions of this preset (NULL: name) */
 };
 
 static struct moe_shape moe_shapes[] = {
-    {"tiny", MOE_PRESET, 2, 512, 1, 0, 0},
-    {"qwen3-30b-a3b", MOE_PRESET, 1, 48, 0, 24, 8 /* 1.2 GB each */},
-    {"deepseek-v3", MOE_PRESET, 2, 6, 0, 4, 2 /* 22.6 GB each */},
-    {"e6-h320-i192", 320, 192, 6, 2, 1, 2, 512, 1, 0, 0},
-    {"e60-h320-i192", 320, 192, 60, 4, 2, 1, 512, 0, 0, 0},
-    {"e60-h1024-i320", 1024, 320, 60, 6, 0, 1, 512, 0, 0, 0},
-    {"h200-refused", 200, 128, 8, 2, 0, 1, 512, 1, 0, 0},
-    {"i96-refused", 256, 96, 8, 2, 0, 1, 512, 1, 0, 0},
+    {"tiny", MOE_PRESET, 2, 512, 1, 0, 0, 0, NULL},
+    {"qwen3-30b-a3b", MOE_PRESET, 1, 48, 0, 24, 8, 0, NULL /* 1.2 GB each */},
+    {"deepseek-v3", MOE_PRESET, 2, 6, 0, 4, 2, 0, NULL /* 22.6 GB each */},
+    {"e6-h320-i192", 320, 192, 6, 2, 1, 2, 512, 1, 0, 0, 0, NULL},
+    {"e60-h320-i192", 320, 192, 60, 4, 2, 1, 512, 0, 0, 0, 0, NULL},
+    {"e60-h1024-i320", 1024, 320, 60, 6, 0, 1, 512, 0, 0, 0, 0, NULL},
+    {"h200-refused", 200, 128, 8, 2, 0, 1, 512, 1, 0, 0, 0, NULL},
+    {"i96-refused", 256, 96, 8, 2, 0, 1, 512, 1, 0, 0, 0, NULL},
+    /* the CUDA backend's largest batches (its max_tokens limit) and past them */
+    {"tiny-t4k", MOE_PRESET, 1, 256, 0, 0, 0, 4096, "tiny"},
 };
 #define MOE_N_SHAPES (sizeof moe_shapes / sizeof moe_shapes[0])
 
@@ -62,7 +66,7 @@ static inline int moe_shapes_resolve(void)
             continue;
         struct moed_dims d;
         char err[256];
-        if (moed_gen_preset(s->name, &d, err, sizeof err)) {
+        if (moed_gen_preset(s->preset ? s->preset : s->name, &d, err, sizeof err)) {
             fprintf(stderr, "moe_cases: shape %s: %s\n", s->name, err);
             return -1;
         }
@@ -164,6 +168,9 @@ static const struct moe_case moe_cases[] = {
     MOE_CASES3("deepseek-v3", 7), MOE_CASES3("deepseek-v3", 13),
     MOE_CASES3("deepseek-v3", 64), MOE_CASES3("deepseek-v3", 257),
     MOE_CASES3("deepseek-v3", 512),
+
+    MOE_CASES3("tiny-t4k", 1000), MOE_CASES3("tiny-t4k", 4096),
+    {"tiny-t4k", 4097, R_UNIFORM, 4097000, MOE_TOL, B_HOST, MOED_E_INVAL},
 };
 #define MOE_N_CASES (sizeof moe_cases / sizeof moe_cases[0])
 
