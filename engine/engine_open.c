@@ -59,6 +59,7 @@ static int open_pool(struct moed_engine *e, const struct moed_cfg *cfg, char *er
         pc.pinned = (struct moed_host_allocator){pool_host_alloc, pool_host_free, e->be};
     if (moed_bufpool_open(&pc, &e->pool) < 0)
         return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
+    e->io_env = (struct moed_reqio_env){e->pool, e->dims->hidden, e->dims->top_k};
     if (pc.pinned.alloc && pc.pinned_limit)
         LOG_I("buffers: up to %llu MiB of backend %s host memory, used in place "
               "(server.pinned_pool_bytes)", (unsigned long long)(pc.pinned_limit >> 20), ops->name);
