@@ -78,6 +78,12 @@ const struct cfg_key cfg_keys[] = {
             "(freeing pinned memory waits for the resident kernel to exit); beyond it, buffers "
             "are ordinary memory and go through the backend's staging copies. 0: never. No "
             "effect on a backend without such an allocator (CPU)."},
+    {.path = "server.max_registered_buffers", .type = T_UINT, .min = 0, .max = 4096,
+     .def = "64", FIELD(max_registered_buffers),
+     .doc = "Client GPU buffers (CUDA IPC, protocol version 2 REGISTER_BUF) one connection may "
+            "have registered at once; one more is refused with a busy error. Each is mapped "
+            "into the daemon once and stays mapped until it is unregistered, or its client "
+            "disconnects, and the last request using it has completed. 0: registration off."},
     {.path = "server.idle_timeout_ms", .type = T_UINT, .min = 0, .max = 86400000, .def = "0",
      FIELD(idle_timeout_ms),
      .doc = "A client with nothing in progress (no partial frame, no request unanswered) for "

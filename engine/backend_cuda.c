@@ -570,6 +570,9 @@ static const struct moed_backend_ops cuda_ops = {
     .close = cuda_close,
     .host_alloc = cuda_host_alloc,
     .host_free = cuda_host_free,
+    .device_uuid = cuda_device_uuid,
+    .ipc_open = cuda_ipc_open,
+    .ipc_close = cuda_ipc_close,
 };
 
 /* ---------------- open ---------------- */
@@ -631,6 +634,11 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     MOED_CUDA_TRY(cudaGetDeviceProperties(&prop, cb->dev));
     snprintf(cb->dev_name, sizeof cb->dev_name, "%s", prop.name);
     cb->n_sms = prop.multiProcessorCount;
+    memcpy(cb->uuid, prop.uuid.bytes, sizeof cb->uuid);
+    if (cudaDeviceGetAttribute(&cb->mps, cudaDevAttrMpsEnabled, cb->dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        cb->mps = 0;
+    }
 
     /* the kernel module and this build must agree on the host-device layout
      * (kernels/moe_gpu_abi.h) before anything is placed or launched */

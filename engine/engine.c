@@ -372,18 +372,39 @@ static void dispatch(struct moed_engine *e)
 
 /* ---- server callbacks ---------------------------------------------------------- */
 
+/* 0 if the engine takes new work, else why not. */
+static int taking(const struct moed_engine *e, char *err, size_t errlen)
+{
+    if (e->draining)
+        return moed_seterr(err, errlen, MOED_E_SHUTDOWN, "moed is shutting down; request not taken");
+    if (e->failed)
+        return moed_seterr(err, errlen, MOED_E_BACKEND, "backend failed; moed is not serving");
+    return 0;
+}
+
+static void req_queue(struct moed_engine *e, struct eng_req *r)
+{
+    if (e->wait_tail)
+        e->wait_tail->next = r;
+    else
+        e->wait_head = r;
+    e->wait_tail = r;
+    e->n_waiting++;
+    e->stats.in_flight++;
+    dispatch(e);
+}
+
 static int eng_forward(void *ctx, struct moed_conn *c, uint64_t request_id, const uint8_t *payload,
                        uint64_t len, const struct moed_req_times *t, struct moed_hbuf *rx,
                        char *err, size_t errlen)
 {
     struct moed_engine *e = ctx;
-    if (e->draining)
-        return moed_seterr(err, errlen, MOED_E_SHUTDOWN, "moed is shutting down; request not taken");
-    if (e->failed)
-        return moed_seterr(err, errlen, MOED_E_BACKEND, "backend failed; moed is not serving");
+    int rc = taking(e, err, errlen);
+    if (rc < 0)
+        return rc;
     const struct moed_dims *d = e->dims;
     struct moed_server_fwd fr;
-    int rc = moed_server_forward_parse(payload, len, d->hidden, d->n_experts, d->top_k,
+    rc = moed_server_forward_parse(payload, len, d->hidden, d->n_experts, d->top_k,
                                        e->max_tokens, is_moe_layer_cb, e->model, &fr, err, errlen);
     if (rc < 0)
         return rc;
@@ -408,15 +429,57 @@ static int eng_forward(void *ctx, struct moed_conn *c, uint64_t request_id, cons
     for (uint32_t s = 0; s < d->n_shared; s++)
         e->stats.expert_hits[(size_t)fr.layer * e->stats.n_expert_hits + d->n_experts + s] +=
             fr.n_tokens;
-    if (e->wait_tail)
-        e->wait_tail->next = r;
-    else
-        e->wait_head = r;
-    e->wait_tail = r;
-    e->n_waiting++;
-    e->stats.in_flight++;
-    dispatch(e);
+    req_queue(e, r);
     return 0;
+}
+
+/* FORWARD_DESC: every range checked against the client's registrations
+ * before the request is queued (desc.h). */
+static int eng_forward_desc(void *ctx, struct moed_conn *c, uint64_t request_id,
+                            const uint8_t *payload, uint64_t len, const struct moed_req_times *t,
+                            char *err, size_t errlen)
+{
+    struct moed_engine *e = ctx;
+    int rc = taking(e, err, errlen);
+    if (rc < 0)
+        return rc;
+    struct moed_forward_desc_req rq;
+    rc = moed_forward_desc_decode(payload, len, e->dims->top_k, e->max_tokens, is_moe_layer_cb,
+                                  e->model, &rq, err, errlen);
+    if (rc < 0)
+        return rc;
+    struct eng_req *r = calloc(1, sizeof *r);
+    if (!r)
+        return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory for a request");
+    rc = moed_desc_request(e->desc, c, request_id, &rq, &r->io, err, errlen);
+    if (rc < 0) {
+        free(r);
+        return rc;
+    }
+    r->t = *t;
+    req_queue(e, r);
+    return 0;
+}
+
+static int eng_register_buf(void *ctx, struct moed_conn *c, const struct moed_register_req *rq,
+                            uint32_t *buf_id, char *err, size_t errlen)
+{
+    struct moed_engine *e = ctx;
+    int rc = taking(e, err, errlen);
+    return rc < 0 ? rc : moed_desc_register(e->desc, c, rq, buf_id, err, errlen);
+}
+
+static int eng_unregister_buf(void *ctx, struct moed_conn *c, uint32_t buf_id, char *err,
+                              size_t errlen)
+{
+    struct moed_engine *e = ctx;
+    return moed_desc_unregister(e->desc, c, buf_id, err, errlen);
+}
+
+static void eng_conn_closed(void *ctx, struct moed_conn *c)
+{
+    struct moed_engine *e = ctx;
+    moed_desc_conn_closed(e->desc, c);
 }
 
 static void eng_hello(void *ctx, struct moed_hello_rep *rep)
@@ -453,6 +516,10 @@ static const struct moed_server_ops engine_ops = {
     .hello = eng_hello,
     .status_json = eng_status_json,
     .reply_written = eng_reply_written,
+    .register_buf = eng_register_buf,
+    .unregister_buf = eng_unregister_buf,
+    .forward_desc = eng_forward_desc,
+    .conn_closed = eng_conn_closed,
 };
 
 void moed_engine_set_server(struct moed_engine *e, const struct moed_server *srv) { e->srv = srv; }

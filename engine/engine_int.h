@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "bufpool.h"
+#include "desc.h"
 #include "reqio.h"
 #include "moed_check_uv.h"
 #include "moe_ref.h"
@@ -43,6 +44,7 @@ struct moed_engine {
     struct moed_backend *be;
     struct moed_bufpool *pool; /* read buffers, reply frames, batch memory */
     struct moed_reqio_env io_env; /* what every request's I/O shares */
+    struct moed_desc *desc;       /* registered client buffers (protocol version 2) */
     const char *backend_name;
     uv_async_t async;
     uint32_t max_tokens;

@@ -5,6 +5,7 @@
 #   BUILD=build-cuda  build dir with moed, moectl and tests/gpu_* (CUDA=1)
 #   LOGDIR=dir        where the logs go (default $BUILD/gpu-logs)
 #   GPU_TESTS_QUICK=1 skip the deepseek-v3 shape (needs ~16 GB host memory)
+#   GPU_TESTS_ONLY=zero-copy  run step 5 alone
 set -u
 BUILD=${BUILD:-build}
 LOGDIR=${LOGDIR:-$BUILD/gpu-logs}
@@ -21,6 +22,7 @@ step() { # name status detail
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv \
     > "$LOGDIR/nvidia-smi.txt" 2>&1 || true
 
+if [ "${GPU_TESTS_ONLY:-}" != zero-copy ]; then
 # 1. correctness, determinism, stream, idle exit, cycles, deadline
 T=$BUILD/tests/gpu_test_moe_gpu
 args=()
@@ -97,6 +99,30 @@ if grep -q MOED_TEST_BACKEND tests/py/daemon_util.py 2>/dev/null; then
         "$(tail -1 "$LOGDIR/pytest-cuda.log")"
 else
     step "pytest tests/py (MOED_TEST_BACKEND=cuda)" SKIP "tests/py/daemon_util.py has no MOED_TEST_BACKEND"
+fi
+
+fi # GPU_TESTS_ONLY
+
+# 5. zero-copy: registered buffers + FORWARD by descriptor, a torch client on
+#    the daemon's GPU under MPS (started here, stopped at the end)
+if python3 -c 'import torch, numpy, pytest; assert torch.cuda.is_available()' 2>/dev/null &&
+        command -v nvidia-cuda-mps-control >/dev/null; then
+    mps=$(mktemp -d)
+    export CUDA_MPS_PIPE_DIRECTORY="$mps/pipe" CUDA_MPS_LOG_DIRECTORY="$mps/log"
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d
+    PYTHONPATH="$PWD/ipc/python${PYTHONPATH:+:$PYTHONPATH}" MOED_BUILD="$BUILD" MOED_TEST_MPS=1 \
+        timeout 900 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_zero_copy.py \
+        > "$LOGDIR/pytest-zero-copy.log" 2>&1
+    rc=$?
+    echo quit | nvidia-cuda-mps-control
+    cp -r "$CUDA_MPS_LOG_DIRECTORY" "$LOGDIR/mps-log" 2>/dev/null || true
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    rm -rf "$mps"
+    step "zero-copy under MPS (torch)" "$([ $rc = 0 ] && echo PASS || echo FAIL)" \
+        "$(tail -1 "$LOGDIR/pytest-zero-copy.log")"
+else
+    step "zero-copy under MPS (torch)" SKIP "torch with CUDA, numpy, pytest or MPS missing"
 fi
 
 echo

@@ -34,7 +34,8 @@ def test_frame_constants_match_moed_proto_h():
     proto = read("ipc/moed_proto.h")
     d = c_defines(proto, "MOED_PROTO_")
     assert d["MAGIC"] == mc.PROTO_MAGIC == du.MAGIC
-    assert d["VERSION"] == mc.PROTO_VERSION == du.VERSION
+    assert d["VERSION"] == mc.PROTO_VERSION == 2
+    assert d["MIN_VERSION"] == mc.PROTO_MIN_VERSION == du.VERSION == 1
     assert d["HDR_SIZE"] == mc.HDR_SIZE == du.HDR.size
     assert d["REPLY"] == mc.REPLY == du.REPLY
     assert d["MAX_ERRMSG"] == mc.MAX_ERRMSG
