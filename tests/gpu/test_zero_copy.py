@@ -163,3 +163,29 @@ def test_killed_clients_leave_no_mapping(daemon):
         assert free >= free0 - (64 << 20)
     with mc.Client(daemon.sock_path, timeout=du.wait_s(60)) as c:
         assert c.ping() >= 0
+
+
+def test_latency_inline_vs_descriptor(daemon):
+    """Not a pass/fail check: p50 of one layer through the inline socket path
+    and by descriptor (host-synchronous, socket reply), printed for the note."""
+    with mc.Client(daemon.sock_path, timeout=du.wait_s(60)) as c, \
+            mcc.CudaSession(mc.Client(daemon.sock_path, timeout=du.wait_s(60))) as s:
+        info = c.hello()
+        layer = info.first_moe_layer
+        for t in (1, 16, info.max_tokens):
+            x, ids, w = batch(info, t, 7)
+            xn, idn, wn = x.view(torch.int16).numpy().view(np.uint16), ids.numpy(), w.numpy()
+            xc, idc, wc = x.cuda(), ids.cuda(), w.cuda()
+            res = {}
+            for name, fn in (("inline", lambda: c.forward(layer, xn, idn, wn)),
+                             ("descriptor", lambda: s.fused_experts(xc, wc, idc, layer))):
+                for _ in range(20):
+                    fn()
+                ts = []
+                for _ in range(200):
+                    t0 = time.perf_counter()
+                    fn()
+                    ts.append(time.perf_counter() - t0)
+                res[name] = sorted(ts)[len(ts) // 2] * 1e6
+            print("latency T=%d: inline p50 %.1f us, descriptor p50 %.1f us"
+                  % (t, res["inline"], res["descriptor"]))

@@ -40,6 +40,18 @@ def device_uuid(device):
     return _uuid.UUID(str(u).replace("GPU-", "")).bytes
 
 
+def _cuda_malloc_handle(h):
+    """The cudaIpcMemHandle_t in torch's storage handle: torch writes
+    [version byte]['c'][64-byte handle] for a cudaMalloc block (c10
+    CUDACachingAllocator::shareIpcHandle; 'e' is an expandable segment,
+    which has no such handle); older torch the bare 64 bytes."""
+    if len(h) == 64:
+        return h
+    if len(h) == 66 and h[1] == ord("c"):
+        return h[2:]
+    return None
+
+
 def ipc_range(tensor):
     """(handle, offset, size) of a CUDA tensor's bytes inside the allocation
     its storage lies in: the 64-byte cudaIpcMemHandle of the caching
@@ -49,8 +61,8 @@ def ipc_range(tensor):
         raise MoedError(E_INVAL, "a contiguous CUDA tensor is needed")
     st = tensor.untyped_storage()
     info = st._share_cuda_()
-    handle, storage_offset = bytes(info[1]), int(info[3])
-    if len(handle) != 64:
+    handle, storage_offset = _cuda_malloc_handle(bytes(info[1])), int(info[3])
+    if handle is None:
         raise MoedError(E_UNSUPPORTED, "the storage has no CUDA IPC handle (expandable "
                         "segments or a memory pool allocation cannot be exported)")
     off = storage_offset + tensor.storage_offset() * tensor.element_size()
