@@ -93,13 +93,14 @@ struct moed_backend_ops {
      * not freed and allocated again. Must be called before close. */
     void (*host_free)(struct moed_backend *be, void *p);
     /* Optional, both or neither (the zero-copy path, engine/desc.h): the
-     * 16-byte UUID of the GPU the backend computes on; and map a client's
+     * 16-byte UUID of the GPU the backend computes on (*mps: 1 when its
+     * contexts are shared through MPS, cudaDevAttrMpsEnabled); and map a client's
      * CUDA IPC handle (64 bytes, of a whole allocation) into *out (kind,
      * device, base pointer usable in batches, the allocation's bytes), 0 or
      * a negative code with the reason (a handle that will not open:
      * MOED_E_IO). Loop thread; may take milliseconds. ipc_close unmaps it
      * once no batch uses it any more. */
-    int (*device_uuid)(struct moed_backend *be, uint8_t uuid[16]);
+    int (*device_uuid)(struct moed_backend *be, uint8_t uuid[16], int *mps);
     int (*ipc_open)(struct moed_backend *be, const uint8_t handle[64], struct moed_buf *out,
                     char *err, size_t errlen);
     void (*ipc_close)(struct moed_backend *be, const struct moed_buf *m);

@@ -161,10 +161,11 @@ static void cpu_host_free(struct moed_backend *be, void *p)
 /* MOED_TEST_CPU_SHM_IPC (test_hooks.h): a "GPU" with a fixed UUID whose
  * "IPC handles" name POSIX shared memory objects, mapped whole, so that the
  * registered-buffer path runs end to end without a GPU. */
-static int cpu_test_uuid(struct moed_backend *be, uint8_t uuid[16])
+static int cpu_test_uuid(struct moed_backend *be, uint8_t uuid[16], int *mps)
 {
     (void)be;
     memcpy(uuid, MOED_TEST_CPU_UUID, 16);
+    *mps = 1;
     return 0;
 }
 

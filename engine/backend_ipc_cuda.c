@@ -22,10 +22,11 @@
 
 typedef CUresult (*get_range_fn)(CUdeviceptr *base, size_t *size, CUdeviceptr p);
 
-int cuda_device_uuid(struct moed_backend *be, uint8_t uuid[16])
+int cuda_device_uuid(struct moed_backend *be, uint8_t uuid[16], int *mps)
 {
     const struct cuda_backend *cb = (const struct cuda_backend *)be;
     memcpy(uuid, cb->uuid, 16);
+    *mps = cb->mps;
     return 0;
 }
 

@@ -37,6 +37,7 @@ struct moed_desc {
     uint32_t max_per_conn, hidden, top_k;
     struct desc_map *maps;
     struct moed_desc_stats st;
+    int warned_mps;
 };
 
 /* A FORWARD_DESC request's state (moed_reqio.src). */
@@ -159,7 +160,8 @@ int moed_desc_register(struct moed_desc *d, struct moed_conn *c,
         goto out;
     }
     uint8_t uuid[MOED_PROTO_UUID_BYTES];
-    rc = ops->device_uuid(d->be, uuid);
+    int mps = 0;
+    rc = ops->device_uuid(d->be, uuid, &mps);
     if (rc < 0) {
         rc = moed_seterr(err, errlen, rc, "backend %s: the GPU's UUID is not known", ops->name);
         goto out;
@@ -173,6 +175,14 @@ int moed_desc_register(struct moed_desc *d, struct moed_conn *c,
                          "another GPU are not supported)",
                          a, b);
         goto out;
+    }
+    if (!mps && !d->warned_mps) {
+        /* a client on this GPU without MPS: its own kernels (the copies into
+         * the buffer it lends) run only while moed's kernel is not resident */
+        LOG_W("buffers: a client registers memory of this daemon's GPU, which is not under MPS: "
+              "its kernels wait until moed's persistent kernel idles out (engine.idle_exit_ms); "
+              "start MPS (docs/ZERO_COPY.md)");
+        d->warned_mps = 1;
     }
     for (m = d->maps; m && memcmp(m->handle, rq->handle, sizeof m->handle) != 0; m = m->next)
         ;

@@ -59,3 +59,13 @@ def test_error_codes_match_moed_err():
     assert set(mc.ERROR_NAMES) == set(codes.values()) | {0}
     for attr in ("E_PROTO", "E_VERSION", "E_TOOBIG", "E_INVAL", "E_TIMEOUT", "E_CONN"):
         assert getattr(mc, attr) == codes[attr[2:]], attr
+
+
+def test_frame_versions_match_moed_type_min_version():
+    """Which version each type's frames carry: moed_type_min_version in
+    ipc/proto.c (2 for 16..31) and the Python client's frame_version."""
+    src = read("ipc/proto.c")
+    assert "base >= 16 && base <= 31 ? 2 : 1" in src
+    for t in range(0, 40):
+        for reply in (0, mc.REPLY):
+            assert mc.frame_version(t | reply) == (2 if 16 <= t <= 31 else 1), t
