@@ -51,6 +51,7 @@ struct moed_cfg {
     enum moed_cfg_backend backend;
     int gpus[MOED_CFG_MAX_IDS]; uint32_t n_gpus; /* empty: all visible */
     uint32_t sms_free;
+    uint32_t mps_sms_free_percent;    /* under MPS with sms_free 0: SMs left free, % */
     uint32_t max_tokens;              /* per batch */
     uint32_t cpu_threads;             /* 0 = all cores */
     uint32_t batch_deadline_ms;

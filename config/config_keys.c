@@ -138,7 +138,14 @@ const struct cfg_key cfg_keys[] = {
     {.path = "engine.sms_free", .type = T_UINT, .min = 0, .max = 255, .def = "0",
      FIELD(sms_free),
      .doc = "SMs per GPU left free of the persistent kernel (for NCCL or a co-located "
-            "server)."},
+            "server). 0 under MPS means engine.mps_sms_free_percent of them."},
+    {.path = "engine.mps_sms_free_percent", .type = T_UINT, .min = 0, .max = 90, .def = "50",
+     FIELD(mps_sms_free_percent),
+     .doc = "When the GPU runs under MPS (other processes' kernels share it, e.g. a serving "
+            "engine that lends moed its buffers: docs/ZERO_COPY.md) and engine.sms_free is 0: "
+            "the percent of the GPU's SMs the persistent kernel leaves free, so that the "
+            "engine's kernels always find room (with every SM taken they wait for moed's "
+            "kernel to idle out). 0: every SM, as without MPS."},
     {.path = "engine.max_tokens", .type = T_UINT, .min = 1, .max = 4096, .def = "512",
      FIELD(max_tokens), .doc = "Most tokens in one batch (and in one request)."},
     {.path = "engine.cpu_threads", .type = T_UINT, .min = 0, .max = 1024, .def = "0",

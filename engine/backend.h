@@ -117,6 +117,7 @@ struct moed_backend_cfg {
     const int *gpus;        /* CUDA: device ordinals */
     int n_gpus;
     int sms_free;           /* CUDA: SMs to leave free per GPU */
+    int mps_sms_free_percent; /* CUDA: under MPS with sms_free 0, this % of the SMs */
     uint32_t max_tokens;
     uint32_t batch_deadline_ms; /* CUDA: a batch over this fails the backend */
     uint32_t idle_exit_ms;  /* CUDA: persistent kernel exits after idle (0 = never) */

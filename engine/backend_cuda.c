@@ -708,7 +708,14 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     MOED_CUDA_TRY(cudaHostGetDevicePointer((void **)&cb->stage_d, cb->stage, 0));
     MOED_CUDA_TRY(cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking));
 
-    MOED_TRY(moe_gpu_plan(cb->dev, &cb->d, cfg->sms_free, &cb->launch, err, errlen));
+    int sms_free = cfg->sms_free;
+    if (cb->mps && sms_free == 0 && cfg->mps_sms_free_percent > 0) {
+        sms_free = cb->n_sms * cfg->mps_sms_free_percent / 100;
+        LOG_I("cuda: GPU %d is shared through MPS: leaving %d of %d SMs free "
+              "(engine.mps_sms_free_percent %d; engine.sms_free sets it)",
+              cb->dev, sms_free, cb->n_sms, cfg->mps_sms_free_percent);
+    }
+    MOED_TRY(moe_gpu_plan(cb->dev, &cb->d, sms_free, &cb->launch, err, errlen));
     MOED_TRY(scratch_alloc(cb, G_ROUTE, (void **)&cb->route_g,
                            (size_t)cb->launch.grid * moe_gpu_route_gmem_bytes(&cb->d), err, errlen));
     cb->params = (struct moe_gpu_params){
@@ -718,7 +725,7 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
         .route_g = cb->route_g};
     LOG_I("cuda: GPU %d: persistent kernel grid %d CTAs = %d/SM x %d SMs (%d left free), %d "
           "threads, %d B dynamic smem", cb->dev, cb->launch.grid, cb->launch.ctas_per_sm,
-          cb->launch.sms, cfg->sms_free, cb->launch.block, cb->launch.smem_bytes);
+          cb->launch.sms, sms_free, cb->launch.block, cb->launch.smem_bytes);
     pthread_mutex_lock(&cb->mu);
     rc = launch_locked(cb, err, errlen);
     pthread_mutex_unlock(&cb->mu);

@@ -189,3 +189,25 @@ def test_latency_inline_vs_descriptor(daemon):
                 res[name] = sorted(ts)[len(ts) // 2] * 1e6
             print("latency T=%d: inline p50 %.1f us, descriptor p50 %.1f us"
                   % (t, res["inline"], res["descriptor"]))
+
+
+def test_mps_leaves_sms_free_by_default(tmp_path_factory):
+    """Under MPS with engine.sms_free 0, the kernel leaves
+    engine.mps_sms_free_percent (50) of the SMs free, and says so."""
+    import json
+    import re
+    import urllib.request
+    tmp = tmp_path_factory.mktemp("zc-mps")
+    cfg = du.base_config(str(tmp), du.models_dir(tmp_path_factory), status__port=du.free_port(),
+                         engine__backend="cuda", engine__sms_free=0)
+    n_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    with du.Daemon(tmp, cfg) as d:
+        url = "http://127.0.0.1:%d/status" % d.http_port()
+        with urllib.request.urlopen(url, timeout=du.wait_s(5)) as r:
+            desc = json.loads(r.read().decode())["backend"]["description"]
+        print("backend: %s" % desc)
+        assert "MPS on" in desc, desc
+        used = int(re.search(r"(\d+) SMs used", desc).group(1))
+        assert used == n_sms - n_sms * 50 // 100, (used, n_sms)
+        assert "leaving %d of %d SMs free" % (n_sms * 50 // 100, n_sms) in d.log()
+        assert d.stop() == 0, d.log()[-4000:]
