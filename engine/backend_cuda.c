@@ -634,11 +634,7 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     MOED_CUDA_TRY(cudaGetDeviceProperties(&prop, cb->dev));
     snprintf(cb->dev_name, sizeof cb->dev_name, "%s", prop.name);
     cb->n_sms = prop.multiProcessorCount;
-    memcpy(cb->uuid, prop.uuid.bytes, sizeof cb->uuid);
-    if (cudaDeviceGetAttribute(&cb->mps, cudaDevAttrMpsEnabled, cb->dev) != cudaSuccess) {
-        (void)cudaGetLastError();
-        cb->mps = 0;
-    }
+    cuda_sharing_probe(cb, &prop);
 
     /* the kernel module and this build must agree on the host-device layout
      * (kernels/moe_gpu_abi.h) before anything is placed or launched */
@@ -708,13 +704,7 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     MOED_CUDA_TRY(cudaHostGetDevicePointer((void **)&cb->stage_d, cb->stage, 0));
     MOED_CUDA_TRY(cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking));
 
-    int sms_free = cfg->sms_free;
-    if (cb->mps && sms_free == 0 && cfg->mps_sms_free_percent > 0) {
-        sms_free = cb->n_sms * cfg->mps_sms_free_percent / 100;
-        LOG_I("cuda: GPU %d is shared through MPS: leaving %d of %d SMs free "
-              "(engine.mps_sms_free_percent %d; engine.sms_free sets it)",
-              cb->dev, sms_free, cb->n_sms, cfg->mps_sms_free_percent);
-    }
+    int sms_free = cuda_sms_free(cb, cfg->sms_free, cfg->mps_sms_free_percent);
     MOED_TRY(moe_gpu_plan(cb->dev, &cb->d, sms_free, &cb->launch, err, errlen));
     MOED_TRY(scratch_alloc(cb, G_ROUTE, (void **)&cb->route_g,
                            (size_t)cb->launch.grid * moe_gpu_route_gmem_bytes(&cb->d), err, errlen));

@@ -110,5 +110,10 @@ int cuda_device_uuid(struct moed_backend *be, uint8_t uuid[16], int *mps);
 int cuda_ipc_open(struct moed_backend *be, const uint8_t handle[64], struct moed_buf *out,
                   char *err, size_t errlen);
 void cuda_ipc_close(struct moed_backend *be, const struct moed_buf *m);
+/* At open: the device's UUID and MPS attribute into cb (uuid, mps). */
+void cuda_sharing_probe(struct cuda_backend *cb, const struct cudaDeviceProp *prop);
+/* SMs the kernel leaves free: sms_free, or under MPS with sms_free 0,
+ * mps_percent of the device's SMs (logged). */
+int cuda_sms_free(const struct cuda_backend *cb, int sms_free, int mps_percent);
 
 #endif

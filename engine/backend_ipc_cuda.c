@@ -9,7 +9,9 @@
  * larger allocation than it has is refused before any batch can read past
  * its end. A handle that will not open is the client's error (MOED_E_IO),
  * never the backend's: the runtime error is cleared and the backend stays
- * healthy. Loop thread.
+ * healthy. Loop thread. Also what the backend knows of sharing its GPU: the
+ * device's UUID and whether it runs under MPS, and the SMs the kernel then
+ * leaves to the other processes (cuda_sms_free).
  */
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -21,6 +23,26 @@
 #include "moed_log.h"
 
 typedef CUresult (*get_range_fn)(CUdeviceptr *base, size_t *size, CUdeviceptr p);
+
+void cuda_sharing_probe(struct cuda_backend *cb, const struct cudaDeviceProp *prop)
+{
+    memcpy(cb->uuid, prop->uuid.bytes, sizeof cb->uuid);
+    if (cudaDeviceGetAttribute(&cb->mps, cudaDevAttrMpsEnabled, cb->dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        cb->mps = 0;
+    }
+}
+
+int cuda_sms_free(const struct cuda_backend *cb, int sms_free, int mps_percent)
+{
+    if (!cb->mps || sms_free != 0 || mps_percent <= 0)
+        return sms_free;
+    sms_free = cb->n_sms * mps_percent / 100;
+    LOG_I("cuda: GPU %d is shared through MPS: leaving %d of %d SMs free "
+          "(engine.mps_sms_free_percent %d; engine.sms_free sets it)",
+          cb->dev, sms_free, cb->n_sms, mps_percent);
+    return sms_free;
+}
 
 int cuda_device_uuid(struct moed_backend *be, uint8_t uuid[16], int *mps)
 {
