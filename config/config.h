@@ -36,6 +36,7 @@ struct moed_cfg {
     uint64_t read_buffer_keep_bytes;  /* read buffer a connection keeps between frames */
     uint64_t socket_buffer_bytes;     /* SO_SNDBUF of client sockets; 0 = kernel default */
     uint64_t pinned_pool_bytes;       /* cap on buffers from the backend's host allocator */
+    uint32_t max_registered_buffers;  /* REGISTER_BUF per connection; 0 = off */
     uint32_t idle_timeout_ms;         /* close a client idle this long; 0 = never */
     uint64_t max_reply_bytes;         /* reply memory queued for all clients together */
     /* status */
@@ -50,6 +51,7 @@ struct moed_cfg {
     enum moed_cfg_backend backend;
     int gpus[MOED_CFG_MAX_IDS]; uint32_t n_gpus; /* empty: all visible */
     uint32_t sms_free;
+    uint32_t mps_sms_free_percent;    /* under MPS with sms_free 0: SMs left free, % */
     uint32_t max_tokens;              /* per batch */
     uint32_t cpu_threads;             /* 0 = all cores */
     uint32_t batch_deadline_ms;

@@ -78,6 +78,12 @@ const struct cfg_key cfg_keys[] = {
             "(freeing pinned memory waits for the resident kernel to exit); beyond it, buffers "
             "are ordinary memory and go through the backend's staging copies. 0: never. No "
             "effect on a backend without such an allocator (CPU)."},
+    {.path = "server.max_registered_buffers", .type = T_UINT, .min = 0, .max = 4096,
+     .def = "64", FIELD(max_registered_buffers),
+     .doc = "Client GPU buffers (CUDA IPC, protocol version 2 REGISTER_BUF) one connection may "
+            "have registered at once; one more is refused with a busy error. Each is mapped "
+            "into the daemon once and stays mapped until it is unregistered, or its client "
+            "disconnects, and the last request using it has completed. 0: registration off."},
     {.path = "server.idle_timeout_ms", .type = T_UINT, .min = 0, .max = 86400000, .def = "0",
      FIELD(idle_timeout_ms),
      .doc = "A client with nothing in progress (no partial frame, no request unanswered) for "
@@ -132,7 +138,14 @@ const struct cfg_key cfg_keys[] = {
     {.path = "engine.sms_free", .type = T_UINT, .min = 0, .max = 255, .def = "0",
      FIELD(sms_free),
      .doc = "SMs per GPU left free of the persistent kernel (for NCCL or a co-located "
-            "server)."},
+            "server). 0 under MPS means engine.mps_sms_free_percent of them."},
+    {.path = "engine.mps_sms_free_percent", .type = T_UINT, .min = 0, .max = 90, .def = "50",
+     FIELD(mps_sms_free_percent),
+     .doc = "When the GPU runs under MPS (other processes' kernels share it, e.g. a serving "
+            "engine that lends moed its buffers: docs/ZERO_COPY.md) and engine.sms_free is 0: "
+            "the percent of the GPU's SMs the persistent kernel leaves free, so that the "
+            "engine's kernels always find room (with every SM taken they wait for moed's "
+            "kernel to idle out). 0: every SM, as without MPS."},
     {.path = "engine.max_tokens", .type = T_UINT, .min = 1, .max = 16384, .def = "512",
      FIELD(max_tokens),
      .doc = "Most tokens in one batch (and in one request; the clients split a larger one "

@@ -98,6 +98,18 @@ struct moed_backend_ops {
      * close, after the kernel has stopped): buffers are meant to be kept,
      * not freed and allocated again. Must be called before close. */
     void (*host_free)(struct moed_backend *be, void *p);
+    /* Optional, both or neither (the zero-copy path, engine/desc.h): the
+     * 16-byte UUID of the GPU the backend computes on (*mps: 1 when its
+     * contexts are shared through MPS, cudaDevAttrMpsEnabled); and map a client's
+     * CUDA IPC handle (64 bytes, of a whole allocation) into *out (kind,
+     * device, base pointer usable in batches, the allocation's bytes), 0 or
+     * a negative code with the reason (a handle that will not open:
+     * MOED_E_IO). Loop thread; may take milliseconds. ipc_close unmaps it
+     * once no batch uses it any more. */
+    int (*device_uuid)(struct moed_backend *be, uint8_t uuid[16], int *mps);
+    int (*ipc_open)(struct moed_backend *be, const uint8_t handle[64], struct moed_buf *out,
+                    char *err, size_t errlen);
+    void (*ipc_close)(struct moed_backend *be, const struct moed_buf *m);
 };
 
 struct moed_backend {
@@ -111,6 +123,7 @@ struct moed_backend_cfg {
     const int *gpus;        /* CUDA: device ordinals */
     int n_gpus;
     int sms_free;           /* CUDA: SMs to leave free per GPU */
+    int mps_sms_free_percent; /* CUDA: under MPS with sms_free 0, this % of the SMs */
     uint32_t max_tokens;
     uint32_t batch_deadline_ms; /* CUDA: a batch over this fails the backend */
     uint32_t idle_exit_ms;  /* CUDA: persistent kernel exits after idle (0 = never) */

@@ -16,11 +16,15 @@
  * with MOED_TEST_CPU_KERNEL_TIME, another test switch: then it is the time
  * moe_ref_forward took, so that the kernel stages of /status run without a GPU.
  */
+#include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "backend.h"
@@ -157,6 +161,46 @@ static void cpu_host_free(struct moed_backend *be, void *p)
     free(p);
 }
 
+/* MOED_TEST_CPU_SHM_IPC (test_hooks.h): a "GPU" with a fixed UUID whose
+ * "IPC handles" name POSIX shared memory objects, mapped whole, so that the
+ * registered-buffer path runs end to end without a GPU. */
+static int cpu_test_uuid(struct moed_backend *be, uint8_t uuid[16], int *mps)
+{
+    (void)be;
+    memcpy(uuid, MOED_TEST_CPU_UUID, 16);
+    *mps = 1;
+    return 0;
+}
+
+static int cpu_test_ipc_open(struct moed_backend *be, const uint8_t handle[64],
+                             struct moed_buf *out, char *err, size_t errlen)
+{
+    (void)be;
+    char name[65];
+    memcpy(name, handle, 64);
+    name[64] = 0;
+    int fd = shm_open(name, O_RDWR, 0);
+    if (fd < 0)
+        return moed_seterr(err, errlen, MOED_E_IO, "the handle will not open: shm_open %.64s: %s",
+                           name, strerror(errno));
+    struct stat stt;
+    void *p = MAP_FAILED;
+    if (fstat(fd, &stt) == 0 && stt.st_size > 0)
+        p = mmap(NULL, (size_t)stt.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED)
+        return moed_seterr(err, errlen, MOED_E_IO, "the handle will not open: mmap %.64s failed",
+                           name);
+    *out = (struct moed_buf){MOED_BUF_HOST, 0, p, (uint64_t)stt.st_size};
+    return 0;
+}
+
+static void cpu_test_ipc_close(struct moed_backend *be, const struct moed_buf *m)
+{
+    (void)be;
+    munmap(m->ptr, (size_t)m->bytes);
+}
+
 static const struct moed_backend_ops cpu_ops = {
     .name = "cpu",
     .submit = cpu_submit,
@@ -179,6 +223,12 @@ int moed_backend_cpu_open(struct moed_model *m, const struct moed_backend_cfg *c
         cb->ops.host_alloc = cpu_host_alloc;
         cb->ops.host_free = cpu_host_free;
     }
+    int shm_ipc = moed_test_switch(MOED_TEST_CPU_SHM_IPC);
+    if (shm_ipc) {
+        cb->ops.device_uuid = cpu_test_uuid;
+        cb->ops.ipc_open = cpu_test_ipc_open;
+        cb->ops.ipc_close = cpu_test_ipc_close;
+    }
     cb->base.ops = &cb->ops;
     cb->base.done = done;
     cb->base.done_ctx = done_ctx;
@@ -194,8 +244,9 @@ int moed_backend_cpu_open(struct moed_model *m, const struct moed_backend_cfg *c
         free(cb);
         return moed_seterr(err, errlen, MOED_E_BACKEND, "cpu backend: pthread_create: error %d", rc);
     }
-    LOG_I("cpu backend: worker started (%d compute threads, 0 = all cores)%s%s", cfg->n_threads,
+    LOG_I("cpu backend: worker started (%d compute threads, 0 = all cores)%s%s%s", cfg->n_threads,
           host_alloc ? "; host_alloc on (" MOED_TEST_CPU_HOST_ALLOC ")" : "",
+          shm_ipc ? "; shared-memory \"IPC handles\" (" MOED_TEST_CPU_SHM_IPC ")" : "",
           cb->kernel_time ? "; compute time reported as kernel time (" MOED_TEST_CPU_KERNEL_TIME ")"
                           : "");
     *out = &cb->base;

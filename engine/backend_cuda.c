@@ -461,11 +461,11 @@ static void cuda_describe(struct moed_backend *be, char *buf, unsigned len)
     struct cuda_backend *cb = (struct cuda_backend *)be;
     snprintf(buf, len,
              "cuda: GPU %d %s, %d SMs used, grid %d CTAs (%d/SM x %d threads, %d B smem), "
-             "weights %.2f GiB, scratch %.2f GiB, device memory used %.2f of %.2f GiB%s%s",
+             "weights %.2f GiB, scratch %.2f GiB, device memory used %.2f of %.2f GiB, MPS %s%s%s",
              cb->dev, cb->dev_name, cb->launch.sms, cb->launch.grid, cb->launch.ctas_per_sm,
              cb->launch.block, cb->launch.smem_bytes, cb->weight_bytes / 1073741824.0,
              cb->scratch_bytes / 1073741824.0, cb->dev_used / 1073741824.0,
-             cb->dev_total / 1073741824.0, cb->failed ? "; UNHEALTHY: " : "",
+             cb->dev_total / 1073741824.0, cb->mps ? "on" : "off", cb->failed ? "; UNHEALTHY: " : "",
              cb->failed ? cb->fail_msg : "");
 }
 
@@ -573,6 +573,9 @@ static const struct moed_backend_ops cuda_ops = {
     .close = cuda_close,
     .host_alloc = cuda_host_alloc,
     .host_free = cuda_host_free,
+    .device_uuid = cuda_device_uuid,
+    .ipc_open = cuda_ipc_open,
+    .ipc_close = cuda_ipc_close,
 };
 
 /* ---------------- open ---------------- */
@@ -645,6 +648,7 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     MOED_CUDA_TRY(cudaGetDeviceProperties(&prop, cb->dev));
     snprintf(cb->dev_name, sizeof cb->dev_name, "%s", prop.name);
     cb->n_sms = prop.multiProcessorCount;
+    cuda_sharing_probe(cb, &prop);
 
     /* the kernel module and this build must agree on the host-device layout
      * (kernels/moe_gpu_abi.h) before anything is placed or launched */
@@ -716,7 +720,8 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     MOED_CUDA_TRY(cudaHostGetDevicePointer((void **)&cb->stage_d, cb->stage, 0));
     MOED_CUDA_TRY(cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking));
 
-    MOED_TRY(moe_gpu_plan(cb->dev, &cb->d, cfg->sms_free, &cb->launch, err, errlen));
+    int sms_free = cuda_sms_free(cb, cfg->sms_free, cfg->mps_sms_free_percent);
+    MOED_TRY(moe_gpu_plan(cb->dev, &cb->d, sms_free, &cb->launch, err, errlen));
     MOED_TRY(scratch_alloc(cb, G_ROUTE, (void **)&cb->route_g,
                            (size_t)cb->launch.grid * moe_gpu_route_gmem_bytes(&cb->d), err, errlen));
     cb->params = (struct moe_gpu_params){
@@ -726,7 +731,7 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
         .route_g = cb->route_g};
     LOG_I("cuda: GPU %d: persistent kernel grid %d CTAs = %d/SM x %d SMs (%d left free), %d "
           "threads, %d B dynamic smem", cb->dev, cb->launch.grid, cb->launch.ctas_per_sm,
-          cb->launch.sms, cfg->sms_free, cb->launch.block, cb->launch.smem_bytes);
+          cb->launch.sms, sms_free, cb->launch.block, cb->launch.smem_bytes);
     pthread_mutex_lock(&cb->mu);
     rc = launch_locked(cb, err, errlen);
     pthread_mutex_unlock(&cb->mu);

@@ -1,7 +1,8 @@
 /* backend_cuda_int.h - what the CUDA backend's files share (engine/
  * backend_cuda.c: open, queue, completion thread, close; backend_place_cuda.c:
- * weight repack and upload; backend_hooks_cuda.c: the test and bench hooks).
- * Internal: nothing outside these three includes it.
+ * weight repack and upload; backend_hooks_cuda.c: the test and bench hooks;
+ * backend_ipc_cuda.c: client buffers through CUDA IPC).
+ * Internal: nothing outside these includes it.
  */
 #ifndef MOED_BACKEND_CUDA_INT_H
 #define MOED_BACKEND_CUDA_INT_H
@@ -40,6 +41,8 @@ struct cuda_backend {
     struct moe_gpu_dims d;
     int dev;
     char dev_name[256];
+    uint8_t uuid[16];  /* cudaDeviceProp.uuid, read at open */
+    int mps;           /* the device runs under MPS (cudaDevAttrMpsEnabled) */
     int n_sms;
     uint32_t deadline_ms, idle_exit_ms;
     moed_progress_fn progress; /* weight placement progress (open only) */
@@ -100,5 +103,17 @@ struct host_blk {
  * (backend_place_cuda.c); 0 or a MOED_E_* code with err. */
 int cuda_place_weights(struct cuda_backend *cb, const struct moed_cuda_src *src, char *err,
                        size_t errlen);
+
+/* The zero-copy path (backend_ipc_cuda.c): the backend's ops device_uuid,
+ * ipc_open, ipc_close (backend.h). */
+int cuda_device_uuid(struct moed_backend *be, uint8_t uuid[16], int *mps);
+int cuda_ipc_open(struct moed_backend *be, const uint8_t handle[64], struct moed_buf *out,
+                  char *err, size_t errlen);
+void cuda_ipc_close(struct moed_backend *be, const struct moed_buf *m);
+/* At open: the device's UUID and MPS attribute into cb (uuid, mps). */
+void cuda_sharing_probe(struct cuda_backend *cb, const struct cudaDeviceProp *prop);
+/* SMs the kernel leaves free: sms_free, or under MPS with sms_free 0,
+ * mps_percent of the device's SMs (logged). */
+int cuda_sms_free(const struct cuda_backend *cb, int sms_free, int mps_percent);
 
 #endif

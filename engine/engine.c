@@ -2,29 +2,26 @@
  *
  * Flow (loop thread unless noted):
  *   forward()   validate (moed_server_forward_parse) before anything reaches a
- *               backend; keep the inputs where they are when the server lends
- *               its read buffer (the frame was all it held), else copy them
- *               out into the request; append it to the waiting FIFO,
- *               dispatch();
+ *               backend; the request's I/O (where its inputs lie, where its
+ *               reply goes) is its source's: reqio.h (socket frames: the
+ *               lent read buffer and the reply frame written in place);
+ *               append it to the waiting FIFO, dispatch();
  *   dispatch()  while fewer than MOED_ENGINE_MAX_OUTSTANDING batches are at
  *               the backend: take the oldest waiting request's layer and merge
  *               every waiting request of that layer that still fits into
  *               max_tokens (in arrival order), copy them into one batch and
  *               submit it. With the backend busy, requests pile up and merge;
- *               idle, a lone request goes out at once, and then without
- *               copies: the backend reads x, ids and w where the request
- *               holds them and writes y straight into the reply frame
- *               (a "direct" batch; at T=64, H=2048 that is two 256 KiB
- *               copies less per request). Read buffers, reply frames and
- *               batch memory come from the buffer pool (bufpool.h): with a
- *               backend that offers host memory it can use in place (CUDA:
- *               pinned), batches mark them MOED_BUF_PINNED and the backend
- *               skips its own staging copies of x and y too;
+ *               idle, a lone request goes out at once on its own buffers
+ *               (a "bound" batch, moed_reqio_bind: no copies; at T=64,
+ *               H=2048 that is two 256 KiB copies less per request). A
+ *               request whose inputs the host cannot read always goes alone.
+ *               Batch memory comes from the buffer pool (bufpool.h);
  *   on_done()   backend thread: push the batch on the completion list and
  *               uv_async_send (which coalesces);
- *   on_async()  drain the whole completion list: split each batch's output
- *               per request and reply (dropped if the client is gone), then
- *               dispatch() again.
+ *   on_async()  drain the whole completion list: each request of each batch
+ *               answers through its source (moed_reqio_reply: y in place or
+ *               its rows of the merged batch; dropped if the client is
+ *               gone), then dispatch() again.
  */
 #include "engine_int.h"
 
@@ -40,22 +37,6 @@ static int is_moe_layer_cb(const void *ctx, uint32_t layer)
 
 static size_t x_bytes(const struct moed_engine *e, uint32_t t) { return (size_t)t * e->dims->hidden * 2; }
 static size_t ids_bytes(const struct moed_engine *e, uint32_t t) { return (size_t)t * e->dims->top_k * 4; }
-
-/* Drop a request's inputs: a lent read buffer goes back to the pool. */
-static void req_drop_data(struct moed_engine *e, struct eng_req *r)
-{
-    if (r->rx.base)
-        moed_bufpool_put(e->pool, &r->rx);
-    else
-        free(r->data);
-    r->data = NULL;
-}
-
-static void req_free(struct moed_engine *e, struct eng_req *r)
-{
-    req_drop_data(e, r);
-    free(r);
-}
 
 void busy_begin(struct moed_engine *e)
 {
@@ -78,13 +59,13 @@ void maybe_drained(struct moed_engine *e)
     }
 }
 
-/* Answer one request with an error; frees it. */
+/* Answer one request with an error (code 0: its client is gone, release
+ * only); frees it. */
 void req_fail(struct moed_engine *e, struct eng_req *r, int code, const char *msg)
 {
-    req_drop_data(e, r);
-    moed_server_reply_error(r->conn, r->request_id, code, msg);
+    moed_reqio_fail(&e->io_env, &r->io, code, msg);
     e->stats.in_flight--;
-    req_free(e, r);
+    free(r);
 }
 
 /* ---- completions --------------------------------------------------------- */
@@ -129,19 +110,14 @@ static void engine_fail(struct moed_engine *e, int code, const char *why)
  * never reused (left to process exit; the daemon is on its way out). */
 static void batch_abandon_in_place(struct moed_engine *e, struct eng_batch *eb)
 {
-    struct eng_req *r = eb->reqs;
-    if (!eb->mem.base && r && r->rx.pinned) { /* direct: x in the read buffer */
-        moed_bufpool_abandon(e->pool, &r->rx);
-        r->data = NULL;
-    }
-    moed_bufpool_abandon(e->pool, &eb->frame);
+    if (eb->bound && eb->reqs)
+        moed_reqio_abandon(&e->io_env, &eb->reqs->io);
     moed_bufpool_abandon(e->pool, &eb->mem);
 }
 
 static void batch_complete(struct moed_engine *e, struct eng_batch *eb)
 {
     struct moed_batch *b = &eb->b;
-    const uint32_t H = e->dims->hidden;
     busy_end(e);
     if (b->status == MOED_E_BACKEND)
         batch_abandon_in_place(e, eb);
@@ -161,38 +137,17 @@ static void batch_complete(struct moed_engine *e, struct eng_batch *eb)
             req_fail(e, r, b->status, msg);
             continue;
         }
-        req_drop_data(e, r); /* x was read; y is in the batch or the frame */
-        if (moed_server_conn_gone(r->conn)) {
-            /* Client left: drop the reply; the server frees the connection
-             * once its last request is released here. */
-            moed_server_reply(r->conn, NULL, 0, 0, NULL);
-        } else {
-            size_t ylen = x_bytes(e, r->n_tokens);
-            struct moed_hbuf f = eb->frame; /* direct: y is already in place */
-            size_t off = REPLY_PAD;
-            eb->frame = (struct moed_hbuf){0};
-            if (!f.base) {
-                off = 0;
-                if (moed_bufpool_get(e->pool, REPLY_Y_OFF + ylen, 0, &f) == 0)
-                    memcpy(f.base + REPLY_Y_OFF, (uint8_t *)b->y.ptr + (size_t)row * H * 2, ylen);
-            }
-            if (!f.base) {
-                moed_server_reply_error(r->conn, r->request_id, MOED_E_NOMEM,
-                                        "out of memory building the reply");
-            } else {
-                r->t.submit_ns = eb->submit_ns;
-                r->t.done_ns = eb->done_ns;
-                r->t.kernel_ns = b->kernel_ns;
-                moed_server_reply_forward(r->conn, &f, off, r->request_id, r->n_tokens, H, &r->t);
-                e->stats.requests++;
-                e->stats.tokens += r->n_tokens;
-                moed_stats_record_latency(&e->stats,
-                                          (double)(now - r->t.complete_ns) / 1000.0);
-            }
+        r->t.submit_ns = eb->submit_ns;
+        r->t.done_ns = eb->done_ns;
+        r->t.kernel_ns = b->kernel_ns;
+        if (moed_reqio_reply(&e->io_env, &r->io, b, eb->bound, row, &r->t) > 0) {
+            e->stats.requests++;
+            e->stats.tokens += r->io.n_tokens;
+            moed_stats_record_latency(&e->stats, (double)(now - r->t.complete_ns) / 1000.0);
         }
-        row += r->n_tokens;
+        row += r->io.n_tokens;
         e->stats.in_flight--;
-        req_free(e, r);
+        free(r);
     }
     int status = b->status;
     batch_free(e, eb);
@@ -227,26 +182,19 @@ static void on_health_timer(uv_timer_t *t)
         engine_fail(e, MOED_E_BACKEND, "backend unhealthy (device error or stalled kernel)");
 }
 
-/* Answer the T = 0 requests: the reply head alone, n_tokens 0 and no y. */
+/* Answer the T = 0 requests: the reply head alone, n_tokens 0 and no y
+ * (moed_reqio_reply with no batch). */
 static void reply_empty(struct moed_engine *e)
 {
     struct eng_req *list = e->empty_head;
     e->empty_head = e->empty_tail = NULL;
     for (struct eng_req *r = list, *nx; r; r = nx) {
         nx = r->next;
-        struct moed_hbuf f = {0};
-        if (moed_server_conn_gone(r->conn)) {
-            moed_server_reply(r->conn, NULL, 0, 0, NULL);
-        } else if (moed_bufpool_get(e->pool, REPLY_Y_OFF, 0, &f) != 0) {
-            moed_server_reply_error(r->conn, r->request_id, MOED_E_NOMEM,
-                                    "out of memory building the reply");
-        } else {
-            r->t.submit_ns = r->t.done_ns = now_ns();
-            moed_server_reply_forward(r->conn, &f, 0, r->request_id, 0, e->dims->hidden, &r->t);
+        r->t.submit_ns = r->t.done_ns = now_ns();
+        if (moed_reqio_reply(&e->io_env, &r->io, NULL, 0, 0, &r->t) > 0)
             e->stats.requests++;
-        }
         e->stats.in_flight--;
-        req_free(e, r);
+        free(r);
     }
 }
 
@@ -273,12 +221,7 @@ void on_async(uv_async_t *h)
 /* ---- batching ----------------------------------------------------------------- */
 
 /* Release a waiting request whose client is gone, without computing it. */
-static void req_skip(struct moed_engine *e, struct eng_req *r)
-{
-    moed_server_reply(r->conn, NULL, 0, 0, NULL);
-    e->stats.in_flight--;
-    req_free(e, r);
-}
+static void req_skip(struct moed_engine *e, struct eng_req *r) { req_fail(e, r, 0, NULL); }
 
 /* Take the oldest waiting request's layer and flags; merge every waiting
  * request of that layer and flags that still fits. Returns the batch's requests in FIFO order.
@@ -291,7 +234,7 @@ static struct eng_req *take_batch(struct moed_engine *e, uint32_t *layer, uint32
     uint32_t L = 0, T = 0, F = 0;
     while (*pp) {
         struct eng_req *r = *pp;
-        if (moed_server_conn_gone(r->conn)) {
+        if (moed_server_conn_gone(r->io.conn)) {
             *pp = r->next;
             if (e->wait_tail == r)
                 e->wait_tail = prev;
@@ -301,10 +244,13 @@ static struct eng_req *take_batch(struct moed_engine *e, uint32_t *layer, uint32
             continue;
         }
         if (!head) {
-            L = r->layer;
+            L = r->io.layer;
             F = r->flags;
         }
-        if (r->layer == L && r->flags == F && T + r->n_tokens <= e->max_tokens) {
+        /* a request that cannot merge goes alone */
+        int alone = !moed_reqio_host_inputs(&r->io);
+        if (r->io.layer == L && r->flags == F && T + r->io.n_tokens <= e->max_tokens &&
+            !(head && alone)) {
             *pp = r->next;
             if (e->wait_tail == r)
                 e->wait_tail = prev;
@@ -314,9 +260,9 @@ static struct eng_req *take_batch(struct moed_engine *e, uint32_t *layer, uint32
             else
                 head = r;
             tail = r;
-            T += r->n_tokens;
+            T += r->io.n_tokens;
             e->n_waiting--;
-            if (T == e->max_tokens)
+            if (T == e->max_tokens || alone)
                 break;
         } else {
             prev = r;
@@ -328,50 +274,36 @@ static struct eng_req *take_batch(struct moed_engine *e, uint32_t *layer, uint32
     return head;
 }
 
-/* The kind of a buffer from the pool. */
+/* A batch of one request alone, on its own buffers (moed_reqio_bind: a
+ * socket request's x, ids, w where they lie and y in its reply frame). NULL
+ * when its source cannot, or on allocation failure: the caller falls back to
+ * a merged batch. */
+static struct eng_batch *batch_alloc_bound(struct moed_engine *e, struct eng_req *r)
+{
+    struct eng_batch *eb = calloc(1, sizeof *eb);
+    if (!eb)
+        return NULL;
+    struct moed_batch *b = &eb->b;
+    if (moed_reqio_bind(&e->io_env, &r->io, b) < 0) {
+        free(eb);
+        return NULL;
+    }
+    eb->bound = 1;
+    b->seq = ++e->next_seq;
+    b->layer = r->io.layer;
+    b->n_tokens = r->io.n_tokens;
+    b->top_k = e->dims->top_k;
+    b->user = eb;
+    return eb;
+}
+
 static enum moed_buf_kind hbuf_kind(const struct moed_hbuf *h)
 {
     return h->pinned ? MOED_BUF_PINNED : MOED_BUF_HOST;
 }
 
-/* A direct batch for a lone request: x, ids and w are read where the request
- * holds them (r->data: its own malloc'd copy, or offset 48 of a lent read
- * buffer, 16-byte aligned either way; ids need 4-byte alignment, which holds
- * when T*H is even), and y is written into the reply frame right after its
- * two heads (the frame starts REPLY_PAD into its buffer: y 16-byte aligned).
- * x and y are MOED_BUF_PINNED when their buffers are. NULL when the layout
- * does not allow it or on allocation failure: the caller falls back to a
- * merged batch. */
-static struct eng_batch *batch_alloc_direct(struct moed_engine *e, struct eng_req *r)
-{
-    size_t xb = x_bytes(e, r->n_tokens), ib = ids_bytes(e, r->n_tokens);
-    if (xb % 4 != 0)
-        return NULL;
-    struct eng_batch *eb = calloc(1, sizeof *eb);
-    if (!eb)
-        return NULL;
-    if (moed_bufpool_get(e->pool, REPLY_PAD + REPLY_Y_OFF + xb, 1, &eb->frame)) {
-        free(eb);
-        return NULL;
-    }
-    enum moed_buf_kind xk = r->rx.base ? hbuf_kind(&r->rx) : MOED_BUF_HOST;
-    struct moed_batch *b = &eb->b;
-    b->seq = ++e->next_seq;
-    b->layer = r->layer;
-    b->n_tokens = r->n_tokens;
-    b->top_k = e->dims->top_k;
-    b->x = (struct moed_buf){xk, 0, r->data, xb};
-    b->ids = (struct moed_buf){xk, 0, r->data + xb, ib};
-    b->w = (struct moed_buf){xk, 0, r->data + xb + ib, ib};
-    b->y = (struct moed_buf){hbuf_kind(&eb->frame), 0, eb->frame.base + REPLY_PAD + REPLY_Y_OFF,
-                             xb};
-    b->user = eb;
-    return eb;
-}
-
 void batch_free(struct moed_engine *e, struct eng_batch *eb)
 {
-    moed_bufpool_put(e->pool, &eb->frame);
     moed_bufpool_put(e->pool, &eb->mem);
     free(eb);
 }
@@ -416,8 +348,8 @@ static void dispatch(struct moed_engine *e)
         }
         if (!reqs)
             continue;
-        struct eng_batch *eb = reqs->next ? NULL : batch_alloc_direct(e, reqs);
-        if (!eb)
+        struct eng_batch *eb = reqs->next ? NULL : batch_alloc_bound(e, reqs);
+        if (!eb && moed_reqio_host_inputs(&reqs->io))
             eb = batch_alloc(e, layer, T);
         if (eb)
             eb->b.flags = reqs->flags;
@@ -430,11 +362,12 @@ static void dispatch(struct moed_engine *e)
         }
         eb->reqs = reqs;
         uint8_t *x = eb->b.x.ptr, *ids = eb->b.ids.ptr, *w = eb->b.w.ptr;
-        for (struct eng_req *r = eb->mem.base ? reqs : NULL; r; r = r->next) {
-            size_t xb = x_bytes(e, r->n_tokens), ib = ids_bytes(e, r->n_tokens);
-            memcpy(x, r->data, xb);
-            memcpy(ids, r->data + xb, ib);
-            memcpy(w, r->data + xb + ib, ib);
+        for (struct eng_req *r = eb->bound ? NULL : reqs; r; r = r->next) {
+            size_t xb = x_bytes(e, r->io.n_tokens), ib = ids_bytes(e, r->io.n_tokens);
+            const uint8_t *in = moed_reqio_host_inputs(&r->io);
+            memcpy(x, in, xb);
+            memcpy(ids, in + xb, ib);
+            memcpy(w, in + xb + ib, ib);
             x += xb;
             ids += ib;
             w += ib;
@@ -461,30 +394,55 @@ static void dispatch(struct moed_engine *e)
 
 /* ---- server callbacks ---------------------------------------------------------- */
 
+/* 0 if the engine takes new work, else why not. */
+static int taking(const struct moed_engine *e, char *err, size_t errlen)
+{
+    if (e->draining)
+        return moed_seterr(err, errlen, MOED_E_SHUTDOWN, "moed is shutting down; request not taken");
+    if (e->failed)
+        return moed_seterr(err, errlen, MOED_E_BACKEND, "backend failed; moed is not serving");
+    return 0;
+}
+
+static void req_queue(struct moed_engine *e, struct eng_req *r)
+{
+    if (e->wait_tail)
+        e->wait_tail->next = r;
+    else
+        e->wait_head = r;
+    e->wait_tail = r;
+    e->n_waiting++;
+    e->stats.in_flight++;
+    dispatch(e);
+}
+
 static int eng_forward(void *ctx, struct moed_conn *c, uint64_t request_id, const uint8_t *payload,
                        uint64_t len, const struct moed_req_times *t, struct moed_hbuf *rx,
                        char *err, size_t errlen)
 {
     struct moed_engine *e = ctx;
-    if (e->draining)
-        return moed_seterr(err, errlen, MOED_E_SHUTDOWN, "moed is shutting down; request not taken");
-    if (e->failed)
-        return moed_seterr(err, errlen, MOED_E_BACKEND, "backend failed; moed is not serving");
+    int rc = taking(e, err, errlen);
+    if (rc < 0)
+        return rc;
     const struct moed_dims *d = e->dims;
     struct moed_server_fwd fr;
-    int rc = moed_server_forward_parse(payload, len, d->hidden, d->n_experts, d->top_k,
-                                       e->max_tokens, is_moe_layer_cb, e->model, &fr, err, errlen);
+    rc = moed_server_forward_parse(payload, len, d->hidden, d->n_experts, d->top_k,
+                                   e->max_tokens, is_moe_layer_cb, e->model, &fr, err, errlen);
     if (rc < 0)
         return rc;
     struct eng_req *r = calloc(1, sizeof *r);
-    size_t body = fr.body_len;
-    if (r && fr.n_tokens == 0) {
+    if (!r)
+        return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory for a request");
+    rc = moed_reqio_from_frame(&r->io, c, request_id, &fr, rx, err, errlen);
+    if (rc < 0) {
+        free(r);
+        return rc;
+    }
+    r->t = *t;
+    if (fr.n_tokens == 0) {
         /* An idle data-parallel rank: nothing to compute. Answered from the
          * loop's next pass (on_async), never from inside the server's frame
          * handling. */
-        r->conn = c;
-        r->request_id = request_id;
-        r->t = *t;
         if (e->empty_tail)
             e->empty_tail->next = r;
         else
@@ -494,30 +452,14 @@ static int eng_forward(void *ctx, struct moed_conn *c, uint64_t request_id, cons
         MOED_UV_CHECK(uv_async_send(&e->async));
         return 0;
     }
-    if (r && rx) {
-        /* Keep the server's buffer: the inputs are used where they were read
-         * (a 256 KiB copy less at T=64, H=2048). Pool buffers are aligned
-         * for anything, so x at 32 + 16 is too. */
-        r->rx = *rx;
-        rx->base = NULL;
-        r->data = (uint8_t *)(uintptr_t)fr.body;
-    } else if (!r || !(r->data = malloc(body))) {
-        free(r);
-        return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory for a %zu-byte request", body);
-    } else {
-        memcpy(r->data, fr.body, body);
-    }
-    r->conn = c;
-    r->request_id = request_id;
-    r->t = *t;
-    r->layer = fr.layer;
-    r->n_tokens = fr.n_tokens;
     r->flags = fr.routed_only && d->n_shared ? MOED_BATCH_ROUTED_ONLY : 0;
     /* Per-layer, per-expert hits (row fr.layer, an MoE layer < n_layers):
      * routed ids (validated in range; an empty slot, -1, counts nothing and
      * its weight is made 0 here, so that no backend reads a weight it should
-     * ignore), then every shared expert once per token unless routed-only. */
-    uint8_t *ids = r->data + x_bytes(e, fr.n_tokens), *w = ids + ids_bytes(e, fr.n_tokens);
+     * ignore: the socket source's inputs are the request's own memory), then
+     * every shared expert once per token unless routed-only. */
+    uint8_t *ids = (uint8_t *)(uintptr_t)moed_reqio_host_inputs(&r->io) + x_bytes(e, fr.n_tokens);
+    uint8_t *w = ids + ids_bytes(e, fr.n_tokens);
     for (size_t i = 0; i < (size_t)fr.n_tokens * d->top_k; i++) {
         int32_t id;
         memcpy(&id, ids + 4 * i, 4);
@@ -530,15 +472,57 @@ static int eng_forward(void *ctx, struct moed_conn *c, uint64_t request_id, cons
     for (uint32_t s = 0; s < d->n_shared && !r->flags; s++)
         e->stats.expert_hits[(size_t)fr.layer * e->stats.n_expert_hits + d->n_experts + s] +=
             fr.n_tokens;
-    if (e->wait_tail)
-        e->wait_tail->next = r;
-    else
-        e->wait_head = r;
-    e->wait_tail = r;
-    e->n_waiting++;
-    e->stats.in_flight++;
-    dispatch(e);
+    req_queue(e, r);
     return 0;
+}
+
+/* FORWARD_DESC: every range checked against the client's registrations
+ * before the request is queued (desc.h). */
+static int eng_forward_desc(void *ctx, struct moed_conn *c, uint64_t request_id,
+                            const uint8_t *payload, uint64_t len, const struct moed_req_times *t,
+                            char *err, size_t errlen)
+{
+    struct moed_engine *e = ctx;
+    int rc = taking(e, err, errlen);
+    if (rc < 0)
+        return rc;
+    struct moed_forward_desc_req rq;
+    rc = moed_forward_desc_decode(payload, len, e->dims->top_k, e->max_tokens, is_moe_layer_cb,
+                                  e->model, &rq, err, errlen);
+    if (rc < 0)
+        return rc;
+    struct eng_req *r = calloc(1, sizeof *r);
+    if (!r)
+        return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory for a request");
+    rc = moed_desc_request(e->desc, c, request_id, &rq, &r->io, err, errlen);
+    if (rc < 0) {
+        free(r);
+        return rc;
+    }
+    r->t = *t;
+    req_queue(e, r);
+    return 0;
+}
+
+static int eng_register_buf(void *ctx, struct moed_conn *c, const struct moed_register_req *rq,
+                            uint32_t *buf_id, char *err, size_t errlen)
+{
+    struct moed_engine *e = ctx;
+    int rc = taking(e, err, errlen);
+    return rc < 0 ? rc : moed_desc_register(e->desc, c, rq, buf_id, err, errlen);
+}
+
+static int eng_unregister_buf(void *ctx, struct moed_conn *c, uint32_t buf_id, char *err,
+                              size_t errlen)
+{
+    struct moed_engine *e = ctx;
+    return moed_desc_unregister(e->desc, c, buf_id, err, errlen);
+}
+
+static void eng_conn_closed(void *ctx, struct moed_conn *c)
+{
+    struct moed_engine *e = ctx;
+    moed_desc_conn_closed(e->desc, c);
 }
 
 static void eng_hello(void *ctx, struct moed_hello_rep *rep)
@@ -589,6 +573,10 @@ static const struct moed_server_ops engine_ops = {
     .moe_layers = eng_moe_layers,
     .status_json = eng_status_json,
     .reply_written = eng_reply_written,
+    .register_buf = eng_register_buf,
+    .unregister_buf = eng_unregister_buf,
+    .forward_desc = eng_forward_desc,
+    .conn_closed = eng_conn_closed,
 };
 
 void moed_engine_set_server(struct moed_engine *e, const struct moed_server *srv) { e->srv = srv; }

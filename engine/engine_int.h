@@ -13,6 +13,8 @@
 #include <string.h>
 
 #include "bufpool.h"
+#include "desc.h"
+#include "reqio.h"
 #include "moed_check_uv.h"
 #include "moe_ref.h"
 #include "moed_err.h"
@@ -20,21 +22,17 @@
 
 struct eng_req {
     struct eng_req *next;
-    struct moed_conn *conn;
-    uint64_t request_id;
+    struct moed_reqio io;    /* its source: inputs, reply, client (reqio.h) */
     struct moed_req_times t; /* rx and complete from the server; the rest here */
-    uint32_t layer, n_tokens;
-    uint32_t flags;       /* MOED_BATCH_ROUTED_ONLY: merged only with its like */
-    uint8_t *data;        /* x bf16 [T,H] | ids int32 [T,k] | w fp32 [T,k] */
-    struct moed_hbuf rx;  /* base != NULL: data lies in this lent read buffer */
+    uint32_t flags;          /* MOED_BATCH_ROUTED_ONLY: merged only with its like */
 };
 
 struct eng_batch {
     struct moed_batch b;  /* first: the backend hands us this pointer back */
     struct eng_batch *next;
     struct eng_req *reqs; /* in row order */
-    struct moed_hbuf mem; /* merged batch: x | y | ids | w; none for a direct one */
-    struct moed_hbuf frame; /* direct batch: the reply frame at REPLY_PAD, y in it */
+    struct moed_hbuf mem; /* merged batch: x | y | ids | w; none for a bound one */
+    int bound;            /* a lone request's own buffers (moed_reqio_bind) */
     int selfcheck;
     uint64_t submit_ns;   /* handed to the backend (loop thread) */
     uint64_t done_ns;     /* done callback (backend thread, before the push) */
@@ -46,6 +44,8 @@ struct moed_engine {
     const struct moed_dims *dims;
     struct moed_backend *be;
     struct moed_bufpool *pool; /* read buffers, reply frames, batch memory */
+    struct moed_reqio_env io_env; /* what every request's I/O shares */
+    struct moed_desc *desc;       /* registered client buffers (protocol version 2) */
     const char *backend_name;
     uv_async_t async;
     uint32_t max_tokens;
@@ -86,15 +86,6 @@ struct moed_engine {
 
 #define HEALTH_POLL_MS 250
 #define STATUS_CACHE_MS 100 /* a STATUS frame body is at most this old (same counters) */
-
-/* y's offset in a FORWARD reply frame (the server's framing). */
-#define REPLY_Y_OFF MOED_SERVER_FWD_Y_OFF
-/* A direct batch's reply frame starts this far into its buffer, so that y
- * lies at MOED_BUF_ALIGN for the backend to write in place (pool buffers are
- * at least that aligned: malloc's 16, pinned ones page-aligned). */
-#define REPLY_PAD MOED_SERVER_FWD_PAD
-_Static_assert(MOED_BUF_ALIGN == 16 && (REPLY_PAD + REPLY_Y_OFF) % MOED_BUF_ALIGN == 0,
-               "y in a direct batch's reply frame is aligned for in-place use");
 
 static inline uint64_t now_ns(void) { return uv_hrtime(); }
 

@@ -15,6 +15,7 @@ static int open_backend(struct moed_engine *e, const struct moed_cfg *cfg,
         .gpus = cfg->n_gpus ? cfg->gpus : NULL,
         .n_gpus = (int)cfg->n_gpus,
         .sms_free = (int)cfg->sms_free,
+        .mps_sms_free_percent = (int)cfg->mps_sms_free_percent,
         .max_tokens = cfg->max_tokens,
         .batch_deadline_ms = cfg->batch_deadline_ms,
         .idle_exit_ms = cfg->idle_exit_ms,
@@ -59,6 +60,7 @@ static int open_pool(struct moed_engine *e, const struct moed_cfg *cfg, char *er
         pc.pinned = (struct moed_host_allocator){pool_host_alloc, pool_host_free, e->be};
     if (moed_bufpool_open(&pc, &e->pool) < 0)
         return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
+    e->io_env = (struct moed_reqio_env){e->pool, e->dims->hidden, e->dims->top_k};
     if (pc.pinned.alloc && pc.pinned_limit)
         LOG_I("buffers: up to %llu MiB of backend %s host memory, used in place "
               "(server.pinned_pool_bytes)", (unsigned long long)(pc.pinned_limit >> 20), ops->name);
@@ -121,6 +123,12 @@ int moed_engine_open(uv_loop_t *loop, struct moed_model *model, const struct moe
     rc = open_pool(e, cfg, err, errlen);
     if (rc < 0)
         goto fail_backend;
+    if (moed_desc_open(e->be, cfg->max_registered_buffers, e->dims->hidden, e->dims->top_k,
+                       &e->desc) < 0) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
+        moed_bufpool_close(e->pool);
+        goto fail_backend;
+    }
     e->stats.backend = e->be->ops->name;
     e->backend_name = e->be->ops->name;
     e->stats.healthy = 1;
@@ -234,6 +242,16 @@ struct moed_stats *moed_engine_stats(struct moed_engine *e)
         e->stats.pinned_allocs = ps.pinned_allocs;
         e->stats.spare_bytes = ps.spare_bytes;
     }
+    if (e->desc) {
+        struct moed_desc_stats ds;
+        moed_desc_get_stats(e->desc, &ds);
+        e->stats.zc_registered = ds.registered;
+        e->stats.zc_mappings = ds.mappings;
+        e->stats.zc_mapped_bytes = ds.mapped_bytes;
+        e->stats.zc_registers = ds.registers;
+        e->stats.zc_refused = ds.refused;
+        e->stats.zc_requests = ds.requests;
+    }
     if (e->be && e->be->ops->heartbeat) {
         uint64_t hb = e->be->ops->heartbeat(e->be), t = now_ns();
         if (hb != e->hb_last || e->hb_changed_ns == 0) {
@@ -286,6 +304,7 @@ void moed_engine_close(struct moed_engine *e)
      * queued and calls done for each batch; run their completions here so
      * every request is answered. */
     moed_bufpool_release_pinned(e->pool);
+    moed_desc_detach(e->desc);
     moed_backend_close(e->be);
     e->be = NULL;
     e->failed = 1; /* nothing more is submitted */
@@ -296,6 +315,8 @@ void moed_engine_close(struct moed_engine *e)
         req_fail(e, r, MOED_E_SHUTDOWN, "moed is shutting down");
     }
     e->wait_tail = NULL;
+    moed_desc_close(e->desc);
+    e->desc = NULL;
     moed_bufpool_close(e->pool);
     e->pool = NULL;
     moed_model_close(e->model);

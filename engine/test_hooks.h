@@ -8,7 +8,14 @@
  *   MOED_TEST_CPU_KERNEL_TIME  the CPU backend reports each batch's compute
  *       time as its kernel time (otherwise only CUDA knows one), so that the
  *       kernel and added_kernel stages (/status stages_us, moectl bench's
- *       latency added over the kernel) run without a GPU.
+ *       latency added over the kernel) run without a GPU;
+ *   MOED_TEST_CPU_SHM_IPC  the CPU backend plays a GPU for registered buffers
+ *       (protocol version 2, engine/desc.h): its device UUID is
+ *       MOED_TEST_CPU_UUID and an "IPC handle" is the NUL-padded name of a
+ *       POSIX shared memory object, mapped whole, so that REGISTER_BUF and
+ *       FORWARD_DESC run end to end (mapping, ranges, refcounts, closing on
+ *       disconnect) without a GPU. Without it the CPU backend refuses
+ *       REGISTER_BUF (it cannot open CUDA IPC handles).
  * The CUDA backend's test and bench hooks are backend_cuda_hooks.h.
  */
 #ifndef MOED_TEST_HOOKS_H
@@ -19,6 +26,8 @@
 
 #define MOED_TEST_CPU_HOST_ALLOC "MOED_TEST_CPU_HOST_ALLOC"
 #define MOED_TEST_CPU_KERNEL_TIME "MOED_TEST_CPU_KERNEL_TIME"
+#define MOED_TEST_CPU_SHM_IPC "MOED_TEST_CPU_SHM_IPC"
+#define MOED_TEST_CPU_UUID "moed-cpu-test-id" /* 16 bytes, no NUL */
 
 static inline int moed_test_switch(const char *name)
 {

@@ -8,6 +8,7 @@
  * connection is then marked broken (see moed_client.h).
  */
 #include "moed_client.h"
+#include "client_int.h"
 #include "moed_le.h"
 #include "moed_util.h"
 
@@ -44,21 +45,6 @@
 #define MOEDC_MAX_HIDDEN (1u << 20)
 #define MOEDC_MAX_TOKENS (1u << 24)
 
-struct moedc {
-    int fd;
-    int timeout_ms;          /* <= 0: no deadline */
-    int broken;              /* a local failure happened; stream position lost */
-    int have_hello;
-    struct moed_hello_rep hello;
-    uint32_t n_moe_layers;   /* version-2 HELLO: the MoE layer ids */
-    uint32_t moe_layers[MOED_PROTO_MAX_LAYERS];
-    uint64_t next_id;        /* ids of the blocking calls */
-    uint32_t inflight;       /* pipelined FORWARDs not yet answered */
-    uint8_t *rbuf;           /* receive buffer (payload of the last reply) */
-    size_t rcap;
-    uint16_t *ybuf;          /* decoded y of the last pipelined reply (BE hosts) */
-    size_t ycap;
-};
 
 static int64_t now_ms(void) { return (int64_t)(moed_mono_ns() / 1000000u); }
 
@@ -199,16 +185,21 @@ static int reserve(struct moedc *c, size_t n, char *err, size_t errlen)
     return 0;
 }
 
-/* Largest payload a reply of this type may have; 0 marks a type the client
- * never expects (an error). */
+/* Largest payload a reply of this type may have; UINT64_MAX marks a type
+ * the client never expects (an error). */
 static uint64_t reply_bound(const struct moedc *c, uint16_t type)
 {
     switch (type) {
+    case MOED_MSG_REGISTER_BUF | MOED_PROTO_REPLY:
+    case MOED_MSG_FORWARD_DESC | MOED_PROTO_REPLY:
+        return 8;
+    case MOED_MSG_UNREGISTER_BUF | MOED_PROTO_REPLY:
+        return 0;
     case MOED_MSG_HELLO | MOED_PROTO_REPLY:
         return MOED_HELLO_V1_BYTES + 4 + 4 * MOED_PROTO_MAX_LAYERS;
     case MOED_MSG_FORWARD | MOED_PROTO_REPLY:
         if (!c->have_hello)
-            return 0;
+            return UINT64_MAX;
         return sizeof(struct moed_forward_rep) +
                2ull * c->hello.max_tokens * (uint64_t)c->hello.hidden;
     case MOED_MSG_STATUS | MOED_PROTO_REPLY:
@@ -218,7 +209,7 @@ static uint64_t reply_bound(const struct moedc *c, uint16_t type)
     case MOED_MSG_ERROR | MOED_PROTO_REPLY:
         return sizeof(struct moed_error_rep) + MOED_PROTO_MAX_ERRMSG;
     default:
-        return 0;
+        return UINT64_MAX;
     }
 }
 
@@ -240,7 +231,7 @@ static int read_frame(struct moedc *c, int64_t deadline, struct moed_frame_hdr *
                            moed_strerror(rc), h->magic, (unsigned)h->version, (unsigned)h->type);
     }
     uint64_t bound = reply_bound(c, h->type);
-    if (!(h->type & MOED_PROTO_REPLY) || bound == 0) {
+    if (!(h->type & MOED_PROTO_REPLY) || bound == UINT64_MAX) {
         c->broken = 1;
         return moed_seterr(err, errlen, MOED_E_PROTO,
                            "unexpected frame type 0x%04x from the daemon", (unsigned)h->type);
@@ -298,7 +289,7 @@ static int send_frame(struct moedc *c, uint16_t type, uint64_t id, const void *p
 }
 
 /* Common entry checks of every call. */
-static int usable(struct moedc *c, int blocking, char *err, size_t errlen)
+int moedc__usable(struct moedc *c, int blocking, char *err, size_t errlen)
 {
     if (!c)
         return moed_seterr(err, errlen, MOED_E_INVAL, "connection is NULL");
@@ -313,7 +304,7 @@ static int usable(struct moedc *c, int blocking, char *err, size_t errlen)
 }
 
 /* Send a request and wait for its reply (matching id). */
-static int call(struct moedc *c, uint16_t type, const void *payload, size_t len,
+int moedc__call(struct moedc *c, uint16_t type, const void *payload, size_t len,
                 struct moed_frame_hdr *h, char *err, size_t errlen)
 {
     int64_t deadline = deadline_of(c);
@@ -437,14 +428,14 @@ uint32_t moedc_inflight(const struct moedc *c)
 
 int moedc_hello(struct moedc *c, struct moed_hello_rep *rep, char *err, size_t errlen)
 {
-    int rc = usable(c, 1, err, errlen);
+    int rc = moedc__usable(c, 1, err, errlen);
     if (rc)
         return rc;
     uint8_t p[sizeof(struct moed_hello_req)] = {0};
-    le_put16(p, 1);
-    le_put16(p + 2, MOED_PROTO_MAX_VERSION);
+    le_put16(p, MOED_PROTO_MIN_VERSION);
+    le_put16(p + 2, MOED_PROTO_VERSION);
     struct moed_frame_hdr h;
-    rc = call(c, MOED_MSG_HELLO, p, sizeof p, &h, err, errlen);
+    rc = moedc__call(c, MOED_MSG_HELLO, p, sizeof p, &h, err, errlen);
     if (rc)
         return rc;
     struct moed_hello_rep r;
@@ -454,6 +445,7 @@ int moedc_hello(struct moedc *c, struct moed_hello_rep *rep, char *err, size_t e
         c->broken = 1;
         return rc;
     }
+    c->version = r.version;
     /* The reply bounds of FORWARD derive from these; refuse absurd values so
      * that arithmetic on them stays far from overflow. */
     if (r.hidden < 1 || r.hidden > MOEDC_MAX_HIDDEN || r.max_tokens < 1 ||
@@ -617,7 +609,7 @@ int moedc_forward_flags(struct moedc *c, uint32_t layer, uint32_t n_tokens, uint
                         const uint16_t *x, const int32_t *ids, const float *w, uint32_t flags,
                         uint16_t *y, char *err, size_t errlen)
 {
-    int rc = usable(c, 1, err, errlen);
+    int rc = moedc__usable(c, 1, err, errlen);
     if (rc)
         return rc;
     if (!y && n_tokens > 0)
@@ -656,13 +648,13 @@ int moedc_forward_flags(struct moedc *c, uint32_t layer, uint32_t n_tokens, uint
 
 int moedc_status(struct moedc *c, char **json_out, char *err, size_t errlen)
 {
-    int rc = usable(c, 1, err, errlen);
+    int rc = moedc__usable(c, 1, err, errlen);
     if (rc)
         return rc;
     if (!json_out)
         return moed_seterr(err, errlen, MOED_E_INVAL, "status: json_out is required");
     struct moed_frame_hdr h;
-    rc = call(c, MOED_MSG_STATUS, NULL, 0, &h, err, errlen);
+    rc = moedc__call(c, MOED_MSG_STATUS, NULL, 0, &h, err, errlen);
     if (rc)
         return rc;
     char *s = malloc((size_t)h.payload_len + 1);
@@ -677,14 +669,14 @@ int moedc_status(struct moedc *c, char **json_out, char *err, size_t errlen)
 
 int moedc_ping(struct moedc *c, uint64_t *rtt_ns, char *err, size_t errlen)
 {
-    int rc = usable(c, 1, err, errlen);
+    int rc = moedc__usable(c, 1, err, errlen);
     if (rc)
         return rc;
     uint64_t t0 = moed_mono_ns();
     uint8_t p[8];
     le_put64(p, t0);
     struct moed_frame_hdr h;
-    rc = call(c, MOED_MSG_PING, p, sizeof p, &h, err, errlen);
+    rc = moedc__call(c, MOED_MSG_PING, p, sizeof p, &h, err, errlen);
     if (rc)
         return rc;
     uint64_t t1 = moed_mono_ns();
@@ -712,7 +704,7 @@ int moedc_send_forward_flags(struct moedc *c, uint64_t request_id, uint32_t laye
                              const int32_t *ids, const float *w, uint32_t flags, char *err,
                              size_t errlen)
 {
-    int rc = usable(c, 0, err, errlen);
+    int rc = moedc__usable(c, 0, err, errlen);
     if (rc)
         return rc;
     rc = send_forward(c, request_id, layer, n_tokens, top_k, x, ids, w, flags, deadline_of(c),
@@ -726,7 +718,7 @@ int moedc_send_forward_flags(struct moedc *c, uint64_t request_id, uint32_t laye
 int moedc_recv(struct moedc *c, struct moedc_reply *rep, char *err, size_t errlen)
 {
     struct moedc_reply r = {0};
-    int rc = usable(c, 0, err, errlen);
+    int rc = moedc__usable(c, 0, err, errlen);
     if (!rc && c->inflight == 0)
         rc = moed_seterr(err, errlen, MOED_E_INVAL, "moedc_recv: no request is in flight");
     if (rc)

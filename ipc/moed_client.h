@@ -143,6 +143,38 @@ MOEDC_API int moedc_recv(struct moedc *c, struct moedc_reply *rep, char *err, si
 /* Number of pipelined requests sent and not yet answered. */
 MOEDC_API uint32_t moedc_inflight(const struct moedc *c);
 
+/* --- Registered GPU buffers (protocol version 2, CUDA IPC) ----------------
+ * Register a range of a GPU allocation once, then run layers on it by
+ * descriptor: the daemon reads x, ids, w and writes y where they lie, and
+ * only a 40-byte reply comes back over the socket. `handle` is the
+ * cudaIpcMemHandle_t (64 bytes) of the whole allocation (cudaIpcGetMemHandle
+ * on its base), `offset` (a multiple of 16) and `size` the range inside it,
+ * `uuid` the 16-byte UUID of its GPU (cudaDeviceProp.uuid). The daemon checks
+ * everything before it opens the handle; a buffer stays mapped until it is
+ * unregistered, or the connection closes, and the last request using it has
+ * completed. Each call sends HELLO first if needed and needs a daemon that
+ * chose version 2 (else MOED_E_UNSUPPORTED). Blocking; not while pipelined
+ * requests are out. */
+MOEDC_API int moedc_register_buf(struct moedc *c, const uint8_t handle[64], uint64_t offset,
+                                 uint64_t size, const uint8_t uuid[16], uint32_t *buf_id,
+                                 char *err, size_t errlen);
+MOEDC_API int moedc_unregister_buf(struct moedc *c, uint32_t buf_id, char *err, size_t errlen);
+
+/* A byte range of a registered buffer. */
+struct moedc_bufref {
+    uint32_t buf_id;
+    uint64_t offset; /* from the start of the registered range; x, y: multiple of 16;
+                        ids, w: multiple of 4 */
+};
+
+/* One MoE layer by descriptor, blocking: x bf16 [T, H], ids int32 [T, k],
+ * w fp32 [T, k] are read and y bf16 [T, H] written in registered buffers.
+ * Returns 0 once y is written (the daemon's reply), or the daemon's code. */
+MOEDC_API int moedc_forward_desc(struct moedc *c, uint32_t layer, uint32_t n_tokens,
+                                 uint32_t top_k, const struct moedc_bufref *x,
+                                 const struct moedc_bufref *ids, const struct moedc_bufref *w,
+                                 const struct moedc_bufref *y, char *err, size_t errlen);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,8 +1,9 @@
 /* moed_proto.h - the moed wire protocol, versions 1 and 2. ipc/PROTOCOL.md is
- * the byte-level specification; this header defines it for C. Version 2 keeps
- * the frame (header `version` is 1 in both: it names the framing) and adds
- * the MoE layer list to the HELLO reply and FORWARD flags; HELLO negotiates
- * it.
+ * the byte-level specification; this header defines it for C. Version 2 adds
+ * the MoE layer list to the HELLO reply, FORWARD flags and T = 0 (in frames
+ * of header version 1, as every version-1 type), and registered client GPU
+ * buffers with FORWARD by descriptor (types 16..31, in frames of header
+ * version 2: moed_type_min_version); HELLO negotiates it.
  *
  * Every message is one frame: a 32-byte little-endian header followed by
  * `payload_len` bytes. Requests may be pipelined; every reply carries the
@@ -10,7 +11,7 @@
  *
  *   off size field
  *     0   4  magic        "MOED" (0x4445'4F4D as a LE u32)
- *     4   2  version      1
+ *     4   2  version      1 or 2 (2: buffer registration, FORWARD_DESC)
  *     6   2  type         MOED_MSG_*; replies set bit 0x8000
  *     8   4  flags        0 (reserved; must be 0 in version 1)
  *    12   4  reserved     0
@@ -24,8 +25,8 @@
 #include <stdint.h>
 
 #define MOED_PROTO_MAGIC 0x44454F4Du /* bytes 'M' 'O' 'E' 'D' */
-#define MOED_PROTO_VERSION 1     /* the frame header's `version` (the framing) */
-#define MOED_PROTO_MAX_VERSION 2 /* highest protocol version HELLO negotiates */
+#define MOED_PROTO_VERSION 2     /* the highest this build speaks */
+#define MOED_PROTO_MIN_VERSION 1 /* the lowest it still accepts */
 #define MOED_PROTO_HDR_SIZE 32
 #define MOED_PROTO_REPLY 0x8000u
 #define MOED_PROTO_MAX_ERRMSG 1024
@@ -37,9 +38,10 @@ enum moed_msg_type {
     MOED_MSG_STATUS = 3,
     MOED_MSG_PING = 4,
     MOED_MSG_ERROR = 5,         /* server -> client only (with REPLY bit) */
-    /* 16..31 reserved for buffer registration (CUDA IPC), a later version */
+    /* 16..31: client GPU buffers (CUDA IPC), version 2 frames only */
     MOED_MSG_REGISTER_BUF = 16,
     MOED_MSG_UNREGISTER_BUF = 17,
+    MOED_MSG_FORWARD_DESC = 18, /* FORWARD by descriptor: x, ids, w, y in registered buffers */
 };
 
 struct moed_frame_hdr {
@@ -118,6 +120,62 @@ struct moed_error_rep {
 };
 _Static_assert(sizeof(struct moed_error_rep) == 8, "error head");
 
+/* ---- version 2: registered buffers (PROTOCOL.md section 9) ---- */
+#define MOED_PROTO_IPC_HANDLE_BYTES 64 /* cudaIpcMemHandle_t */
+#define MOED_PROTO_UUID_BYTES 16       /* cudaDeviceProp.uuid */
+#define MOED_PROTO_BUF_ALIGN 16        /* offsets of x and y (ids, w: 4) */
+
+/* REGISTER_BUF request payload (96 bytes): the CUDA IPC handle of a whole
+ * allocation, the range [offset, offset + size) inside it that the client
+ * lends, and the UUID of the GPU it lies on. Reply: moed_register_rep. */
+struct moed_register_req {
+    uint8_t handle[MOED_PROTO_IPC_HANDLE_BYTES];
+    uint64_t offset;         /* multiple of MOED_PROTO_BUF_ALIGN */
+    uint64_t size;           /* > 0 */
+    uint8_t uuid[MOED_PROTO_UUID_BYTES];
+};
+_Static_assert(sizeof(struct moed_register_req) == 96, "register request");
+
+/* REGISTER_BUF reply payload (8 bytes); UNREGISTER_BUF request payload. */
+struct moed_register_rep {
+    uint32_t buf_id;         /* > 0; names the buffer on this connection only */
+    uint32_t reserved;
+};
+_Static_assert(sizeof(struct moed_register_rep) == 8, "register reply");
+
+/* A range of a registered buffer (16 bytes). */
+struct moed_bufref {
+    uint32_t buf_id;
+    uint32_t reserved;       /* 0 */
+    uint64_t offset;         /* bytes from the start of the registered range */
+};
+
+/* FORWARD_DESC request payload (80 bytes): the FORWARD head, then where x
+ * (bf16 [T, H]), ids (int32 [T, k]), w (fp32 [T, k]) and y (bf16 [T, H],
+ * written) lie. Reply: moed_forward_rep alone (y is in the client's buffer). */
+struct moed_forward_desc_req {
+    struct moed_forward_req head;
+    struct moed_bufref x, ids, w, y;
+};
+_Static_assert(sizeof(struct moed_forward_desc_req) == 80, "forward-by-descriptor request");
+
+/* Decode and check a REGISTER_BUF payload (pure): length, size > 0, offset
+ * aligned, offset + size without overflow. MOED_E_INVAL / MOED_E_RANGE with a
+ * message. */
+int moed_register_decode(const uint8_t *payload, uint64_t len, struct moed_register_req *out,
+                         char *err, size_t errlen);
+
+/* Decode and check a FORWARD_DESC payload against the model (pure): head
+ * fields as moed_forward_validate checks them (T in [1, max_tokens], top_k,
+ * flags, MoE layer), reserved words 0, buffer ids non-zero, x / y offsets
+ * 16-aligned and ids / w offsets 4-aligned. The ranges against the
+ * registrations are the daemon's to check. MOED_E_INVAL with a message. */
+int moed_forward_desc_decode(const uint8_t *payload, uint64_t len, uint32_t top_k,
+                             uint32_t max_tokens,
+                             int (*is_moe_layer)(const void *ctx, uint32_t layer),
+                             const void *ctx, struct moed_forward_desc_req *out, char *err,
+                             size_t errlen);
+
 /* STATUS: empty request; reply payload is the status JSON (UTF-8).
  * PING: request payload up to 64 bytes, echoed in the reply. */
 #define MOED_PROTO_MAX_PING 64
@@ -130,7 +188,8 @@ enum moed_parse_result {
 };
 
 /* Pure frame parser (fuzzable): looks at buf[0..len), decodes the header
- * once 32 bytes are there and validates it (magic, version, known request
+ * once 32 bytes are there and validates it (magic, version in
+ * [MOED_PROTO_MIN_VERSION, MOED_PROTO_VERSION], known request
  * type, flags/reserved zero, payload_len <= max_payload). Returns
  * MOED_PARSE_COMPLETE when header + payload are all in buf (the frame is
  * 32 + hdr->payload_len bytes), MOED_PARSE_NEED_MORE, or a negative code. *hdr
@@ -139,9 +198,13 @@ enum moed_parse_result {
 int moed_frame_parse(const uint8_t *buf, size_t len, uint64_t max_payload,
                      struct moed_frame_hdr *hdr);
 
-/* Encode a header into out[32]. */
+/* Encode a header into out[32] (version 1, or 2 for the types only version
+ * 2 has: 16..31). */
 void moed_frame_encode(uint8_t out[MOED_PROTO_HDR_SIZE], uint16_t type, uint64_t request_id,
                        uint64_t payload_len);
+
+/* The lowest frame version that may carry `type` (REPLY bit ignored). */
+uint16_t moed_type_min_version(uint16_t type);
 
 /* FORWARD payload size for T tokens, or 0 on overflow. */
 uint64_t moed_forward_payload_len(uint64_t n_tokens, uint64_t hidden, uint64_t top_k);

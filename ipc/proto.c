@@ -35,6 +35,7 @@ static int type_known(uint16_t type)
     case MOED_MSG_PING:
     case MOED_MSG_REGISTER_BUF:
     case MOED_MSG_UNREGISTER_BUF:
+    case MOED_MSG_FORWARD_DESC:
         return 1;
     case MOED_MSG_ERROR:
         return reply;
@@ -65,7 +66,7 @@ int moed_frame_parse(const uint8_t *buf, size_t len, uint64_t max_payload,
      * cannot be trusted any more and the connection is closed. */
     if (h.magic != MOED_PROTO_MAGIC)
         return MOED_E_PROTO;
-    if (h.version != MOED_PROTO_VERSION)
+    if (h.version < MOED_PROTO_MIN_VERSION || h.version > MOED_PROTO_VERSION)
         return MOED_E_VERSION;
     if (h.flags != 0 || h.reserved != 0)
         return MOED_E_PROTO;
@@ -82,12 +83,18 @@ void moed_frame_encode(uint8_t out[MOED_PROTO_HDR_SIZE], uint16_t type, uint64_t
                        uint64_t payload_len)
 {
     le_put32(out + 0, MOED_PROTO_MAGIC);
-    le_put16(out + 4, MOED_PROTO_VERSION);
+    le_put16(out + 4, moed_type_min_version(type));
     le_put16(out + 6, type);
     le_put32(out + 8, 0);
     le_put32(out + 12, 0);
     le_put64(out + 16, request_id);
     le_put64(out + 24, payload_len);
+}
+
+uint16_t moed_type_min_version(uint16_t type)
+{
+    uint16_t base = (uint16_t)(type & ~MOED_PROTO_REPLY);
+    return base >= 16 && base <= 31 ? 2 : 1;
 }
 
 /* a*b, or 0 with *ovf set when it does not fit in 64 bits. */
@@ -203,10 +210,10 @@ int moed_hello_parse(const uint8_t *b, uint64_t len, struct moed_hello_rep *rep,
     };
     memcpy(r.backend, b + 48, sizeof r.backend);
     r.backend[sizeof r.backend - 1] = 0;
-    if (r.version < 1 || r.version > MOED_PROTO_MAX_VERSION)
+    if (r.version < MOED_PROTO_MIN_VERSION || r.version > MOED_PROTO_VERSION)
         return moed_seterr(err, errlen, MOED_E_VERSION,
                            "daemon chose protocol version %u; this client speaks 1..%d",
-                           (unsigned)r.version, MOED_PROTO_MAX_VERSION);
+                           (unsigned)r.version, MOED_PROTO_VERSION);
     /* Version 2: n_moe_layers, then the ids, ascending, each < n_layers;
      * version 1: exactly the 64 bytes, the layers first_moe_layer.. */
     uint32_t nl = r.version >= 2 && len >= MOED_HELLO_V1_BYTES + 4
@@ -231,6 +238,87 @@ int moed_hello_parse(const uint8_t *b, uint64_t len, struct moed_hello_rep *rep,
             layers[nl++] = l;
     *n_moe_layers = nl;
     *rep = r;
+    return 0;
+}
+
+int moed_register_decode(const uint8_t *payload, uint64_t len, struct moed_register_req *out,
+                         char *err, size_t errlen)
+{
+    if (len != sizeof(struct moed_register_req))
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "REGISTER_BUF payload is %" PRIu64 " bytes; expected %zu", len,
+                           sizeof(struct moed_register_req));
+    struct moed_register_req r;
+    memcpy(r.handle, payload, sizeof r.handle);
+    r.offset = le_get64(payload + 64);
+    r.size = le_get64(payload + 72);
+    memcpy(r.uuid, payload + 80, sizeof r.uuid);
+    *out = r;
+    if (r.size == 0)
+        return moed_seterr(err, errlen, MOED_E_INVAL, "REGISTER_BUF size is 0");
+    if (r.offset % MOED_PROTO_BUF_ALIGN != 0)
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "REGISTER_BUF offset %" PRIu64 " is not a multiple of %d", r.offset,
+                           MOED_PROTO_BUF_ALIGN);
+    if (r.size > UINT64_MAX - r.offset)
+        return moed_seterr(err, errlen, MOED_E_RANGE,
+                           "REGISTER_BUF offset %" PRIu64 " + size %" PRIu64 " overflows",
+                           r.offset, r.size);
+    return 0;
+}
+
+static struct moed_bufref bufref_get(const uint8_t *p)
+{
+    return (struct moed_bufref){le_get32(p), le_get32(p + 4), le_get64(p + 8)};
+}
+
+int moed_forward_desc_decode(const uint8_t *payload, uint64_t len, uint32_t top_k,
+                             uint32_t max_tokens,
+                             int (*is_moe_layer)(const void *ctx, uint32_t layer),
+                             const void *ctx, struct moed_forward_desc_req *out, char *err,
+                             size_t errlen)
+{
+    if (len != sizeof(struct moed_forward_desc_req))
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "FORWARD_DESC payload is %" PRIu64 " bytes; expected %zu", len,
+                           sizeof(struct moed_forward_desc_req));
+    struct moed_forward_desc_req r = {
+        .head = {le_get32(payload), le_get32(payload + 4), le_get32(payload + 8),
+                 le_get32(payload + 12)},
+        .x = bufref_get(payload + 16),
+        .ids = bufref_get(payload + 32),
+        .w = bufref_get(payload + 48),
+        .y = bufref_get(payload + 64),
+    };
+    *out = r;
+    if (r.head.flags != 0)
+        return moed_seterr(err, errlen, MOED_E_INVAL, "FORWARD_DESC flags 0x%" PRIx32 " are not 0",
+                           r.head.flags);
+    if (is_moe_layer && !is_moe_layer(ctx, r.head.layer))
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "layer %" PRIu32 " is not an MoE layer of this model", r.head.layer);
+    if (r.head.n_tokens < 1 || r.head.n_tokens > max_tokens)
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "n_tokens %" PRIu32 " is out of range [1, %" PRIu32 "]",
+                           r.head.n_tokens, max_tokens);
+    if (r.head.top_k != top_k)
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "top_k %" PRIu32 " does not match the model's %" PRIu32, r.head.top_k,
+                           top_k);
+    const struct moed_bufref *refs[4] = {&out->x, &out->ids, &out->w, &out->y};
+    static const char *const names[4] = {"x", "ids", "w", "y"};
+    static const unsigned align[4] = {MOED_PROTO_BUF_ALIGN, 4, 4, MOED_PROTO_BUF_ALIGN};
+    for (int i = 0; i < 4; i++) {
+        if (refs[i]->buf_id == 0 || refs[i]->reserved != 0)
+            return moed_seterr(err, errlen, MOED_E_INVAL,
+                               "%s: buffer id %" PRIu32 " / reserved %" PRIu32
+                               " (the id must be non-zero, reserved 0)",
+                               names[i], refs[i]->buf_id, refs[i]->reserved);
+        if (refs[i]->offset % align[i] != 0)
+            return moed_seterr(err, errlen, MOED_E_INVAL,
+                               "%s: offset %" PRIu64 " is not a multiple of %u", names[i],
+                               refs[i]->offset, align[i]);
+    }
     return 0;
 }
 

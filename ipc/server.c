@@ -393,6 +393,8 @@ void conn_close(struct moed_conn *c, int graceful)
     }
     c->closing = 1;
     c->graceful = graceful ? 1 : 0;
+    if (srv->ops->conn_closed)
+        srv->ops->conn_closed(srv->ctx, c);
     srv->reply_cost -= c->wq_cost; /* no longer counted against the cap */
     if (c->reading) {
         uv_read_stop((uv_stream_t *)&c->pipe);
@@ -667,6 +669,27 @@ int moed_server_forward_parse(const uint8_t *payload, uint64_t len, uint32_t hid
     out->body_len = (size_t)len - sizeof fr;
     return 0;
 }
+
+void moed_server_reply_desc(struct moed_conn *c, uint64_t request_id, uint32_t n_tokens,
+                            uint32_t hidden, const struct moed_req_times *t)
+{
+    if (!c->closing && conn_writable(c)) {
+        const size_t n = MOED_PROTO_HDR_SIZE + sizeof(struct moed_forward_rep);
+        struct write_req *wr = wr_small(n);
+        if (wr) {
+            moed_frame_encode(wr->data, MOED_MSG_FORWARD_DESC | MOED_PROTO_REPLY, request_id,
+                              sizeof(struct moed_forward_rep));
+            struct moed_forward_rep rep = {.n_tokens = n_tokens, .hidden = hidden};
+            memcpy(wr->data + MOED_PROTO_HDR_SIZE, &rep, sizeof rep);
+            conn_queue(c, wr, wr->data, n, t);
+        } else {
+            conn_close(c, 0);
+        }
+    }
+    conn_request_done(c);
+}
+
+void **moed_server_conn_user(struct moed_conn *c) { return &c->user; }
 
 int moed_server_conn_gone(const struct moed_conn *c) { return c->closing; }
 

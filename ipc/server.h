@@ -111,6 +111,25 @@ struct moed_server_ops {
     /* Optional: a timed FORWARD reply's last byte was written at now_ns; `t`
      * has every timestamp (reply_ns included). */
     void (*reply_written)(void *ctx, const struct moed_req_times *t, uint64_t now_ns);
+    /* Version 2, registered client buffers (PROTOCOL.md section 9); each
+     * optional (NULL: the type is answered MOED_E_UNSUPPORTED). */
+    /* REGISTER_BUF, decoded and checked (moed_register_decode): 0 with the
+     * new id in *buf_id (the server replies), or a negative code with a
+     * message in err (the server answers ERROR). */
+    int (*register_buf)(void *ctx, struct moed_conn *c, const struct moed_register_req *rq,
+                        uint32_t *buf_id, char *err, size_t errlen);
+    /* UNREGISTER_BUF: 0 (the server replies) or a negative code. */
+    int (*unregister_buf)(void *ctx, struct moed_conn *c, uint32_t buf_id, char *err,
+                          size_t errlen);
+    /* FORWARD_DESC: as forward (payload valid during the call only; no
+     * buffer is lent); answered later with moed_server_reply_desc or
+     * moed_server_reply_error. */
+    int (*forward_desc)(void *ctx, struct moed_conn *c, uint64_t request_id,
+                        const uint8_t *payload, uint64_t len, const struct moed_req_times *t,
+                        char *err, size_t errlen);
+    /* The connection closed (called once, when it is marked closing; its
+     * requests may still be out): everything it registered is to go. */
+    void (*conn_closed)(void *ctx, struct moed_conn *c);
 };
 
 /* Open the listening socket described by `lim`: checks the path length,
@@ -171,6 +190,13 @@ int moed_server_forward_parse(const uint8_t *payload, uint64_t len, uint32_t hid
 void moed_server_reply_forward(struct moed_conn *c, struct moed_hbuf *frame, size_t off,
                                uint64_t request_id, uint32_t n_tokens, uint32_t hidden,
                                const struct moed_req_times *t);
+
+/* Answer a FORWARD_DESC with its head alone (y is in the client's buffer). */
+void moed_server_reply_desc(struct moed_conn *c, uint64_t request_id, uint32_t n_tokens,
+                            uint32_t hidden, const struct moed_req_times *t);
+
+/* A pointer the engine keeps per connection (NULL at accept). */
+void **moed_server_conn_user(struct moed_conn *c);
 
 /* Answer a FORWARD the engine took with an ERROR frame. */
 void moed_server_reply_error(struct moed_conn *c, uint64_t request_id, int code, const char *msg);

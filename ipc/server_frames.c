@@ -30,7 +30,6 @@
 static void handle_hello(struct moed_conn *c, const struct moed_frame_hdr *h, const uint8_t *p)
 {
     struct moed_server *srv = c->srv;
-    uint16_t version = 1;
     if (h->payload_len != sizeof(struct moed_hello_req) && h->payload_len != 0) {
         char msg[128];
         snprintf(msg, sizeof msg, "HELLO payload is %llu bytes; expected %zu",
@@ -38,17 +37,18 @@ static void handle_hello(struct moed_conn *c, const struct moed_frame_hdr *h, co
         conn_send_error(c, h->request_id, MOED_E_INVAL, msg);
         return;
     }
+    uint16_t chosen = MOED_PROTO_MIN_VERSION; /* an empty HELLO: a version-1 client */
     if (h->payload_len == sizeof(struct moed_hello_req)) {
         struct moed_hello_req rq = {.min_version = le_get16(p), .max_version = le_get16(p + 2)};
-        if (rq.min_version > MOED_PROTO_MAX_VERSION || rq.max_version < 1 ||
+        if (rq.min_version > MOED_PROTO_VERSION || rq.max_version < MOED_PROTO_MIN_VERSION ||
             rq.min_version > rq.max_version) {
             char msg[128];
-            snprintf(msg, sizeof msg, "client speaks versions %u..%u; this daemon speaks 1..%u",
-                     rq.min_version, rq.max_version, MOED_PROTO_MAX_VERSION);
+            snprintf(msg, sizeof msg, "client speaks versions %u..%u; this daemon speaks %u..%u",
+                     rq.min_version, rq.max_version, MOED_PROTO_MIN_VERSION, MOED_PROTO_VERSION);
             conn_send_error(c, h->request_id, MOED_E_VERSION, msg);
             return;
         }
-        version = rq.max_version < MOED_PROTO_MAX_VERSION ? rq.max_version : MOED_PROTO_MAX_VERSION;
+        chosen = rq.max_version < MOED_PROTO_VERSION ? rq.max_version : MOED_PROTO_VERSION;
     }
     uint8_t buf[MOED_HELLO_V1_BYTES + 4 + 4 * MOED_PROTO_MAX_LAYERS];
     uint32_t layers[MOED_PROTO_MAX_LAYERS];
@@ -56,10 +56,10 @@ static void handle_hello(struct moed_conn *c, const struct moed_frame_hdr *h, co
     _Static_assert(sizeof rep == MOED_HELLO_V1_BYTES, "HELLO version-1 reply");
     memset(&rep, 0, sizeof rep);
     srv->ops->hello(srv->ctx, &rep);
-    rep.version = version;
+    rep.version = chosen;
     memcpy(buf, &rep, sizeof rep);
     size_t len = sizeof rep;
-    if (version >= 2) {
+    if (chosen >= 2) {
         uint32_t n = srv->ops->moe_layers ? srv->ops->moe_layers(srv->ctx, layers,
                                                                  MOED_PROTO_MAX_LAYERS)
                                           : 0;
@@ -71,6 +71,61 @@ static void handle_hello(struct moed_conn *c, const struct moed_frame_hdr *h, co
             le_put32(buf + len, layers[i]);
     }
     conn_send(c, MOED_MSG_HELLO, h->request_id, buf, len);
+}
+
+/* REGISTER_BUF, UNREGISTER_BUF, FORWARD_DESC: version-2 frames only; a
+ * version-1 frame of these types is answered MOED_E_UNSUPPORTED as version 1
+ * always did (the connection stays). */
+static void handle_v2(struct moed_conn *c, const struct moed_frame_hdr *h, const uint8_t *p)
+{
+    struct moed_server *srv = c->srv;
+    const struct moed_server_ops *ops = srv->ops;
+    char msg[MOED_ERRLEN];
+    msg[0] = 0;
+    int rc = 0;
+    if (h->version < moed_type_min_version(h->type)) {
+        snprintf(msg, sizeof msg,
+                 "message type %u (registered buffers) needs protocol version 2 frames; this "
+                 "one is version %u",
+                 h->type, h->version);
+        rc = MOED_E_UNSUPPORTED;
+    } else if ((h->type == MOED_MSG_REGISTER_BUF && !ops->register_buf) ||
+               (h->type == MOED_MSG_UNREGISTER_BUF && !ops->unregister_buf) ||
+               (h->type == MOED_MSG_FORWARD_DESC && !ops->forward_desc)) {
+        snprintf(msg, sizeof msg, "message type %u is not served by this daemon", h->type);
+        rc = MOED_E_UNSUPPORTED;
+    } else if (h->type == MOED_MSG_REGISTER_BUF) {
+        struct moed_register_req rq;
+        uint32_t id = 0;
+        rc = moed_register_decode(p, h->payload_len, &rq, msg, sizeof msg);
+        if (rc == 0)
+            rc = ops->register_buf(srv->ctx, c, &rq, &id, msg, sizeof msg);
+        if (rc == 0) {
+            uint8_t rep[sizeof(struct moed_register_rep)];
+            le_put32(rep, id);
+            le_put32(rep + 4, 0);
+            conn_send(c, MOED_MSG_REGISTER_BUF, h->request_id, rep, sizeof rep);
+        }
+    } else if (h->type == MOED_MSG_UNREGISTER_BUF) {
+        if (h->payload_len != sizeof(struct moed_register_rep) || le_get32(p + 4) != 0) {
+            snprintf(msg, sizeof msg,
+                     "UNREGISTER_BUF payload is %llu bytes (expected 8: buffer id, reserved 0)",
+                     (unsigned long long)h->payload_len);
+            rc = MOED_E_INVAL;
+        } else {
+            rc = ops->unregister_buf(srv->ctx, c, le_get32(p), msg, sizeof msg);
+        }
+        if (rc == 0)
+            conn_send(c, MOED_MSG_UNREGISTER_BUF, h->request_id, NULL, 0);
+    } else {
+        c->pending++;
+        struct moed_req_times t = {.rx_ns = c->rx_ns, .complete_ns = uv_hrtime()};
+        rc = ops->forward_desc(srv->ctx, c, h->request_id, p, h->payload_len, &t, msg, sizeof msg);
+        if (rc < 0)
+            c->pending--;
+    }
+    if (rc < 0)
+        conn_send_error(c, h->request_id, rc, msg[0] ? msg : moed_strerror(rc));
 }
 
 /* Returns 1 when the engine kept the read buffer (a FORWARD used in place):
@@ -121,10 +176,8 @@ static int handle_frame(struct moed_conn *c, const struct moed_frame_hdr *h, con
     }
     case MOED_MSG_REGISTER_BUF:
     case MOED_MSG_UNREGISTER_BUF:
-        snprintf(msg, sizeof msg,
-                 "message type %u (buffer registration) is not supported by protocol version %d",
-                 h->type, MOED_PROTO_VERSION);
-        conn_send_error(c, h->request_id, MOED_E_UNSUPPORTED, msg);
+    case MOED_MSG_FORWARD_DESC:
+        handle_v2(c, h, p);
         return 0;
     default:
         snprintf(msg, sizeof msg, "unknown message type %u (0x%04x)", h->type, h->type);
@@ -143,15 +196,15 @@ static void framing_message(const struct moed_conn *c, int rc, const struct moed
         snprintf(msg, len, "payload_len %llu is over the limit %llu (server.max_frame_bytes)",
                  (unsigned long long)h->payload_len, (unsigned long long)c->srv->cfg.max_frame_bytes);
     } else if (rc == MOED_E_VERSION) {
-        snprintf(msg, len, "protocol version %u not supported (this daemon speaks %d)", h->version,
-                 MOED_PROTO_VERSION);
+        snprintf(msg, len, "protocol version %u not supported (this daemon speaks %d..%d)",
+                 h->version, MOED_PROTO_MIN_VERSION, MOED_PROTO_VERSION);
     } else if (rc == MOED_E_TYPE) {
         snprintf(msg, len, "unknown message type %u (0x%04x)", h->type, h->type);
     } else if (have >= 4 && magic != MOED_PROTO_MAGIC) {
         snprintf(msg, len, "bad magic 0x%08x (expected 0x%08x \"MOED\")", magic, MOED_PROTO_MAGIC);
     } else if (have >= MOED_PROTO_HDR_SIZE && (h->flags != 0 || h->reserved != 0)) {
-        snprintf(msg, len, "flags 0x%x / reserved 0x%x must be 0 in version %d", h->flags,
-                 h->reserved, MOED_PROTO_VERSION);
+        snprintf(msg, len, "flags 0x%x / reserved 0x%x must be 0 in version %u", h->flags,
+                 h->reserved, h->version);
     } else {
         snprintf(msg, len, "malformed frame header (%s)", moed_strerror(rc));
     }

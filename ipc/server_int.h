@@ -51,6 +51,7 @@ struct moed_conn {
     size_t off, len;
     size_t lent_cap;      /* size of the last buffer lent to the engine: the next one's */
     uint64_t skip;
+    void *user;           /* the engine's (moed_server_conn_user) */
     uint64_t rx_ns;       /* start of the read that brought the current frame's first byte */
     uint64_t read_start_ns; /* start of the latest read (taken in on_alloc) */
     uint32_t pending;

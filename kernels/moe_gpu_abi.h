@@ -151,6 +151,110 @@ struct moe_gpu_params {
     uint16_t *route_g;  /* device: per-CTA pos/tok tables, moe_gpu_route_gmem_bytes each */
 };
 
+/* ---- doorbell channels (issue 15 item 2; the kernel side is not built yet) ----
+ * A client on the daemon's GPU gets a channel of its own: one moe_gpu_chan in
+ * device memory that the daemon allocates and exports (cudaIpcGetMemHandle).
+ * The client writes a descriptor into slot[seq % MOE_GPU_CHAN_SLOTS] and
+ * releases `bell` = seq from its own stream (a CUDA stream memory operation,
+ * so that it can be captured in a CUDA graph), then waits until done >= seq.
+ * The descriptor comes from untrusted GPU code: the kernel checks it against
+ * the host-written registration table of that channel (moe_gpu_reg, one per
+ * registered buffer id; size 0 = none) with moe_gpu_chan_check and every
+ * expert id with moe_gpu_ids_check before it touches a byte, and answers a
+ * bad one with its MOE_GPU_CHAN_E_* code in `status` (never an out-of-bounds
+ * access). One writer per word: bell and the slots the client, done and
+ * status the kernel. */
+#define MOE_GPU_CHAN_SLOTS 8 /* descriptors in flight per channel */
+#define MOE_GPU_CHAN_BUFS 16 /* registration table entries per channel */
+
+enum moe_gpu_chan_status {
+    MOE_GPU_CHAN_OK = 0,
+    MOE_GPU_CHAN_E_TOKENS = 1,  /* T = 0 or over max_tokens */
+    MOE_GPU_CHAN_E_LAYER = 2,   /* not an MoE layer of the model */
+    MOE_GPU_CHAN_E_BUF = 3,     /* buffer id outside the table or not registered */
+    MOE_GPU_CHAN_E_RANGE = 4,   /* range past the end of its buffer (overflow included) */
+    MOE_GPU_CHAN_E_ALIGN = 5,   /* x / y not 16-aligned, ids / w not 4-aligned */
+    MOE_GPU_CHAN_E_OVERLAP = 6, /* y overlaps x, ids or w */
+    MOE_GPU_CHAN_E_EXPERT = 7,  /* an expert id outside [0, E) */
+};
+
+/* A range of a registered buffer. */
+struct moe_gpu_chan_ref {
+    uint32_t buf;  /* index into the channel's registration table */
+    uint32_t pad;
+    uint64_t off;  /* bytes from the start of the registered range */
+};
+
+/* One request: as FORWARD_DESC (ipc/PROTOCOL.md section 9.3). */
+struct moe_gpu_chan_desc {
+    uint32_t layer;    /* absolute layer id */
+    uint32_t n_tokens; /* T */
+    uint64_t seq;      /* the bell value that submits it */
+    struct moe_gpu_chan_ref x, ids, w, y;
+};
+
+struct moe_gpu_chan {
+    uint64_t bell;    /* client: highest submitted seq (release) */
+    uint64_t pad0[7];
+    uint64_t done;    /* kernel: highest answered seq (release, after status) */
+    uint64_t status;  /* kernel: seq << 8 | moe_gpu_chan_status of the last answer */
+    uint64_t pad1[6];
+    struct moe_gpu_chan_desc slot[MOE_GPU_CHAN_SLOTS];
+};
+
+/* A registration table entry (host-written, device-read): the registered
+ * range's device address in the daemon and its size (0: no buffer). */
+struct moe_gpu_reg {
+    uint64_t base;
+    uint64_t size;
+};
+
+/* Check one descriptor against the table and the model (pure; host and
+ * device). On MOE_GPU_CHAN_OK, ptr[0..3] are the device addresses of x, ids,
+ * w and y and *slot the kernel's layer index. slot_of maps an absolute layer
+ * to the kernel's layer table (-1: not an MoE layer). */
+MOE_GPU_HD static inline uint32_t moe_gpu_chan_check(const struct moe_gpu_chan_desc *d,
+                                                     const struct moe_gpu_reg *tab,
+                                                     uint32_t hidden, uint32_t top_k,
+                                                     uint32_t max_tokens, const int32_t *slot_of,
+                                                     uint32_t n_slot_of, uint64_t ptr[4],
+                                                     int32_t *slot)
+{
+    const uint64_t T = d->n_tokens;
+    if (T == 0 || T > max_tokens)
+        return MOE_GPU_CHAN_E_TOKENS;
+    if (d->layer >= n_slot_of || slot_of[d->layer] < 0)
+        return MOE_GPU_CHAN_E_LAYER;
+    const struct moe_gpu_chan_ref *r[4] = {&d->x, &d->ids, &d->w, &d->y};
+    const uint64_t len[4] = {T * hidden * 2, T * top_k * 4, T * top_k * 4, T * hidden * 2};
+    for (int i = 0; i < 4; i++) {
+        if (r[i]->buf >= MOE_GPU_CHAN_BUFS || tab[r[i]->buf].size == 0)
+            return MOE_GPU_CHAN_E_BUF;
+        const struct moe_gpu_reg e = tab[r[i]->buf];
+        if (r[i]->off > e.size || len[i] > e.size - r[i]->off)
+            return MOE_GPU_CHAN_E_RANGE;
+        ptr[i] = e.base + r[i]->off;
+        if (ptr[i] % (i == 0 || i == 3 ? 16u : 4u) != 0)
+            return MOE_GPU_CHAN_E_ALIGN;
+    }
+    for (int i = 0; i < 3; i++)
+        if (ptr[3] < ptr[i] + len[i] && ptr[i] < ptr[3] + len[3])
+            return MOE_GPU_CHAN_E_OVERLAP;
+    *slot = slot_of[d->layer];
+    return MOE_GPU_CHAN_OK;
+}
+
+/* Every expert id in [0, n_experts) (serial; the kernel splits it over a
+ * CTA's threads and reduces). */
+MOE_GPU_HD static inline uint32_t moe_gpu_ids_check(const int32_t *ids, uint64_t n,
+                                                    uint32_t n_experts)
+{
+    for (uint64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || (uint32_t)ids[i] >= n_experts)
+            return MOE_GPU_CHAN_E_EXPERT;
+    return MOE_GPU_CHAN_OK;
+}
+
 /* ---- layout asserts (every compiler that includes this checks them) ---- */
 MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_desc) == 64, "desc: 64 bytes");
 MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_desc) % 16 == 0, "desc: copied as uint4");
@@ -188,6 +292,22 @@ MOE_GPU_STATIC_ASSERT(offsetof(struct moe_gpu_params, layers) == 24 &&
                           sizeof(struct moe_gpu_params) == 112,
                       "params: layout");
 MOE_GPU_STATIC_ASSERT(MOE_GPU_UNIT_BYTES % 16 == 0, "units are copied in 16-byte chunks");
+MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_chan_ref) == 16 &&
+                          offsetof(struct moe_gpu_chan_ref, off) == 8,
+                      "chan ref: id, pad, offset");
+MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_chan_desc) == 80 &&
+                          offsetof(struct moe_gpu_chan_desc, seq) == 8 &&
+                          offsetof(struct moe_gpu_chan_desc, x) == 16 &&
+                          offsetof(struct moe_gpu_chan_desc, y) == 64 &&
+                          sizeof(struct moe_gpu_chan_desc) % 16 == 0,
+                      "chan desc: 80 bytes, copied as uint4");
+MOE_GPU_STATIC_ASSERT(offsetof(struct moe_gpu_chan, bell) == 0 &&
+                          offsetof(struct moe_gpu_chan, done) == 64 &&
+                          offsetof(struct moe_gpu_chan, status) == 72 &&
+                          offsetof(struct moe_gpu_chan, slot) == 128 &&
+                          sizeof(struct moe_gpu_chan) == 128 + MOE_GPU_CHAN_SLOTS * 80,
+                      "chan: bell and done on their own lines, slots after");
+MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_reg) == 16, "reg: base, size");
 
 /* FNV-1a over every size, offset and constant above: equal on both sides
  * iff they agree on the layout (the asserts pin most of it; this catches the
@@ -221,6 +341,12 @@ MOE_GPU_HD MOE_GPU_CONSTEXPR static inline uint64_t moe_gpu_abi_fingerprint(void
         offsetof(struct moe_gpu_params, h), offsetof(struct moe_gpu_params, dout),
         offsetof(struct moe_gpu_params, start_seq), offsetof(struct moe_gpu_params, smem_route),
         offsetof(struct moe_gpu_params, route_g),
+        MOE_GPU_CHAN_SLOTS, MOE_GPU_CHAN_BUFS, sizeof(struct moe_gpu_chan_desc),
+        offsetof(struct moe_gpu_chan_desc, seq), offsetof(struct moe_gpu_chan_desc, x),
+        offsetof(struct moe_gpu_chan_desc, ids), offsetof(struct moe_gpu_chan_desc, w),
+        offsetof(struct moe_gpu_chan_desc, y), sizeof(struct moe_gpu_chan),
+        offsetof(struct moe_gpu_chan, done), offsetof(struct moe_gpu_chan, status),
+        offsetof(struct moe_gpu_chan, slot), sizeof(struct moe_gpu_reg),
         /* stream sizes of a reference shape (H 7168, I 2048) */
         moe_gpu_gu_bytes(7168, 2048), moe_gpu_dn_bytes(7168, 2048)};
     uint64_t h = 1469598103934665603ull;

@@ -5,6 +5,7 @@
 #   BUILD=build-cuda  build dir with moed, moectl and tests/gpu_* (CUDA=1)
 #   LOGDIR=dir        where the logs go (default $BUILD/gpu-logs)
 #   GPU_TESTS_QUICK=1 skip the deepseek-v3 shape (needs ~16 GB host memory)
+#   GPU_TESTS_ONLY=zero-copy  run step 6 alone
 set -u
 BUILD=${BUILD:-build}
 LOGDIR=${LOGDIR:-$BUILD/gpu-logs}
@@ -21,6 +22,7 @@ step() { # name status detail
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv \
     > "$LOGDIR/nvidia-smi.txt" 2>&1 || true
 
+if [ "${GPU_TESTS_ONLY:-}" != zero-copy ]; then
 # 1. correctness, determinism, stream, idle exit, cycles, deadline
 T=$BUILD/tests/gpu_test_moe_gpu
 args=()
@@ -112,6 +114,29 @@ if python3 -c 'import torch, transformers; assert torch.cuda.is_available()' 2>/
         "$(tail -1 "$LOGDIR/e2e-transformers-cuda.log")"
 else
     step "e2e transformers (cuda)" SKIP "torch with CUDA or transformers not importable"
+fi
+fi # GPU_TESTS_ONLY
+
+# 6. zero-copy: registered buffers + FORWARD by descriptor, a torch client on
+#    the daemon's GPU under MPS (started here, stopped at the end)
+if python3 -c 'import torch, numpy, pytest; assert torch.cuda.is_available()' 2>/dev/null &&
+        command -v nvidia-cuda-mps-control >/dev/null; then
+    mps=$(mktemp -d)
+    export CUDA_MPS_PIPE_DIRECTORY="$mps/pipe" CUDA_MPS_LOG_DIRECTORY="$mps/log"
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d
+    PYTHONPATH="$PWD/ipc/python${PYTHONPATH:+:$PYTHONPATH}" MOED_BUILD="$BUILD" MOED_TEST_MPS=1 \
+        timeout 900 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_zero_copy.py \
+        > "$LOGDIR/pytest-zero-copy.log" 2>&1
+    rc=$?
+    echo quit | nvidia-cuda-mps-control
+    cp -r "$CUDA_MPS_LOG_DIRECTORY" "$LOGDIR/mps-log" 2>/dev/null || true
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    rm -rf "$mps"
+    step "zero-copy under MPS (torch)" "$([ $rc = 0 ] && echo PASS || echo FAIL)" \
+        "$(tail -1 "$LOGDIR/pytest-zero-copy.log")"
+else
+    step "zero-copy under MPS (torch)" SKIP "torch with CUDA, numpy, pytest or MPS missing"
 fi
 
 echo

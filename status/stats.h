@@ -114,6 +114,9 @@ struct moed_stats {
     /* host buffers (ipc/bufpool.h): backend host memory (CUDA: pinned) held,
      * of it on the free lists, its cap, allocator calls, plain spares kept */
     uint64_t pinned_bytes, pinned_free_bytes, pinned_limit, pinned_allocs, spare_bytes;
+    /* registered client buffers (protocol version 2; engine/desc.h) */
+    uint64_t zc_registered, zc_mappings, zc_mapped_bytes, zc_registers, zc_refused,
+        zc_requests;
     /* GPU persistent-kernel heartbeat (0 without a GPU) */
     uint64_t heartbeat;
     uint64_t heartbeat_age_ms;

@@ -408,6 +408,15 @@ static int json_body(cJSON *root, const struct moed_stats *s, uint64_t now_ns)
         jnum(hb, "spare_bytes", (double)s->spare_bytes))
         return -1;
 
+    cJSON *zc = cJSON_AddObjectToObject(root, "registered_buffers");
+    if (!zc || jnum(zc, "registered", (double)s->zc_registered) ||
+        jnum(zc, "mappings", (double)s->zc_mappings) ||
+        jnum(zc, "mapped_bytes", (double)s->zc_mapped_bytes) ||
+        jnum(zc, "registers", (double)s->zc_registers) ||
+        jnum(zc, "refused", (double)s->zc_refused) ||
+        jnum(zc, "descriptor_requests", (double)s->zc_requests))
+        return -1;
+
     if (json_experts(root, s))
         return -1;
 
@@ -721,6 +730,18 @@ char *moed_status_prometheus(const struct moed_stats *s, uint64_t now_ns)
              "Pinned buffers allocated from the backend since start.", s->pinned_allocs);
     prom_u64(&b, "moed_buffer_spare_bytes", "gauge",
              "Ordinary memory kept as spare buffers for reuse.", s->spare_bytes);
+    prom_u64(&b, "moed_registered_buffers", "gauge",
+             "Client GPU buffers registered now (all connections).", s->zc_registered);
+    prom_u64(&b, "moed_registered_mappings", "gauge",
+             "Client allocations mapped into the daemon now.", s->zc_mappings);
+    prom_u64(&b, "moed_registered_mapped_bytes", "gauge",
+             "Bytes of those allocations.", s->zc_mapped_bytes);
+    prom_u64(&b, "moed_registered_buffers_total", "counter",
+             "REGISTER_BUF requests accepted since start.", s->zc_registers);
+    prom_u64(&b, "moed_registered_refused_total", "counter",
+             "REGISTER_BUF and FORWARD_DESC requests refused by their checks.", s->zc_refused);
+    prom_u64(&b, "moed_descriptor_requests_total", "counter",
+             "FORWARD_DESC requests taken since start.", s->zc_requests);
 
     prom_experts(&b, s);
 

@@ -66,7 +66,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             abort();
         uint8_t re[MOED_PROTO_HDR_SIZE];
         moed_frame_encode(re, h.type, h.request_id, h.payload_len);
-        if (memcmp(re, p, MOED_PROTO_HDR_SIZE) != 0)
+        /* the encoder writes the type's own version (1, or 2 for 16..31);
+         * the parser accepts either for any type */
+        if (memcmp(re, p, 4) != 0 || memcmp(re + 6, p + 6, MOED_PROTO_HDR_SIZE - 6) != 0 ||
+            (h.version != 1 && h.version != 2) ||
+            re[4] != (uint8_t)moed_type_min_version(h.type))
             abort();
         /* Copy the payload so that ASan sees reads past its end. */
         size_t n = (size_t)h.payload_len;
@@ -84,6 +88,24 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (rc == 0 && (n != moed_forward_payload_len(req.n_tokens, limits[sel].hidden,
                                                        req.top_k) ||
                         req.n_tokens < 1 || req.n_tokens > limits[sel].max_tokens))
+            abort();
+        /* the version-2 decoders on the same bytes */
+        struct moed_register_req rr;
+        err[0] = 0;
+        rc = moed_register_decode(payload, n, &rr, err, sizeof err);
+        if (rc != 0 && ((rc != MOED_E_INVAL && rc != MOED_E_RANGE) || err[0] == 0))
+            abort();
+        if (rc == 0 && (rr.size == 0 || rr.offset % 16 != 0 || rr.size > UINT64_MAX - rr.offset))
+            abort();
+        struct moed_forward_desc_req dr;
+        err[0] = 0;
+        rc = moed_forward_desc_decode(payload, n, limits[sel].top_k, limits[sel].max_tokens,
+                                      sel & 1 ? odd_layers : NULL, NULL, &dr, err, sizeof err);
+        if (rc != 0 && (rc != MOED_E_INVAL || err[0] == 0))
+            abort();
+        if (rc == 0 && (dr.head.n_tokens < 1 || dr.head.n_tokens > limits[sel].max_tokens ||
+                        dr.x.offset % 16 || dr.y.offset % 16 || dr.ids.offset % 4 ||
+                        dr.w.offset % 4 || !dr.x.buf_id || !dr.y.buf_id))
             abort();
         free(payload);
         p += MOED_PROTO_HDR_SIZE + n;

@@ -26,13 +26,15 @@ MOECTL = os.path.join(BUILD, "moectl")
 # Wire constants and error codes: the Python client's (its one copy, checked
 # against the C headers by test_constants.py).
 MAGIC = moed_client.PROTO_MAGIC
-VERSION = moed_client.PROTO_VERSION
+VERSION = moed_client.PROTO_MIN_VERSION  # frames of the version-1 types travel as version 1
 HDR = struct.Struct("<IHHIIQQ")
 REPLY = moed_client.REPLY
 MSG_HELLO, MSG_FORWARD, MSG_STATUS, MSG_PING, MSG_ERROR = (
     moed_client.MSG_HELLO, moed_client.MSG_FORWARD, moed_client.MSG_STATUS,
     moed_client.MSG_PING, moed_client.MSG_ERROR)
 MSG_REGISTER_BUF = moed_client.MSG_REGISTER_BUF
+MSG_UNREGISTER_BUF = moed_client.MSG_UNREGISTER_BUF
+MSG_FORWARD_DESC = moed_client.MSG_FORWARD_DESC
 
 E = {name: code for code, name in moed_client.ERROR_NAMES.items() if code}  # "inval": -12, ...
 
@@ -249,7 +251,7 @@ def recv_exact(s, n):
 def read_frame(s):
     """-> (type, request_id, payload)."""
     magic, ver, mtype, flags, res, rid, plen = HDR.unpack(recv_exact(s, 32))
-    assert magic == MAGIC and ver == VERSION, (hex(magic), ver)
+    assert magic == MAGIC and ver == moed_client.frame_version(mtype), (hex(magic), ver, mtype)
     return mtype, rid, recv_exact(s, plen)
 
 

@@ -34,7 +34,8 @@ def test_frame_constants_match_moed_proto_h():
     proto = read("ipc/moed_proto.h")
     d = c_defines(proto, "MOED_PROTO_")
     assert d["MAGIC"] == mc.PROTO_MAGIC == du.MAGIC
-    assert d["VERSION"] == mc.PROTO_VERSION == du.VERSION
+    assert d["VERSION"] == mc.PROTO_VERSION == 2
+    assert d["MIN_VERSION"] == mc.PROTO_MIN_VERSION == du.VERSION == 1
     assert d["HDR_SIZE"] == mc.HDR_SIZE == du.HDR.size
     assert d["REPLY"] == mc.REPLY == du.REPLY
     assert d["MAX_ERRMSG"] == mc.MAX_ERRMSG
@@ -63,7 +64,8 @@ def test_error_codes_match_moed_err():
 def test_version2_constants_match_moed_proto_h():
     proto = read("ipc/moed_proto.h")
     d = c_defines(proto, "MOED_PROTO_")
-    assert d["MAX_VERSION"] == mc.PROTO_MAX_VERSION == 2
+    assert d["VERSION"] == mc.PROTO_VERSION == 2
+    assert d["MIN_VERSION"] == mc.PROTO_MIN_VERSION == 1
     assert d["MAX_LAYERS"] == mc.MAX_LAYERS
     assert c_defines(proto, "MOED_HELLO_")["V1_BYTES"] == mc.HELLO_V1_BYTES == 64
     f = c_defines(proto, "MOED_FORWARD_")
@@ -71,3 +73,13 @@ def test_version2_constants_match_moed_proto_h():
     assert f["EMPTY_SLOTS"] == mc.FORWARD_EMPTY_SLOTS
     assert re.search(r"#define MOED_EXPERT_NONE \((-\d+)\)", proto).group(1) == \
         str(mc.EXPERT_NONE)
+
+
+def test_frame_versions_match_moed_type_min_version():
+    """Which version each type's frames carry: moed_type_min_version in
+    ipc/proto.c (2 for 16..31) and the Python client's frame_version."""
+    src = read("ipc/proto.c")
+    assert "base >= 16 && base <= 31 ? 2 : 1" in src
+    for t in range(0, 40):
+        for reply in (0, mc.REPLY):
+            assert mc.frame_version(t | reply) == (2 if 16 <= t <= 31 else 1), t

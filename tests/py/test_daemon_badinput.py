@@ -121,8 +121,8 @@ def case_bad_magic(d, dims):
 
 def case_wrong_version(d, dims):
     s = d.connect()
-    s.sendall(du.frame(MSG_PING, 6, b"x", version=2))
-    du.expect_error(s, E["version"], "protocol version 2 not supported", rid=6)
+    s.sendall(du.frame(MSG_PING, 6, b"x", version=3))
+    du.expect_error(s, E["version"], "protocol version 3 not supported", rid=6)
     du.expect_closed(s)
 
 
@@ -155,8 +155,9 @@ def case_unknown_type_split(d, dims):
 
 def case_register_unsupported(d, dims):
     s = d.connect()
+    # a version-1 frame of a version-2 type: refused as version 1 always did
     s.sendall(du.frame(du.MSG_REGISTER_BUF, 10, b"\0" * 16))
-    du.expect_error(s, E["unsupported"], "not supported", rid=10)
+    du.expect_error(s, E["unsupported"], "needs protocol version 2 frames", rid=10)
     ping_ok(s)
     s.close()
 
@@ -333,8 +334,8 @@ def case_disconnect_mid_request(d, dims):
 
 def case_hello_bad_version_range(d, dims):
     s = d.connect()
-    s.sendall(du.frame(MSG_HELLO, 26, struct.pack("<HHI", 3, 5, 0)))
-    du.expect_error(s, E["version"], "client speaks versions 3..5", rid=26)
+    s.sendall(du.frame(MSG_HELLO, 26, struct.pack("<HHI", 3, 4, 0)))
+    du.expect_error(s, E["version"], "client speaks versions 3..4", rid=26)
     ping_ok(s)
     s.close()
 

@@ -224,7 +224,7 @@ def test_decode_header_errors():
         mc.decode_header(b"X" + good[1:])
     assert e.value.code == -8 and e.value.name == "proto"
     with pytest.raises(mc.MoedError) as e:
-        mc.decode_header(good[:4] + b"\x02\x00" + good[6:])
+        mc.decode_header(good[:4] + b"\x03\x00" + good[6:])
     assert e.value.name == "version"
     with pytest.raises(mc.MoedError) as e:
         mc.decode_header(good[:8] + b"\x01" + good[9:])
@@ -343,11 +343,20 @@ def test_pipelined_error_carries_request_id(daemon):
         assert rid == 42
 
 
-def test_reserved_types_answered_unsupported(daemon):
+def test_registered_buffers_need_version_2(daemon):
+    """A daemon that chose version 1: the version-2 calls fail locally with a
+    typed error, nothing is sent, the connection stays usable."""
     with mc.Client(daemon.path, timeout=5) as c:
-        with pytest.raises(mc.MoedError) as e:
-            c._call(mc.MSG_REGISTER_BUF, b"")
-        assert e.value.name == "unsupported"
+        assert c.hello().version == 1
+        n = len(daemon.seen)
+        for call in (lambda: c.register_buf(b"\1" * 64, 0, 4096, b"\2" * 16),
+                     lambda: c.unregister_buf(1),
+                     lambda: c.forward_desc(1, 1, (1, 0), (1, 0), (1, 0), (1, 0))):
+            with pytest.raises(mc.MoedError) as e:
+                call()
+            assert e.value.name == "unsupported" and "need 2" in e.value.message
+        assert len(daemon.seen) == n
+        assert c.ping() >= 0
 
 
 def script_daemon(reply, close_after=False):

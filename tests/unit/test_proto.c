@@ -66,8 +66,10 @@ START_TEST(test_parse_header_errors)
 
     hand_header(b, 0, MOED_MSG_HELLO, 0, 0, 7, 8);
     ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_E_VERSION);
-    hand_header(b, 2, MOED_MSG_HELLO, 0, 0, 7, 8);
+    hand_header(b, 3, MOED_MSG_HELLO, 0, 0, 7, 8);
     ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_E_VERSION);
+    hand_header(b, 2, MOED_MSG_HELLO, 0, 0, 7, 8); /* version 2 frames are accepted */
+    ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_PARSE_NEED_MORE);
 
     hand_header(b, 1, 0, 0, 0, 7, 8);
     ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_E_TYPE);

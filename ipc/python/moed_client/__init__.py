@@ -50,8 +50,8 @@ __all__ = [
 __version__ = "0.1.0"  # the daemon's version it was released with (Makefile VERSION)
 
 PROTO_MAGIC = 0x44454F4D  # b"MOED" read as a little-endian u32
-PROTO_VERSION = 1      # the frame header's version (the framing)
-PROTO_MAX_VERSION = 2  # the highest protocol version this client negotiates
+PROTO_VERSION = 2  # the highest this client speaks
+PROTO_MIN_VERSION = 1
 HDR_SIZE = 32
 REPLY = 0x8000
 MAX_ERRMSG = 1024
@@ -72,6 +72,7 @@ MSG_PING = 4
 MSG_ERROR = 5
 MSG_REGISTER_BUF = 16
 MSG_UNREGISTER_BUF = 17
+MSG_FORWARD_DESC = 18
 
 DEFAULT_SOCKET = "/tmp/moed.sock"
 
@@ -84,6 +85,12 @@ _HELLO_REP = struct.Struct("<HHIIIIIIIIIQ16s")
 _FWD_REQ = struct.Struct("<IIII")
 _FWD_REP = struct.Struct("<II")
 _ERR_REP = struct.Struct("<iI")
+# REGISTER_BUF: handle 64s, offset u64, size u64, uuid 16s; reply: buf_id u32, reserved u32
+_REG_REQ = struct.Struct("<64sQQ16s")
+_REG_REP = struct.Struct("<II")
+# FORWARD_DESC: the FORWARD head, then (buf_id u32, reserved u32, offset u64) for x, ids, w, y
+_DESC_REQ = struct.Struct("<IIII" + "IIQ" * 4)
+assert _REG_REQ.size == 96 and _DESC_REQ.size == 80
 assert _HDR.size == HDR_SIZE and _HELLO_REP.size == 64 and _HELLO_REQ.size == 8
 
 # MOED_E_* codes (common/moed_err.h) -> stable names (common/moed_err.c).
@@ -137,10 +144,16 @@ class Hello:
         return "Hello(%s)" % ", ".join("%s=%r" % kv for kv in self.as_dict().items())
 
 
+def frame_version(msg_type):
+    """The frame version a message type travels in (moed_type_min_version):
+    2 for the registered-buffer types (16..31), 1 for the others."""
+    return 2 if 16 <= (msg_type & ~REPLY) <= 31 else 1
+
+
 def encode_frame(msg_type, request_id, payload=b""):
     """Header + payload bytes of one frame (flags and reserved are 0)."""
-    return _HDR.pack(PROTO_MAGIC, PROTO_VERSION, msg_type, 0, 0, request_id, len(payload)) + \
-        bytes(payload)
+    return _HDR.pack(PROTO_MAGIC, frame_version(msg_type), msg_type, 0, 0, request_id,
+                     len(payload)) + bytes(payload)
 
 
 def decode_header(buf, max_payload=None):
@@ -154,8 +167,9 @@ def decode_header(buf, max_payload=None):
     magic, version, mtype, flags, reserved, rid, plen = _HDR.unpack_from(buf)
     if magic != PROTO_MAGIC:
         raise MoedError(E_PROTO, "bad magic 0x%08x" % magic)
-    if version != PROTO_VERSION:
-        raise MoedError(E_VERSION, "frame version %d, expected %d" % (version, PROTO_VERSION))
+    if not PROTO_MIN_VERSION <= version <= PROTO_VERSION:
+        raise MoedError(E_VERSION, "frame version %d, expected %d..%d"
+                        % (version, PROTO_MIN_VERSION, PROTO_VERSION))
     if flags or reserved:
         raise MoedError(E_PROTO, "flags 0x%x / reserved 0x%x are not 0" % (flags, reserved))
     if max_payload is not None and plen > max_payload:
@@ -373,8 +387,8 @@ class Client:
 
     def _send(self, msg_type, request_id, payload=b""):
         try:
-            self._sock.sendall(_HDR.pack(PROTO_MAGIC, PROTO_VERSION, msg_type, 0, 0, request_id,
-                                         len(payload)))
+            self._sock.sendall(_HDR.pack(PROTO_MAGIC, frame_version(msg_type), msg_type, 0, 0,
+                                         request_id, len(payload)))
             if payload:
                 self._sock.sendall(payload)
         except socket.timeout:
@@ -431,6 +445,10 @@ class Client:
             return MAX_PING
         if mtype == MSG_ERROR | REPLY:
             return 8 + MAX_ERRMSG
+        if mtype in (MSG_REGISTER_BUF | REPLY, MSG_FORWARD_DESC | REPLY):
+            return 8
+        if mtype == MSG_UNREGISTER_BUF | REPLY:
+            return 0
         return None
 
     def _read_frame(self):
@@ -485,14 +503,14 @@ class Client:
         in .info) a Hello with the model's dims (hidden, inter, n_experts,
         top_k, n_shared, n_layers, first_moe_layer, moe_layers: the MoE layer
         ids, a tuple), max_tokens, max_frame_bytes and backend name."""
-        rep = self._call(MSG_HELLO, _HELLO_REQ.pack(1, PROTO_MAX_VERSION, 0))
+        rep = self._call(MSG_HELLO, _HELLO_REQ.pack(PROTO_MIN_VERSION, PROTO_VERSION, 0))
         if len(rep) < HELLO_V1_BYTES:
             self._fail(E_PROTO, "HELLO reply is %d bytes, expected at least 64" % len(rep))
         f = _HELLO_REP.unpack_from(rep)
         version = f[0]
-        if version not in (1, 2):
-            self._fail(E_VERSION, "daemon chose protocol version %d; this client speaks 1..%d"
-                       % (version, PROTO_MAX_VERSION))
+        if not PROTO_MIN_VERSION <= version <= PROTO_VERSION:
+            self._fail(E_VERSION, "daemon chose protocol version %d; this client speaks %d..%d"
+                       % (version, PROTO_MIN_VERSION, PROTO_VERSION))
         hidden, top_k, n_experts, max_tokens = f[2], f[5], f[4], f[9]
         if not (1 <= hidden <= 1 << 20 and 1 <= max_tokens <= 1 << 24 and
                 1 <= top_k <= n_experts):
@@ -538,6 +556,47 @@ class Client:
         if rep != bytes(payload):
             self._fail(E_PROTO, "PING reply does not echo its payload")
         return dt
+
+    # version 2: registered buffers ---------------------------------------------
+    def _v2(self):
+        if self.info is None:
+            self.hello()
+        if self.info.version < 2:
+            raise MoedError(-17, "the daemon speaks protocol version %d; registered buffers "
+                            "need 2" % self.info.version)
+
+    def register_buf(self, handle, offset, size, uuid):
+        """REGISTER_BUF: a range [offset, offset + size) of the allocation whose
+        64-byte CUDA IPC handle is `handle`, on the GPU with the 16-byte `uuid`.
+        Returns the buffer id (this connection's). The daemon checks it all
+        (MoedError: inval, range, busy, unsupported, io) before it maps it."""
+        self._v2()
+        handle, uuid = bytes(handle), bytes(uuid)
+        if len(handle) != 64 or len(uuid) != 16:
+            raise MoedError(E_INVAL, "handle must be 64 bytes and uuid 16 (got %d, %d)"
+                            % (len(handle), len(uuid)))
+        rep = self._call(MSG_REGISTER_BUF, _REG_REQ.pack(handle, offset, size, uuid))
+        if len(rep) != 8:
+            self._fail(E_PROTO, "REGISTER_BUF reply is %d bytes, expected 8" % len(rep))
+        return _REG_REP.unpack(rep)[0]
+
+    def unregister_buf(self, buf_id):
+        """UNREGISTER_BUF: the id is gone at once; the mapping stays until the
+        last request using it has completed."""
+        self._v2()
+        self._call(MSG_UNREGISTER_BUF, _REG_REP.pack(buf_id, 0))
+
+    def forward_desc(self, layer, n_tokens, x, ids, w, y, top_k=None):
+        """FORWARD_DESC: one MoE layer on registered buffers; x, ids, w, y are
+        (buf_id, offset) pairs (x bf16 [T, H], ids int32 [T, k], w fp32 [T, k],
+        y bf16 [T, H] written by the daemon). Returns when y is written."""
+        self._v2()
+        k = self.info.top_k if top_k is None else top_k
+        rep = self._call(MSG_FORWARD_DESC, _DESC_REQ.pack(
+            layer, n_tokens, k, 0, x[0], 0, x[1], ids[0], 0, ids[1], w[0], 0, w[1],
+            y[0], 0, y[1]))
+        if len(rep) != 8 or _FWD_REP.unpack(rep)[0] != n_tokens:
+            self._fail(E_PROTO, "FORWARD_DESC reply does not echo T=%d" % n_tokens)
 
     def _encode_forward(self, layer, hidden_states, topk_ids, topk_weights, flags=0):
         if self.info is None:
@@ -655,7 +714,7 @@ class Client:
     def _send_reading(self, msg_type, rid, payload, pending, out):
         """Write one frame; whenever the socket has a reply to read meanwhile,
         read it (into out)."""
-        data = memoryview(_HDR.pack(PROTO_MAGIC, PROTO_VERSION, msg_type, 0, 0, rid,
+        data = memoryview(_HDR.pack(PROTO_MAGIC, frame_version(msg_type), msg_type, 0, 0, rid,
                                     len(payload)) + payload)
         while data:
             try:

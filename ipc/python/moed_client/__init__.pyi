@@ -7,7 +7,7 @@ from typing import Any, Dict, Optional, Tuple
 __version__: str
 DEFAULT_SOCKET: str
 ERROR_NAMES: Dict[int, str]
-PROTO_MAX_VERSION: int
+PROTO_MIN_VERSION: int
 FORWARD_ROUTED_ONLY: int
 FORWARD_EMPTY_SLOTS: int
 EXPERT_NONE: int

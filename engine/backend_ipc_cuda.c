@@ -1,0 +1,116 @@
+/* backend_ipc_cuda.c - the CUDA backend's side of registered client buffers
+ * (backend.h: device_uuid, ipc_open, ipc_close; engine/desc.h owns the
+ * registry and every check of the ranges).
+ *
+ * A client's cudaIpcMemHandle_t names a whole allocation; it is opened into
+ * the backend's device (cudaIpcMemLazyEnablePeerAccess) and its real size is
+ * asked of the driver (cuMemGetAddressRange, through the runtime's driver
+ * entry point: no link against libcuda), so that a client that claims a
+ * larger allocation than it has is refused before any batch can read past
+ * its end. A handle that will not open is the client's error (MOED_E_IO),
+ * never the backend's: the runtime error is cleared and the backend stays
+ * healthy. Loop thread. Also what the backend knows of sharing its GPU: the
+ * device's UUID and whether it runs under MPS, and the SMs the kernel then
+ * leaves to the other processes (cuda_sms_free).
+ */
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "backend_cuda_int.h"
+#include "moed_err.h"
+#include "moed_log.h"
+
+typedef CUresult (*get_range_fn)(CUdeviceptr *base, size_t *size, CUdeviceptr p);
+
+void cuda_sharing_probe(struct cuda_backend *cb, const struct cudaDeviceProp *prop)
+{
+    memcpy(cb->uuid, prop->uuid.bytes, sizeof cb->uuid);
+    if (cudaDeviceGetAttribute(&cb->mps, cudaDevAttrMpsEnabled, cb->dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        cb->mps = 0;
+    }
+}
+
+int cuda_sms_free(const struct cuda_backend *cb, int sms_free, int mps_percent)
+{
+    if (!cb->mps || sms_free != 0 || mps_percent <= 0)
+        return sms_free;
+    sms_free = cb->n_sms * mps_percent / 100;
+    LOG_I("cuda: GPU %d is shared through MPS: leaving %d of %d SMs free "
+          "(engine.mps_sms_free_percent %d; engine.sms_free sets it)",
+          cb->dev, sms_free, cb->n_sms, mps_percent);
+    return sms_free;
+}
+
+int cuda_device_uuid(struct moed_backend *be, uint8_t uuid[16], int *mps)
+{
+    const struct cuda_backend *cb = (const struct cuda_backend *)be;
+    memcpy(uuid, cb->uuid, 16);
+    *mps = cb->mps;
+    return 0;
+}
+
+static get_range_fn range_fn(void)
+{
+    static get_range_fn fn;
+    if (!fn) {
+        void *p = NULL;
+        enum cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000, cudaEnableDefault,
+                                             &q) == cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            fn = (get_range_fn)p;
+        else
+            (void)cudaGetLastError();
+    }
+    return fn;
+}
+
+int cuda_ipc_open(struct moed_backend *be, const uint8_t handle[64], struct moed_buf *out,
+                  char *err, size_t errlen)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)be;
+    cudaIpcMemHandle_t h;
+    _Static_assert(sizeof h == 64, "cudaIpcMemHandle_t is 64 bytes");
+    memcpy(&h, handle, sizeof h);
+    void *p = NULL;
+    cudaError_t ce = cudaSetDevice(cb->dev);
+    if (ce == cudaSuccess)
+        ce = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+    if (ce != cudaSuccess) {
+        (void)cudaGetLastError();
+        return moed_seterr(err, errlen, MOED_E_IO,
+                           "the handle will not open: cudaIpcOpenMemHandle: %s",
+                           cudaGetErrorString(ce));
+    }
+    get_range_fn fn = range_fn();
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    if (!fn || fn(&base, &size, (CUdeviceptr)(uintptr_t)p) != CUDA_SUCCESS ||
+        base != (CUdeviceptr)(uintptr_t)p || size == 0) {
+        (void)cudaIpcCloseMemHandle(p);
+        (void)cudaGetLastError();
+        return moed_seterr(err, errlen, MOED_E_IO,
+                           "the handle opened but the driver does not report its allocation's "
+                           "range (cuMemGetAddressRange%s)",
+                           fn ? "" : " not found");
+    }
+    *out = (struct moed_buf){MOED_BUF_DEVICE, cb->dev, p, (uint64_t)size};
+    LOG_D("cuda: GPU %d: client allocation of %zu bytes mapped at %p", cb->dev, size, p);
+    return 0;
+}
+
+void cuda_ipc_close(struct moed_backend *be, const struct moed_buf *m)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)be;
+    cudaError_t ce = cudaSetDevice(cb->dev);
+    if (ce == cudaSuccess)
+        ce = cudaIpcCloseMemHandle(m->ptr);
+    if (ce != cudaSuccess) {
+        (void)cudaGetLastError();
+        LOG_W("cuda: GPU %d: cudaIpcCloseMemHandle(%p): %s", cb->dev, m->ptr,
+              cudaGetErrorString(ce));
+    }
+}

@@ -1,0 +1,417 @@
+/* desc.c - registered client buffers and FORWARD_DESC requests (desc.h). */
+#include "desc.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moed_err.h"
+#include "moed_log.h"
+
+/* One mapped client allocation (backend ipc_open), shared by every
+ * registration of the same handle. */
+struct desc_map {
+    struct desc_map *next;
+    uint8_t handle[MOED_PROTO_IPC_HANDLE_BYTES];
+    struct moed_buf mem; /* where it is mapped here (kind, device, base, bytes) */
+    uint32_t refs;       /* registrations using it */
+};
+
+/* One registration: [off, off + size) of a mapping. */
+struct desc_buf {
+    uint32_t id;
+    uint32_t refs; /* 1 while registered, + 1 per request holding it */
+    struct desc_map *map;
+    uint64_t off, size;
+};
+
+/* A connection's registrations (moed_server_conn_user). */
+struct desc_conn {
+    uint32_t n, next_id;
+    struct desc_buf *bufs[]; /* max_per_conn slots, n used */
+};
+
+struct moed_desc {
+    struct moed_backend *be;
+    uint32_t max_per_conn, hidden, top_k;
+    struct desc_map *maps;
+    struct moed_desc_stats st;
+    int warned_mps;
+};
+
+/* A FORWARD_DESC request's state (moed_reqio.src). */
+struct desc_req {
+    struct moed_desc *d;
+    struct desc_buf *ref[4]; /* x, ids, w, y */
+    struct moed_buf buf[4];
+    int leak;                /* abandoned: the device may still touch them */
+};
+
+static void map_put(struct moed_desc *d, struct desc_map *m)
+{
+    if (--m->refs)
+        return;
+    struct desc_map **pp = &d->maps;
+    while (*pp != m)
+        pp = &(*pp)->next;
+    *pp = m->next;
+    if (d->be) /* NULL: detached, the backend has closed */
+        d->be->ops->ipc_close(d->be, &m->mem);
+    d->st.mappings--;
+    d->st.mapped_bytes -= m->mem.bytes;
+    free(m);
+}
+
+static void buf_put(struct moed_desc *d, struct desc_buf *b)
+{
+    if (--b->refs)
+        return;
+    map_put(d, b->map);
+    d->st.registered--;
+    free(b);
+}
+
+int moed_desc_open(struct moed_backend *be, uint32_t max_per_conn, uint32_t hidden,
+                   uint32_t top_k, struct moed_desc **out)
+{
+    struct moed_desc *d = calloc(1, sizeof *d);
+    if (!d)
+        return MOED_E_NOMEM;
+    d->be = be;
+    d->max_per_conn = max_per_conn;
+    d->hidden = hidden;
+    d->top_k = top_k;
+    *out = d;
+    return 0;
+}
+
+void moed_desc_detach(struct moed_desc *d)
+{
+    if (!d || !d->be)
+        return;
+    if (d->maps)
+        LOG_W("buffers: %" PRIu64 " client mappings still held as the backend closes "
+              "(abandoned batches); left to process exit", d->st.mappings);
+    d->be = NULL;
+}
+
+void moed_desc_close(struct moed_desc *d)
+{
+    if (!d)
+        return;
+    moed_desc_detach(d);
+    for (struct desc_map *m = d->maps, *nx; m; m = nx) {
+        nx = m->next;
+        free(m);
+    }
+    free(d);
+}
+
+static struct desc_conn *conn_table(struct moed_desc *d, struct moed_conn *c, int create)
+{
+    void **slot = moed_server_conn_user(c);
+    if (!*slot && create) {
+        struct desc_conn *t = calloc(1, sizeof *t + d->max_per_conn * sizeof t->bufs[0]);
+        if (t)
+            t->next_id = 1;
+        *slot = t;
+    }
+    return *slot;
+}
+
+static void hex16(const uint8_t *u, char out[33])
+{
+    for (int i = 0; i < 16; i++)
+        snprintf(out + 2 * i, 3, "%02x", u[i]);
+}
+
+/* Validate (everything that does not need the handle), then open. */
+int moed_desc_register(struct moed_desc *d, struct moed_conn *c,
+                       const struct moed_register_req *rq, uint32_t *buf_id, char *err,
+                       size_t errlen)
+{
+    const struct moed_backend_ops *ops = d->be->ops;
+    int rc = 0;
+    struct desc_map *m = NULL;
+    struct desc_conn *t = NULL;
+    if (d->max_per_conn == 0) {
+        rc = moed_seterr(err, errlen, MOED_E_UNSUPPORTED,
+                         "buffer registration is off (server.max_registered_buffers is 0)");
+        goto out;
+    }
+    t = conn_table(d, c, 1);
+    if (!t) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory for the buffer table");
+        goto out;
+    }
+    if (t->n >= d->max_per_conn) {
+        rc = moed_seterr(err, errlen, MOED_E_BUSY,
+                         "this connection has %u buffers registered, the limit "
+                         "(server.max_registered_buffers %u); unregister one first",
+                         t->n, d->max_per_conn);
+        goto out;
+    }
+    if (!ops->ipc_open || !ops->device_uuid) {
+        rc = moed_seterr(err, errlen, MOED_E_UNSUPPORTED,
+                         "backend %s cannot open CUDA IPC handles: registered buffers need the "
+                         "cuda backend",
+                         ops->name);
+        goto out;
+    }
+    uint8_t uuid[MOED_PROTO_UUID_BYTES];
+    int mps = 0;
+    rc = ops->device_uuid(d->be, uuid, &mps);
+    if (rc < 0) {
+        rc = moed_seterr(err, errlen, rc, "backend %s: the GPU's UUID is not known", ops->name);
+        goto out;
+    }
+    if (memcmp(uuid, rq->uuid, sizeof uuid) != 0) {
+        char a[33], b[33];
+        hex16(rq->uuid, a);
+        hex16(uuid, b);
+        rc = moed_seterr(err, errlen, MOED_E_INVAL,
+                         "the buffer lies on GPU %s, not on this daemon's GPU %s (buffers on "
+                         "another GPU are not supported)",
+                         a, b);
+        goto out;
+    }
+    if (!mps && !d->warned_mps) {
+        /* a client on this GPU without MPS: its own kernels (the copies into
+         * the buffer it lends) run only while moed's kernel is not resident */
+        LOG_W("buffers: a client registers memory of this daemon's GPU, which is not under MPS: "
+              "its kernels wait until moed's persistent kernel idles out (engine.idle_exit_ms); "
+              "start MPS (docs/ZERO_COPY.md)");
+        d->warned_mps = 1;
+    }
+    for (m = d->maps; m && memcmp(m->handle, rq->handle, sizeof m->handle) != 0; m = m->next)
+        ;
+    if (m) {
+        m->refs++;
+    } else {
+        m = calloc(1, sizeof *m);
+        if (!m) {
+            rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory for a mapping");
+            goto out;
+        }
+        memcpy(m->handle, rq->handle, sizeof m->handle);
+        rc = ops->ipc_open(d->be, rq->handle, &m->mem, err, errlen);
+        if (rc < 0) {
+            free(m);
+            m = NULL;
+            goto out;
+        }
+        m->refs = 1;
+        m->next = d->maps;
+        d->maps = m;
+        d->st.mappings++;
+        d->st.mapped_bytes += m->mem.bytes;
+    }
+    if (rq->offset > m->mem.bytes || rq->size > m->mem.bytes - rq->offset) {
+        rc = moed_seterr(err, errlen, MOED_E_RANGE,
+                         "range [%" PRIu64 ", %" PRIu64 ") is past the end of the %" PRIu64
+                         "-byte allocation",
+                         rq->offset, rq->offset + rq->size, m->mem.bytes);
+        goto out;
+    }
+    struct desc_buf *b = calloc(1, sizeof *b);
+    if (!b) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory for a registration");
+        goto out;
+    }
+    *b = (struct desc_buf){.id = t->next_id++, .refs = 1, .map = m, .off = rq->offset,
+                           .size = rq->size};
+    if (t->next_id == 0)
+        t->next_id = 1;
+    t->bufs[t->n++] = b;
+    m = NULL; /* b holds it */
+    d->st.registered++;
+    d->st.registers++;
+    *buf_id = b->id;
+out:
+    if (m)
+        map_put(d, m);
+    if (rc < 0)
+        d->st.refused++;
+    return rc;
+}
+
+static int find(const struct desc_conn *t, uint32_t id)
+{
+    for (uint32_t i = 0; t && i < t->n; i++)
+        if (t->bufs[i]->id == id)
+            return (int)i;
+    return -1;
+}
+
+int moed_desc_unregister(struct moed_desc *d, struct moed_conn *c, uint32_t buf_id, char *err,
+                         size_t errlen)
+{
+    struct desc_conn *t = conn_table(d, c, 0);
+    int i = find(t, buf_id);
+    if (i < 0)
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "buffer id %u is not registered on this connection", buf_id);
+    struct desc_buf *b = t->bufs[i];
+    t->bufs[i] = t->bufs[--t->n];
+    buf_put(d, b);
+    return 0;
+}
+
+void moed_desc_conn_closed(struct moed_desc *d, struct moed_conn *c)
+{
+    void **slot = moed_server_conn_user(c);
+    struct desc_conn *t = *slot;
+    if (!t)
+        return;
+    for (uint32_t i = 0; i < t->n; i++)
+        buf_put(d, t->bufs[i]);
+    free(t);
+    *slot = NULL;
+}
+
+void moed_desc_get_stats(const struct moed_desc *d, struct moed_desc_stats *out)
+{
+    *out = d ? d->st : (struct moed_desc_stats){0};
+}
+
+/* ---- the descriptor request source (reqio.h) ---- */
+
+static void req_release(struct moed_reqio *io)
+{
+    struct desc_req *q = io->src;
+    if (!q)
+        return;
+    for (int i = 0; i < 4 && !q->leak; i++)
+        if (q->ref[i])
+            buf_put(q->d, q->ref[i]);
+    free(q);
+    io->src = NULL;
+}
+
+static int desc_bind(const struct moed_reqio_env *env, struct moed_reqio *io, struct moed_batch *b)
+{
+    (void)env;
+    const struct desc_req *q = io->src;
+    b->x = q->buf[0];
+    b->ids = q->buf[1];
+    b->w = q->buf[2];
+    b->y = q->buf[3];
+    return 0;
+}
+
+static const uint8_t *desc_host_inputs(const struct moed_reqio *io)
+{
+    (void)io;
+    return NULL; /* x, ids, w lie in separate client buffers: never merged */
+}
+
+static int desc_reply(const struct moed_reqio_env *env, struct moed_reqio *io,
+                      const struct moed_batch *b, int bound, uint32_t row,
+                      const struct moed_req_times *t)
+{
+    (void)b;
+    (void)bound;
+    (void)row;
+    req_release(io);
+    int gone = moed_server_conn_gone(io->conn);
+    moed_server_reply_desc(io->conn, io->request_id, io->n_tokens, env->hidden, t);
+    return gone ? 0 : 1;
+}
+
+static void desc_fail(const struct moed_reqio_env *env, struct moed_reqio *io, int code,
+                      const char *msg)
+{
+    (void)env;
+    req_release(io);
+    if (code == 0)
+        moed_server_reply(io->conn, NULL, 0, 0, NULL);
+    else
+        moed_server_reply_error(io->conn, io->request_id, code, msg);
+}
+
+static void desc_abandon(const struct moed_reqio_env *env, struct moed_reqio *io)
+{
+    (void)env;
+    struct desc_req *q = io->src;
+    if (q)
+        q->leak = 1;
+}
+
+static const struct moed_reqio_ops desc_ops = {
+    .name = "descriptor",
+    .bind = desc_bind,
+    .host_inputs = desc_host_inputs,
+    .reply = desc_reply,
+    .fail = desc_fail,
+    .abandon = desc_abandon,
+};
+
+static int overlap(const struct desc_req *q, int i, int j, const struct moed_bufref *ri,
+                   const struct moed_bufref *rj)
+{
+    return q->ref[i] == q->ref[j] && ri->offset < rj->offset + q->buf[j].bytes &&
+           rj->offset < ri->offset + q->buf[i].bytes;
+}
+
+int moed_desc_request(struct moed_desc *d, struct moed_conn *c, uint64_t request_id,
+                      const struct moed_forward_desc_req *rq, struct moed_reqio *io, char *err,
+                      size_t errlen)
+{
+    static const char *const names[4] = {"x", "ids", "w", "y"};
+    const struct moed_bufref *refs[4] = {&rq->x, &rq->ids, &rq->w, &rq->y};
+    const uint64_t T = rq->head.n_tokens;
+    const uint64_t len[4] = {T * d->hidden * 2, T * d->top_k * 4, T * d->top_k * 4,
+                             T * d->hidden * 2};
+    struct desc_conn *t = conn_table(d, c, 0);
+    struct desc_req *q = calloc(1, sizeof *q);
+    int rc = 0;
+    if (!q)
+        return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory for a request");
+    q->d = d;
+    for (int i = 0; i < 4; i++) {
+        int k = find(t, refs[i]->buf_id);
+        if (k < 0) {
+            rc = moed_seterr(err, errlen, MOED_E_INVAL,
+                             "%s: buffer id %u is not registered on this connection", names[i],
+                             refs[i]->buf_id);
+            goto fail;
+        }
+        struct desc_buf *b = t->bufs[k];
+        if (refs[i]->offset > b->size || len[i] > b->size - refs[i]->offset) {
+            rc = moed_seterr(err, errlen, MOED_E_RANGE,
+                             "%s: [%" PRIu64 ", +%" PRIu64 ") is past the end of buffer %u (%" PRIu64
+                             " bytes)",
+                             names[i], refs[i]->offset, len[i], b->id, b->size);
+            goto fail;
+        }
+        uint8_t *p = (uint8_t *)b->map->mem.ptr + b->off + refs[i]->offset;
+        if ((uintptr_t)p % (i == 0 || i == 3 ? MOED_BUF_ALIGN : 4) != 0) {
+            rc = moed_seterr(err, errlen, MOED_E_INVAL, "%s: address is not aligned", names[i]);
+            goto fail;
+        }
+        q->ref[i] = b;
+        q->buf[i] = (struct moed_buf){b->map->mem.kind, b->map->mem.device, p, len[i]};
+    }
+    for (int i = 0; i < 3; i++)
+        if (overlap(q, 3, i, refs[3], refs[i])) {
+            rc = moed_seterr(err, errlen, MOED_E_INVAL, "y overlaps %s in buffer %u", names[i],
+                             refs[i]->buf_id);
+            goto fail;
+        }
+    for (int i = 0; i < 4; i++)
+        q->ref[i]->refs++;
+    memset(io, 0, sizeof *io);
+    io->ops = &desc_ops;
+    io->conn = c;
+    io->request_id = request_id;
+    io->layer = rq->head.layer;
+    io->n_tokens = rq->head.n_tokens;
+    io->src = q;
+    d->st.requests++;
+    return 0;
+fail:
+    free(q);
+    d->st.refused++;
+    return rc;
+}

@@ -1,0 +1,108 @@
+/* client_desc.c - the client library's version-2 calls (moed_client.h):
+ * REGISTER_BUF, UNREGISTER_BUF and FORWARD_DESC. */
+#include "client_int.h"
+#include "moed_le.h"
+
+#include <inttypes.h>
+#include <string.h>
+
+/* HELLO first if needed; the daemon must have chosen version 2. */
+static int v2_ready(struct moedc *c, char *err, size_t errlen)
+{
+    int rc = moedc__usable(c, 1, err, errlen);
+    if (rc)
+        return rc;
+    if (!c->have_hello) {
+        struct moed_hello_rep rep;
+        rc = moedc_hello(c, &rep, err, errlen);
+        if (rc)
+            return rc;
+    }
+    if (c->version < 2)
+        return moed_seterr(err, errlen, MOED_E_UNSUPPORTED,
+                           "the daemon speaks protocol version %u; registered buffers need 2",
+                           (unsigned)c->version);
+    return 0;
+}
+
+int moedc_register_buf(struct moedc *c, const uint8_t handle[64], uint64_t offset, uint64_t size,
+                       const uint8_t uuid[16], uint32_t *buf_id, char *err, size_t errlen)
+{
+    int rc = v2_ready(c, err, errlen);
+    if (rc)
+        return rc;
+    uint8_t p[sizeof(struct moed_register_req)];
+    memcpy(p, handle, MOED_PROTO_IPC_HANDLE_BYTES);
+    le_put64(p + 64, offset);
+    le_put64(p + 72, size);
+    memcpy(p + 80, uuid, MOED_PROTO_UUID_BYTES);
+    struct moed_frame_hdr h;
+    rc = moedc__call(c, MOED_MSG_REGISTER_BUF, p, sizeof p, &h, err, errlen);
+    if (rc)
+        return rc;
+    if (h.payload_len != sizeof(struct moed_register_rep)) {
+        c->broken = 1;
+        return moed_seterr(err, errlen, MOED_E_PROTO,
+                           "REGISTER_BUF reply is %" PRIu64 " bytes, expected %zu", h.payload_len,
+                           sizeof(struct moed_register_rep));
+    }
+    *buf_id = le_get32(c->rbuf);
+    return 0;
+}
+
+int moedc_unregister_buf(struct moedc *c, uint32_t buf_id, char *err, size_t errlen)
+{
+    int rc = v2_ready(c, err, errlen);
+    if (rc)
+        return rc;
+    uint8_t p[sizeof(struct moed_register_rep)];
+    le_put32(p, buf_id);
+    le_put32(p + 4, 0);
+    struct moed_frame_hdr h;
+    rc = moedc__call(c, MOED_MSG_UNREGISTER_BUF, p, sizeof p, &h, err, errlen);
+    if (rc == 0 && h.payload_len != 0) {
+        c->broken = 1;
+        return moed_seterr(err, errlen, MOED_E_PROTO, "UNREGISTER_BUF reply is not empty");
+    }
+    return rc;
+}
+
+static void put_ref(uint8_t *p, const struct moedc_bufref *r)
+{
+    le_put32(p, r->buf_id);
+    le_put32(p + 4, 0);
+    le_put64(p + 8, r->offset);
+}
+
+int moedc_forward_desc(struct moedc *c, uint32_t layer, uint32_t n_tokens, uint32_t top_k,
+                       const struct moedc_bufref *x, const struct moedc_bufref *ids,
+                       const struct moedc_bufref *w, const struct moedc_bufref *y, char *err,
+                       size_t errlen)
+{
+    if (!x || !ids || !w || !y)
+        return moed_seterr(err, errlen, MOED_E_INVAL, "moedc_forward_desc: a NULL buffer ref");
+    int rc = v2_ready(c, err, errlen);
+    if (rc)
+        return rc;
+    uint8_t p[sizeof(struct moed_forward_desc_req)];
+    le_put32(p, layer);
+    le_put32(p + 4, n_tokens);
+    le_put32(p + 8, top_k);
+    le_put32(p + 12, 0);
+    put_ref(p + 16, x);
+    put_ref(p + 32, ids);
+    put_ref(p + 48, w);
+    put_ref(p + 64, y);
+    struct moed_frame_hdr h;
+    rc = moedc__call(c, MOED_MSG_FORWARD_DESC, p, sizeof p, &h, err, errlen);
+    if (rc)
+        return rc;
+    if (h.payload_len != sizeof(struct moed_forward_rep) || le_get32(c->rbuf) != n_tokens) {
+        c->broken = 1;
+        return moed_seterr(err, errlen, MOED_E_PROTO,
+                           "FORWARD_DESC reply is %" PRIu64 " bytes for T=%u (expected %zu, T "
+                           "echoed)",
+                           h.payload_len, n_tokens, sizeof(struct moed_forward_rep));
+    }
+    return 0;
+}
