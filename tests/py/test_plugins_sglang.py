@@ -190,6 +190,22 @@ def method_placeholders():
     return PLACEHOLDERS
 
 
+def test_shared_expert_kept_by_sglang_means_routed_only(registered, daemon):
+    """SGLang computes the (unfused) shared expert itself: moed must leave
+    its own out, or refuse when the client cannot ask for that."""
+    ref = cases.tiny_reference(daemon)
+    lid = last_layer(daemon)
+    layer, method = build(registered, daemon.sock_path, ref, lid)
+    x, ids, w = cases.batch(ref, 3, seed=29)
+    d = dispatch(torch_x(x), ids, w)
+    if not pc.client_supports(method.experts.client, "routed_only"):
+        with pytest.raises(pc.MoedPluginError, match="routed experts only"):
+            method.apply(layer, d)
+        pytest.skip("this moed_client's forward() has no 'routed_only' keyword")
+    y = method.apply(layer, d).hidden_states
+    assert du.rel_l2(cases.f64(y), cases.expect(ref, lid, x, ids, w, shared=False)) < TOL
+
+
 def test_excluded_and_dense_layers_keep_sglangs_methods(registered, daemon):
     ref = cases.tiny_reference(daemon)
     layer = make_layer(ref, 0)
@@ -198,13 +214,13 @@ def test_excluded_and_dense_layers_keep_sglangs_methods(registered, daemon):
     assert qc.get_quant_method(layer, "model.layers.0.mlp.experts") is None
 
 
-def test_tp2_one_rank_computes(registered, daemon):
-    ref = cases.tiny_reference(daemon)
-    lid = last_layer(daemon)
+def test_tp2_one_rank_computes(registered, noshared):
+    ref = cases.F64Reference(noshared.cfg["model"]["path"])
+    lid = last_layer(noshared)
     x, ids, w = cases.batch(ref, 6, seed=21)
     total = np.zeros((6, ref.hidden))
     for r in range(2):
-        layer, method = build(registered, daemon.sock_path, ref, lid, tp=(r, 2))
+        layer, method = build(registered, noshared.sock_path, ref, lid, tp=(r, 2))
         out = method.apply(layer, dispatch(torch_x(x), ids, w))
         assert isinstance(out, sd.StandardCombineInput)
         y = out.hidden_states
@@ -270,10 +286,10 @@ def test_fused_shared_column_and_routed_scaling(registered, daemon):
     assert du.rel_l2(cases.f64(y), want) < TOL
 
 
-def test_eplb_physical_ids(registered, daemon, monkeypatch):
+def test_eplb_physical_ids(registered, noshared, monkeypatch):
     import sglang.srt.eplb.expert_location_dispatch as eld
-    ref = cases.tiny_reference(daemon)
-    lid = last_layer(daemon)
+    ref = cases.F64Reference(noshared.cfg["model"]["path"])
+    lid = last_layer(noshared)
     rng = np.random.default_rng(25)
     p2l = rng.permutation(np.concatenate([np.arange(8), rng.choice(8, 4, replace=False)]))
 
@@ -281,7 +297,7 @@ def test_eplb_physical_ids(registered, daemon, monkeypatch):
         physical_to_logical_map_cpu = {lid: torch.from_numpy(p2l)}
 
     monkeypatch.setattr(eld, "get_global_expert_location_metadata", lambda: Meta)
-    layer, method = build(registered, daemon.sock_path, ref, lid)
+    layer, method = build(registered, noshared.sock_path, ref, lid)
     layer.num_experts = layer._num_global_routed = layer.num_local_experts = 12
     rows = []
     while len(rows) < 5:
@@ -292,19 +308,25 @@ def test_eplb_physical_ids(registered, daemon, monkeypatch):
     x, _, w = cases.batch(ref, 5, seed=26)
     y = method.apply(layer, dispatch(torch_x(x), phys, w)).hidden_states
     assert du.rel_l2(cases.f64(y), cases.expect(ref, lid, x, p2l[phys], w)) < TOL
+    # without EPLB's map, redundant physical ids are refused, not guessed
+    monkeypatch.setattr(eld, "get_global_expert_location_metadata", lambda: None)
+    layer2, method2 = build(registered, noshared.sock_path, ref, lid)
+    layer2.num_experts = layer2._num_global_routed = layer2.num_local_experts = 12
+    with pytest.raises(pc.MoedPluginError, match="12 routed experts, the daemon.s model 8"):
+        method2.apply(layer2, dispatch(torch_x(x), phys, w))
 
 
-def test_zero_tokens_and_a_batch_over_max_tokens(registered, daemon):
-    ref = cases.tiny_reference(daemon)
-    lid = last_layer(daemon)
-    layer, method = build(registered, daemon.sock_path, ref, lid)
+def test_zero_tokens_and_a_batch_over_max_tokens(registered, noshared):
+    ref = cases.F64Reference(noshared.cfg["model"]["path"])
+    lid = last_layer(noshared)
+    layer, method = build(registered, noshared.sock_path, ref, lid)
     x, ids, w = cases.batch(ref, 0, seed=27)
     y = method.apply(layer, dispatch(torch_x(x), ids, w)).hidden_states
     assert tuple(y.shape) == (0, ref.hidden)
     t = 2 * method.experts.info().max_tokens + 9
     x, ids, w = cases.batch(ref, t, seed=28)
     y = method.apply(layer, dispatch(torch_x(x), ids, w)).hidden_states
-    assert du.rel_l2(cases.f64(y), cases.expect(ref, lid, x, ids, w)) < TOL
+    assert du.rel_l2(cases.f64(y), cases.expect(ref, lid, x, ids, w, shared=False)) < TOL
 
 
 def test_unsupported_outputs_refused(registered, daemon):

@@ -179,10 +179,11 @@ def _concat(parts):
 
 
 def client_supports(client, keyword):
-    """Whether this client's forward() takes the keyword (routed_only,
-    empty_slots: protocol version 2 features)."""
+    """Whether this client's (or client class's) forward() takes the
+    keyword (routed_only, empty_slots: protocol version 2 features)."""
+    cls = client if isinstance(client, type) else type(client)
     try:
-        return keyword in inspect.signature(type(client).forward).parameters
+        return keyword in inspect.signature(cls.forward).parameters
     except (TypeError, ValueError):
         return False
 
