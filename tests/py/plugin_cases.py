@@ -78,3 +78,33 @@ def ep_local_ids(ids, ep_rank, n_local):
     lo = ep_rank * n_local
     mine = (ids >= lo) & (ids < lo + n_local)
     return np.where(mine, ids - lo, -1).astype(np.int32)
+
+
+def noshared_daemon(tmp_path_factory, name):
+    """Body of a module-scoped fixture (`yield from` it): a daemon on
+    noshared_model, which must exit cleanly at the end."""
+    tmp = tmp_path_factory.mktemp(name)
+    cfg = du.base_config(str(tmp), str(tmp), status__port=du.free_port(),
+                         model__path=noshared_model(tmp))
+    with du.Daemon(tmp, cfg) as d:
+        yield d
+        assert d.stop() == 0, d.log()[-4000:]
+
+
+def model_reference(d):
+    """F64Reference of the model a daemon serves."""
+    path = d.cfg["model"]["path"]
+    return tiny_reference(d) if path.startswith("synthetic:") else F64Reference(path)
+
+
+def last_layer(d):
+    """The last (MoE) layer of the daemon's model."""
+    import moed_client
+    with moed_client.Client(d.sock_path) as c:
+        return c.hello().n_layers - 1
+
+
+def torch_x(x):
+    """A bf16 numpy batch as a torch bf16 tensor."""
+    import torch
+    return torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)

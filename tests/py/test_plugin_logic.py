@@ -24,13 +24,7 @@ def daemon(tmp_path_factory, models_dir):
 
 @pytest.fixture(scope="module")
 def noshared(tmp_path_factory):
-    """A daemon on the tiny model without its shared expert."""
-    tmp = tmp_path_factory.mktemp("plugin-noshared")
-    cfg = du.base_config(str(tmp), str(tmp), status__port=du.free_port(),
-                         model__path=cases.noshared_model(tmp))
-    with du.Daemon(tmp, cfg) as d:
-        yield d
-        assert d.stop() == 0, d.log()[-4000:]
+    yield from cases.noshared_daemon(tmp_path_factory, "plugin-noshared")
 
 
 def experts_of(d):
@@ -158,23 +152,19 @@ def _ep_sum(ex, ref, layer, x, ids, w, ep, fw_shared):
     return total
 
 
-def test_ep2_local_ids_and_empty_slots(noshared):
-    ex = experts_of(noshared)
-    ref = cases.F64Reference(noshared.cfg["model"]["path"])
-    assert ref.n_shared == 0 and ex.info().n_shared == 0
+@pytest.mark.parametrize("model", ["noshared", "daemon"])
+def test_ep2_local_ids_empty_slots_shared_once(model, request):
+    """EP=2 on the model without a shared expert, and on the one with it
+    (moed's shared term asked for by EP rank 0 only: needs routed_only)."""
+    d = request.getfixturevalue(model)
+    ex = experts_of(d)
+    if model == "daemon":
+        needs(ex, "routed_only")
+    ref = cases.model_reference(d)
+    assert (ref.n_shared == 0) == (model == "noshared") and ex.info().n_shared == ref.n_shared
     layer = layer_of(ex)
     x, ids, w = cases.batch(ref, 7, seed=2)
     ids[0] = [0, 1]  # a token all on rank 0: rank 1's slots are all empty
-    total = _ep_sum(ex, ref, layer, x, ids, w, ep=2, fw_shared=False)
-    assert du.rel_l2(total, cases.expect(ref, layer, x, ids, w)) < TOL
-
-
-def test_ep2_shared_expert_added_once(daemon):
-    ex = experts_of(daemon)
-    needs(ex, "routed_only")
-    ref = cases.tiny_reference(daemon)
-    layer = layer_of(ex)
-    x, ids, w = cases.batch(ref, 6, seed=3)
     total = _ep_sum(ex, ref, layer, x, ids, w, ep=2, fw_shared=False)
     assert du.rel_l2(total, cases.expect(ref, layer, x, ids, w)) < TOL
 

@@ -53,12 +53,7 @@ def daemon(tmp_path_factory, models_dir):
 
 @pytest.fixture(scope="module")
 def noshared(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("sglang-noshared")
-    cfg = du.base_config(str(tmp), str(tmp), status__port=du.free_port(),
-                         model__path=cases.noshared_model(tmp))
-    with du.Daemon(tmp, cfg) as d:
-        yield d
-        assert d.stop() == 0, d.log()[-4000:]
+    yield from cases.noshared_daemon(tmp_path_factory, "sglang-noshared")
 
 
 @pytest.fixture(scope="module")
@@ -134,14 +129,6 @@ def dispatch(x, ids, w):
                                      topk_output=topk)
 
 
-def torch_x(x):
-    return torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)
-
-
-def last_layer(d):
-    return moed_client.Client(d.sock_path).hello().n_layers - 1
-
-
 # ------------------------------------------------------------------------------
 
 def test_entry_point_patches_modelopt_fp4(registered):
@@ -154,10 +141,10 @@ def test_entry_point_patches_modelopt_fp4(registered):
 
 def test_no_expert_weights_and_the_loader_skips_the_checkpoint(registered, daemon):
     ref = cases.tiny_reference(daemon)
-    lid = last_layer(daemon)
+    lid = cases.last_layer(daemon)
     layer, method = build(registered, daemon.sock_path, ref, lid)
     params = dict(layer.named_parameters())
-    assert set(params) == set(method_placeholders())
+    assert set(params) == set(pc.EXPERT_PARAMS)
     assert sum(p.numel() for p in params.values()) == 0
     # every expert tensor of the checkpoint, named as FusedMoE's mapping
     # names it (the model's load_weights, e.g. models/qwen3_moe.py), lands
@@ -185,19 +172,14 @@ def test_no_expert_weights_and_the_loader_skips_the_checkpoint(registered, daemo
     assert sum(p.numel() for p in layer.parameters()) == 0
 
 
-def method_placeholders():
-    from moed_client.sglang_plugin import PLACEHOLDERS
-    return PLACEHOLDERS
-
-
 def test_shared_expert_kept_by_sglang_means_routed_only(registered, daemon):
     """SGLang computes the (unfused) shared expert itself: moed must leave
     its own out, or refuse when the client cannot ask for that."""
     ref = cases.tiny_reference(daemon)
-    lid = last_layer(daemon)
+    lid = cases.last_layer(daemon)
     layer, method = build(registered, daemon.sock_path, ref, lid)
     x, ids, w = cases.batch(ref, 3, seed=29)
-    d = dispatch(torch_x(x), ids, w)
+    d = dispatch(cases.torch_x(x), ids, w)
     if not pc.client_supports(method.experts.client, "routed_only"):
         with pytest.raises(pc.MoedPluginError, match="routed experts only"):
             method.apply(layer, d)
@@ -215,13 +197,13 @@ def test_excluded_and_dense_layers_keep_sglangs_methods(registered, daemon):
 
 
 def test_tp2_one_rank_computes(registered, noshared):
-    ref = cases.F64Reference(noshared.cfg["model"]["path"])
-    lid = last_layer(noshared)
+    ref = cases.model_reference(noshared)
+    lid = cases.last_layer(noshared)
     x, ids, w = cases.batch(ref, 6, seed=21)
     total = np.zeros((6, ref.hidden))
     for r in range(2):
         layer, method = build(registered, noshared.sock_path, ref, lid, tp=(r, 2))
-        out = method.apply(layer, dispatch(torch_x(x), ids, w))
+        out = method.apply(layer, dispatch(cases.torch_x(x), ids, w))
         assert isinstance(out, sd.StandardCombineInput)
         y = out.hidden_states
         assert y.dtype == torch.bfloat16 and tuple(y.shape) == (6, ref.hidden)
@@ -232,8 +214,8 @@ def test_tp2_one_rank_computes(registered, noshared):
 
 
 def test_ep2_dispatcher_local_ids(registered, noshared):
-    ref = cases.F64Reference(noshared.cfg["model"]["path"])
-    lid = last_layer(noshared)
+    ref = cases.model_reference(noshared)
+    lid = cases.last_layer(noshared)
     x, ids, w = cases.batch(ref, 7, seed=22)
     ids[0] = [0, 1]
     total = np.zeros((7, ref.hidden))
@@ -243,7 +225,7 @@ def test_ep2_dispatcher_local_ids(registered, noshared):
         mapping = torch.full((ref.n_experts,), -1, dtype=torch.int32)  # as StandardDispatcher
         mapping[r * n_local:(r + 1) * n_local] = torch.arange(n_local, dtype=torch.int32)
         local = sd._map_topk_ids_to_local_experts(torch.from_numpy(ids), mapping)
-        y = method.apply(layer, dispatch(torch_x(x), local.numpy(), w)).hidden_states
+        y = method.apply(layer, dispatch(cases.torch_x(x), local.numpy(), w)).hidden_states
         total += cases.f64(y)
     assert du.rel_l2(total, cases.expect(ref, lid, x, ids, w)) < TOL
 
@@ -252,7 +234,7 @@ def test_ep2_with_a_shared_expert_needs_routed_only(registered, daemon):
     if not pc.client_supports(moed_client.Client, "routed_only"):
         pytest.skip("this moed_client's forward() has no 'routed_only' keyword")
     ref = cases.tiny_reference(daemon)
-    lid = last_layer(daemon)
+    lid = cases.last_layer(daemon)
     x, ids, w = cases.batch(ref, 5, seed=23)
     total = np.zeros((5, ref.hidden))
     n_local = ref.n_experts // 2
@@ -262,13 +244,13 @@ def test_ep2_with_a_shared_expert_needs_routed_only(registered, daemon):
         local = cases.ep_local_ids(ids, r, n_local)
         local = np.concatenate([local, np.full((5, 1), n_local, np.int32)], axis=1)
         w3 = np.concatenate([w, np.ones((5, 1), np.float32)], axis=1)
-        total += cases.f64(method.apply(layer, dispatch(torch_x(x), local, w3)).hidden_states)
+        total += cases.f64(method.apply(layer, dispatch(cases.torch_x(x), local, w3)).hidden_states)
     assert du.rel_l2(total, cases.expect(ref, lid, x, ids, w)) < TOL
 
 
 def test_fused_shared_column_and_routed_scaling(registered, daemon):
     ref = cases.tiny_reference(daemon)
-    lid = last_layer(daemon)
+    lid = cases.last_layer(daemon)
     x, ids, w = cases.batch(ref, 5, seed=24)
     rsf = 2.5
     want = cases.expect(ref, lid, x, ids, w * np.float32(rsf))
@@ -277,19 +259,19 @@ def test_fused_shared_column_and_routed_scaling(registered, daemon):
     # SGLang folds the factor into top-k for this method (its flag)
     assert layer.should_fuse_routed_scaling_factor_in_topk
     w3 = np.concatenate([w * np.float32(rsf), np.ones((5, 1), np.float32)], axis=1)
-    y = method.apply(layer, dispatch(torch_x(x), ids3, w3)).hidden_states
+    y = method.apply(layer, dispatch(cases.torch_x(x), ids3, w3)).hidden_states
     assert du.rel_l2(cases.f64(y), want) < TOL
     # a layer whose top-k did not fold it: the plugin multiplies it in once
     layer.should_fuse_routed_scaling_factor_in_topk = False
     w3 = np.concatenate([w, np.ones((5, 1), np.float32)], axis=1)
-    y = method.apply(layer, dispatch(torch_x(x), ids3, w3)).hidden_states
+    y = method.apply(layer, dispatch(cases.torch_x(x), ids3, w3)).hidden_states
     assert du.rel_l2(cases.f64(y), want) < TOL
 
 
 def test_eplb_physical_ids(registered, noshared, monkeypatch):
     import sglang.srt.eplb.expert_location_dispatch as eld
-    ref = cases.F64Reference(noshared.cfg["model"]["path"])
-    lid = last_layer(noshared)
+    ref = cases.model_reference(noshared)
+    lid = cases.last_layer(noshared)
     rng = np.random.default_rng(25)
     p2l = rng.permutation(np.concatenate([np.arange(8), rng.choice(8, 4, replace=False)]))
 
@@ -306,32 +288,32 @@ def test_eplb_physical_ids(registered, noshared, monkeypatch):
             rows.append(p)
     phys = np.array(rows, dtype=np.int32)
     x, _, w = cases.batch(ref, 5, seed=26)
-    y = method.apply(layer, dispatch(torch_x(x), phys, w)).hidden_states
+    y = method.apply(layer, dispatch(cases.torch_x(x), phys, w)).hidden_states
     assert du.rel_l2(cases.f64(y), cases.expect(ref, lid, x, p2l[phys], w)) < TOL
     # without EPLB's map, redundant physical ids are refused, not guessed
     monkeypatch.setattr(eld, "get_global_expert_location_metadata", lambda: None)
     layer2, method2 = build(registered, noshared.sock_path, ref, lid)
     layer2.num_experts = layer2._num_global_routed = layer2.num_local_experts = 12
     with pytest.raises(pc.MoedPluginError, match="12 routed experts, the daemon.s model 8"):
-        method2.apply(layer2, dispatch(torch_x(x), phys, w))
+        method2.apply(layer2, dispatch(cases.torch_x(x), phys, w))
 
 
 def test_zero_tokens_and_a_batch_over_max_tokens(registered, noshared):
-    ref = cases.F64Reference(noshared.cfg["model"]["path"])
-    lid = last_layer(noshared)
+    ref = cases.model_reference(noshared)
+    lid = cases.last_layer(noshared)
     layer, method = build(registered, noshared.sock_path, ref, lid)
     x, ids, w = cases.batch(ref, 0, seed=27)
-    y = method.apply(layer, dispatch(torch_x(x), ids, w)).hidden_states
+    y = method.apply(layer, dispatch(cases.torch_x(x), ids, w)).hidden_states
     assert tuple(y.shape) == (0, ref.hidden)
     t = 2 * method.experts.info().max_tokens + 9
     x, ids, w = cases.batch(ref, t, seed=28)
-    y = method.apply(layer, dispatch(torch_x(x), ids, w)).hidden_states
+    y = method.apply(layer, dispatch(cases.torch_x(x), ids, w)).hidden_states
     assert du.rel_l2(cases.f64(y), cases.expect(ref, lid, x, ids, w, shared=False)) < TOL
 
 
 def test_unsupported_outputs_refused(registered, daemon):
     ref = cases.tiny_reference(daemon)
-    lid = last_layer(daemon)
+    lid = cases.last_layer(daemon)
     layer, method = build(registered, daemon.sock_path, ref, lid)
     x = torch.zeros(2, ref.hidden, dtype=torch.bfloat16)
     tk = TritonKernelTopKOutput(None, None, None, None, 2)

@@ -48,12 +48,7 @@ def daemon(tmp_path_factory, models_dir):
 
 @pytest.fixture(scope="module")
 def noshared(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("vllm-noshared")
-    cfg = du.base_config(str(tmp), str(tmp), status__port=du.free_port(),
-                         model__path=cases.noshared_model(tmp))
-    with du.Daemon(tmp, cfg) as d:
-        yield d
-        assert d.stop() == 0, d.log()[-4000:]
+    yield from cases.noshared_daemon(tmp_path_factory, "vllm-noshared")
 
 
 @pytest.fixture(scope="module")
@@ -123,17 +118,9 @@ def build(method_cls, sock, ref, layer_id, tp=(0, 1), ep=(0, 1)):
     return layer, method
 
 
-def torch_x(x):
-    return torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)
-
-
 def apply(method, layer, x, ids, w):
-    return method.apply(layer, torch_x(x), torch.from_numpy(np.asarray(w, np.float32)),
+    return method.apply(layer, cases.torch_x(x), torch.from_numpy(np.asarray(w, np.float32)),
                         torch.from_numpy(np.asarray(ids, np.int32)), None, None)
-
-
-def last_layer(d):
-    return moed_client.Client(d.sock_path).hello().n_layers - 1
 
 
 # ------------------------------------------------------------------------------
@@ -147,8 +134,8 @@ def test_entry_point_sets_the_nvfp4_moe_method(method_cls):
 
 
 def test_no_expert_weights_and_load_weights_skips_the_checkpoint(method_cls, noshared):
-    ref = cases.F64Reference(noshared.cfg["model"]["path"])
-    lid = last_layer(noshared)
+    ref = cases.model_reference(noshared)
+    lid = cases.last_layer(noshared)
     layer, method = build(method_cls, noshared.sock_path, ref, lid)
     assert sum(p.numel() for p in layer.parameters()) == 0
     assert not method.is_monolithic
@@ -162,8 +149,8 @@ def test_no_expert_weights_and_load_weights_skips_the_checkpoint(method_cls, nos
 
 
 def test_tp2_one_rank_computes_routed_only(method_cls, noshared):
-    ref = cases.F64Reference(noshared.cfg["model"]["path"])
-    lid = last_layer(noshared)
+    ref = cases.model_reference(noshared)
+    lid = cases.last_layer(noshared)
     x, ids, w = cases.batch(ref, 6, seed=31)
     total = np.zeros((6, ref.hidden))
     for r in range(2):
@@ -175,8 +162,8 @@ def test_tp2_one_rank_computes_routed_only(method_cls, noshared):
 
 
 def test_ep2_expert_map(method_cls, noshared):
-    ref = cases.F64Reference(noshared.cfg["model"]["path"])
-    lid = last_layer(noshared)
+    ref = cases.model_reference(noshared)
+    lid = cases.last_layer(noshared)
     x, ids, w = cases.batch(ref, 7, seed=32)
     ids[0] = [0, 1]
     total = np.zeros((7, ref.hidden))
@@ -191,7 +178,7 @@ def test_shared_experts_stay_with_vllm(method_cls, daemon):
     """Against a model with a shared expert the plugin asks for the routed
     experts only (or refuses, with a version-1 client)."""
     ref = cases.tiny_reference(daemon)
-    lid = last_layer(daemon)
+    lid = cases.last_layer(daemon)
     layer, method = build(method_cls, daemon.sock_path, ref, lid)
     x, ids, w = cases.batch(ref, 3, seed=33)
     if not pc.client_supports(method.experts.client, "routed_only"):
@@ -203,8 +190,8 @@ def test_shared_experts_stay_with_vllm(method_cls, daemon):
 
 
 def test_zero_tokens_and_a_batch_over_max_tokens(method_cls, noshared):
-    ref = cases.F64Reference(noshared.cfg["model"]["path"])
-    lid = last_layer(noshared)
+    ref = cases.model_reference(noshared)
+    lid = cases.last_layer(noshared)
     layer, method = build(method_cls, noshared.sock_path, ref, lid)
     x, ids, w = cases.batch(ref, 0, seed=34)
     assert tuple(apply(method, layer, x, ids, w).shape) == (0, ref.hidden)
@@ -215,7 +202,7 @@ def test_zero_tokens_and_a_batch_over_max_tokens(method_cls, noshared):
 
 
 def test_data_parallel_and_eplb_refused(method_cls, noshared):
-    ref = cases.F64Reference(noshared.cfg["model"]["path"])
+    ref = cases.model_reference(noshared)
     mc = moe_config(ref, parallel(dp=2), ref.n_experts)
     with pytest.raises(pc.MoedPluginError, match="data parallelism"):
         method_cls(quant_config=quant_config(), moe_config=mc)

@@ -39,6 +39,42 @@ def enabled(environ=None):
     return bool(env.get(ENV_SOCKET, "").strip())
 
 
+# Parameter names the frameworks' loaders map ModelOpt NVFP4 expert tensors
+# to (weight, weight_scale, weight_scale_2, input_scale of gate/up -> w13 and
+# down -> w2): the names ModelOptNvFp4FusedMoEMethod.create_weights (SGLang)
+# and ModelOptNvFp4FusedMoE.create_weights (vLLM) register.
+EXPERT_PARAMS = ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale",
+                 "w13_weight_scale_2", "w2_weight_scale_2", "w13_input_scale", "w2_input_scale")
+
+
+def skip_expert_tensor(param, loaded_weight, *args, **kwargs):
+    """weight_loader of the placeholders: the checkpoint's expert tensor is
+    dropped (moed holds the experts). Returns True for loaders that ask
+    return_success (vLLM's RoutedExperts.load_weights)."""
+    return True
+
+
+def add_placeholders(layer, num_experts):
+    """Register EXPERT_PARAMS on the layer as [num_experts, 0] uint8
+    parameters (zero bytes, yet one empty row per expert for code that walks
+    the expert dimension, EPLB's weight moves) whose loader drops the
+    checkpoint's tensors."""
+    import torch
+    for name in EXPERT_PARAMS:
+        p = torch.nn.Parameter(torch.empty(num_experts, 0, dtype=torch.uint8),
+                               requires_grad=False)
+        p.weight_loader = skip_expert_tensor
+        layer.register_parameter(name, p)
+
+
+def check_placeholders(layer):
+    """After loading: nothing was loaded, nothing is to be repacked."""
+    for name in EXPERT_PARAMS:
+        if getattr(layer, name).numel():
+            raise MoedPluginError("expert parameter %s of a moed-served layer holds data"
+                                  % name)
+
+
 def _np():
     import numpy
     return numpy

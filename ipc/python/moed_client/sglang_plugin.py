@@ -55,20 +55,7 @@ from moed_client import _plugin_common as pc
 
 log = logging.getLogger("moed_client.sglang_plugin")
 
-# parameter names FusedMoE's loader maps ModelOpt NVFP4 expert tensors to
-# (weight, weight_scale, weight_scale_2, input_scale of gate/up -> w13 and
-# down -> w2), as ModelOptNvFp4FusedMoEMethod.create_weights registers them
-PLACEHOLDERS = ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale",
-                "w13_weight_scale_2", "w2_weight_scale_2", "w13_input_scale", "w2_input_scale")
-
 _registered = False
-
-
-def skip_expert_tensor(param, loaded_weight, *args, **kwargs):
-    """weight_loader of the placeholders: the checkpoint's expert tensor is
-    dropped (moed holds the experts). Returns True for loaders that ask
-    return_success."""
-    return True
 
 
 def register():
@@ -129,21 +116,13 @@ class _Method:
     # -- weights (follows ModelOptNvFp4FusedMoEMethod.create_weights) --------
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
                        params_dtype, **extra_weight_attrs):
-        import torch
         layer.intermediate_size_per_partition = intermediate_size_per_partition
         layer.params_dtype = params_dtype
         layer.quant_config = self.quant_config
-        for name in PLACEHOLDERS:
-            # [experts, 0]: zero bytes, yet one (empty) row per expert for
-            # code that walks the expert dimension (EPLB's weight moves)
-            p = torch.nn.Parameter(torch.empty(num_experts, 0, dtype=torch.uint8),
-                                   requires_grad=False)
-            p.weight_loader = skip_expert_tensor
-            layer.register_parameter(name, p)
+        pc.add_placeholders(layer, num_experts)
 
     def process_weights_after_loading(self, layer):
-        for name in PLACEHOLDERS:  # nothing was loaded, nothing to repack
-            assert getattr(layer, name).numel() == 0
+        pc.check_placeholders(layer)
 
     # -- runner (FusedMoEMethodBase) ------------------------------------------
     def create_moe_runner(self, layer, moe_runner_config):

@@ -40,7 +40,6 @@ moe_config=layer.moe_config)``, becomes ``MoedNvFp4FusedMoE``:
 import logging
 
 from moed_client import _plugin_common as pc
-from moed_client.sglang_plugin import PLACEHOLDERS, skip_expert_tensor
 
 log = logging.getLogger("moed_client.vllm_plugin")
 
@@ -83,19 +82,13 @@ class _Method:
     # -- weights (follows ModelOptNvFp4FusedMoE.create_weights) --------------
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
                        params_dtype, **extra_weight_attrs):
-        import torch
         layer.num_experts = num_experts
         layer.params_dtype = params_dtype
         layer.quant_config = self.quant_config
-        for name in PLACEHOLDERS:
-            p = torch.nn.Parameter(torch.empty(num_experts, 0, dtype=torch.uint8),
-                                   requires_grad=False)
-            p.weight_loader = skip_expert_tensor
-            layer.register_parameter(name, p)
+        pc.add_placeholders(layer, num_experts)
 
     def process_weights_after_loading(self, layer):
-        for name in PLACEHOLDERS:
-            assert getattr(layer, name).numel() == 0
+        pc.check_placeholders(layer)
 
     def get_fused_moe_quant_config(self, layer):
         return None
