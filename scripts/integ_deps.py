@@ -10,6 +10,7 @@ or one of the packages installed for them) declares it; anything else stops
 the loop with the name, so the test that needs it says why it skips.
 """
 import importlib.metadata as md
+import os
 import re
 import subprocess
 import sys
@@ -31,6 +32,13 @@ TRANSITIVE = {"dill": "dill"}
 
 def norm(n):
     return re.sub(r"[-_.]+", "-", n).lower()
+
+
+def constraints():
+    path = os.path.join(sys.prefix, "integ-constraints.txt")
+    with open(path, "w") as f:
+        f.write("torch==%s\n" % md.version("torch"))
+    return path
 
 
 def declared():
@@ -76,8 +84,12 @@ def main():
             print("module %r needs %s, a GPU-only dependency: not installed" % (missing, spec))
             return 1
         print("installing %s (for module %s)" % (spec, missing), flush=True)
-        pip = [sys.executable, "-m", "pip", "install", "-q"]
+        # torch stays the version installed first (the frameworks pin two
+        # different ones): a pin that needs another torch is dropped
+        pip = [sys.executable, "-m", "pip", "install", "-q", "-c", constraints()]
         r = subprocess.run(pip + [spec], stderr=subprocess.DEVNULL)
+        if r.returncode:
+            r = subprocess.run(pip + [dist], stderr=subprocess.DEVNULL)
         if r.returncode:
             r = subprocess.run(pip + ["--no-deps", spec])
             if r.returncode:
