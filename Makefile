@@ -5,6 +5,7 @@
 #   make test       C unit tests + daemon/socket tests + Python checks (CI)
 #   make asan       the same tests with host code under ASan + UBSan
 #   make test-gpu   GPU correctness tests (needs an NVIDIA GPU)
+#   make test-integration  SGLang / vLLM plugin tests in .venv-integ (downloads GBs)
 #   make bench      GPU benchmark table (needs an NVIDIA GPU)
 #   make fuzz       build libFuzzer targets (clang)
 #   make fuzz-run   run each fuzz target FUZZ_RUNS times (CI: a short pass)
@@ -105,7 +106,7 @@ BENCH_BIN := $(patsubst bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 BENCH_CU_OBJ := $(patsubst %.cu,$(BUILD)/%.o,$(wildcard bench/*.cu))
 BENCH_LIBS ?= -L$(CUDA_HOME)/lib64 -lcublas
 
-.PHONY: all run test unit-test py-test asan test-gpu bench fuzz fuzz-run soak install deb clean \
+.PHONY: all run test unit-test py-test asan test-gpu test-integration bench fuzz fuzz-run soak install deb clean \
         venv config-doc check-cuda-compile FORCE
 all: $(BUILD)/moed $(BUILD)/moectl $(BUILD)/libmoedclient.so $(BUILD)/moed-client.pc \
      $(BUILD)/moed.service
@@ -197,6 +198,11 @@ test: all $(UNIT_BIN) $(TOOL_BIN) venv
 
 asan:
 	$(MAKE) BUILD=build-asan SANITIZE=1 CUDA=0 DEBUG=1 test
+
+# SGLang / vLLM plugin tests against the real framework packages, in their
+# own venv (.venv-integ, several GB; not part of `make test`).
+test-integration: all
+	BUILD=$(BUILD) PYTHON=$(PYTHON) scripts/test-integration.sh
 
 test-gpu: all $(GPU_BIN) $(TOOL_BIN) venv
 	BUILD=$(BUILD) VENV=$(VENV) scripts/run-gpu-tests.sh
