@@ -116,4 +116,8 @@ void cuda_sharing_probe(struct cuda_backend *cb, const struct cudaDeviceProp *pr
  * mps_percent of the device's SMs (logged). */
 int cuda_sms_free(const struct cuda_backend *cb, int sms_free, int mps_percent);
 
+/* host_alloc / host_free of the backend ops (backend_place_cuda.c) */
+void *cuda_host_alloc(struct moed_backend *be, size_t bytes);
+void cuda_host_free(struct moed_backend *be, void *p);
+
 #endif

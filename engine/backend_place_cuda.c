@@ -1,4 +1,6 @@
-/* backend_place_cuda.c - the CUDA backend's weight placement: every expert of
+/* backend_place_cuda.c - the CUDA backend's memory: host memory for the
+ * daemon's buffers (host_alloc / host_free: pinned, mapped at the same
+ * address), and the weight placement: every expert of
  * every MoE layer repacked on the host (moe_gpu_repack_expert, in parallel
  * over experts) into the kernel's stream order and copied into one device
  * allocation; each matrix's weight_scale_2 into a per-layer float table.
@@ -141,4 +143,45 @@ cleanup:
     free(s2h);
     free(lh);
     return rc;
+}
+
+/* ---- host memory (the backend ops host_alloc, host_free) ---- */
+
+/* host_free: queue the block for close (cudaFreeHost now would wait for the
+ * resident kernel to exit). */
+void cuda_host_free(struct moed_backend *be, void *p)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)be;
+    struct host_blk *hb = p;
+    pthread_mutex_lock(&cb->mu);
+    hb->next = cb->host_freed;
+    cb->host_freed = hb;
+    pthread_mutex_unlock(&cb->mu);
+}
+
+/* host_alloc: pinned memory mapped into the device at the same address. */
+void *cuda_host_alloc(struct moed_backend *be, size_t bytes)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)be;
+    void *p = NULL, *dp = NULL;
+    cudaError_t e = cudaSetDevice(cb->dev); /* the caller's thread may have another */
+    if (e == cudaSuccess)
+        e = cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
+    if (e != cudaSuccess) {
+        LOG_W("cuda: GPU %d: cudaHostAlloc of %zu bytes (mapped, portable) failed: %s (%s); "
+              "that buffer uses ordinary memory and the staging copies",
+              cb->dev, bytes, cudaGetErrorName(e), cudaGetErrorString(e));
+        (void)cudaGetLastError(); /* not sticky: clear it off this thread */
+        return NULL;
+    }
+    e = cudaHostGetDevicePointer(&dp, p, 0);
+    if (e != cudaSuccess || dp != p) {
+        LOG_W("cuda: GPU %d: pinned block %p is mapped at device address %p (%s); it cannot be "
+              "used in place: ordinary memory and the staging copies instead", cb->dev, p, dp,
+              cudaGetErrorString(e));
+        (void)cudaGetLastError();
+        cuda_host_free(be, p); /* cudaFreeHost would wait for the kernel */
+        return NULL;
+    }
+    return p;
 }
