@@ -151,7 +151,7 @@ const struct cfg_key cfg_keys[] = {
      .doc = "Most tokens in one batch (and in one request; the clients split a larger one "
             "into pipelined requests). server.max_frame_bytes must hold a request of this "
             "many tokens. Memory: the CPU backend computes at most 1024 tokens at a time; "
-            "the CUDA backend takes at most 4096, reserves device scratch for max_tokens at "
+            "the CUDA backend reserves device scratch for max_tokens at "
             "start (about max_tokens * (k + S) * (2I + 4H) bytes: 1.1 GiB at 4096 tokens of "
             "a DeepSeek-V3 layer) and needs max_tokens * (k + S) <= 65535 (its routing "
             "tables are 16-bit)."},

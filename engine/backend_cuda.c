@@ -76,7 +76,7 @@ static uint64_t rt_ns(void)
 
 /* cudaMalloc of a scratch buffer of `bytes` (between two guard regions of
  * cb->guard bytes). */
-#define CUDA_MAX_TOKENS 4096u /* engine.max_tokens on this backend (cuda_open) */
+#define CUDA_MAX_TOKENS 16384u /* engine.max_tokens on this backend (cuda_open) */
 
 static int scratch_alloc(struct cuda_backend *cb, int which, void **out, size_t bytes, char *err,
                          size_t errlen)
@@ -575,12 +575,10 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     cb->guard = __atomic_load_n(&g_test_guards, __ATOMIC_RELAXED) ? GUARD_BYTES : 0;
     if ((rc = moe_gpu_check_dims(&cb->d, err, errlen)))
         goto cleanup;
-    /* engine.max_tokens goes to 16384 for the CPU backend. On the H200
-     * (2026-12-01) the op tests pass batches of 4096, 8192 and 16384 tokens
-     * (tiny shape, max_tokens 16384, built with this limit raised), but
-     * through the daemon a batch of 8192 or 16384 tokens faults ("illegal
-     * memory access") while 4096 and 4608 pass: not found yet, so this
-     * backend keeps 4096. The clients split larger requests. */
+    /* engine.max_tokens up to 16384 as on the CPU backend (the op cases run
+     * 4096 and 16384 tokens, tiny-t16k; the daemon test test_max_tokens_16384
+     * serves 16384); moe_gpu_check_dims bounds max_tokens * (k + S) by the
+     * 16-bit routing tables. The clients split larger requests. */
     if (cfg->max_tokens > CUDA_MAX_TOKENS) {
         rc = moed_seterr(err, errlen, MOED_E_CONFIG,
                          "cuda backend: engine.max_tokens %u is over the %u tokens per batch "
@@ -663,10 +661,14 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
         goto cleanup;
     MOED_CUDA_TRY(cudaMalloc(&cb->state, moe_gpu_state_bytes(&cb->d)));
     MOED_CUDA_TRY(cudaMemset(cb->state, 0, moe_gpu_state_bytes(&cb->d)));
-    MOED_TRY(scratch_alloc(cb, G_XS, (void **)&cb->xs, MT * H * 2, err, errlen));
+    /* activation rows: the kernel's loads may pass the last row's end by up
+     * to MOE_GPU_ROW_TAIL_BYTES (moe_gpu_abi.h) */
+    MOED_TRY(scratch_alloc(cb, G_XS, (void **)&cb->xs, MT * H * 2 + MOE_GPU_ROW_TAIL_BYTES, err,
+                           errlen));
     MOED_TRY(scratch_alloc(cb, G_IDS, (void **)&cb->ids_s, MT * k * 4, err, errlen));
     MOED_TRY(scratch_alloc(cb, G_W, (void **)&cb->w_s, MT * k * 4, err, errlen));
-    MOED_TRY(scratch_alloc(cb, G_H, (void **)&cb->h, MT * KS * I * 2, err, errlen));
+    MOED_TRY(scratch_alloc(cb, G_H, (void **)&cb->h, MT * KS * I * 2 + MOE_GPU_ROW_TAIL_BYTES, err,
+                           errlen));
     /* one more row than pairs: zeros, what an empty slot adds (route.cuh) */
     MOED_TRY(scratch_alloc(cb, G_DOUT, (void **)&cb->dout, (MT * KS + 1) * H * 4, err, errlen));
     MOED_CUDA_TRY(cudaMemset(cb->dout + MT * KS * H, 0, (size_t)H * 4));

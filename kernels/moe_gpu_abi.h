@@ -50,6 +50,13 @@
                                    v11) */
 #define MOE_GPU_TILE_ROWS (16 * MOE_GPU_MR)
 #define MOE_GPU_UNIT_K 64       /* K per pipeline unit */
+/* Activation buffers (staged x, h) end with this many spare bytes: in a row
+ * shorter than 4 K units a warp without a unit of its own still loads one
+ * (unused) unit of its first row, up to 4 units from the row's start, so the
+ * last row's loads may reach this far past the row (H200 2026-12-01: h of
+ * the tiny model at max_tokens 8192, an allocation of exactly 6 MiB, faulted
+ * 128 bytes past its end). kernels/moe_gpu/config.cuh asserts the bound. */
+#define MOE_GPU_ROW_TAIL_BYTES (4 * MOE_GPU_UNIT_K * 2)
 #define MOE_GPU_SUB_BYTES 576   /* one 16-row x 64-K sub-tile: 512 codes + 64 scales */
 #define MOE_GPU_UNIT_BYTES (MOE_GPU_MR * MOE_GPU_SUB_BYTES)
 #define MOE_GPU_SCALE_BIAS 0x7000u /* block scale encoding (moe_gpu.h) */

@@ -16,6 +16,8 @@
  * and 2-warp CTAs lost at T = 1 (bench/NOTES.md v7) */
 constexpr int NWARPS = 4;
 constexpr int THREADS = NWARPS * 32;
+static_assert(MOE_GPU_ROW_TAIL_BYTES >= NWARPS * MOE_GPU_UNIT_K * 2,
+              "a warp may load its first unit past a short row: MOE_GPU_ROW_TAIL_BYTES");
 /* CTAs per SM the register budget must allow (__launch_bounds__: 128
  * registers). H200: 24-32 warps per SM (6-8 CTAs, 80-64 registers) gained
  * nothing on DeepSeek-V3 and lost at T = 1 (v9e) */

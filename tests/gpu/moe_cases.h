@@ -52,7 +52,7 @@ static struct moe_shape moe_shapes[] = {
     {"h200-refused", 200, 128, 8, 2, 0, 1, 512, 1, 0, 0, 0, NULL},
     {"i96-refused", 256, 96, 8, 2, 0, 1, 512, 1, 0, 0, 0, NULL},
     /* the CUDA backend's largest batches (its max_tokens limit) and past them */
-    {"tiny-t4k", MOE_PRESET, 1, 256, 0, 0, 0, 4096, "tiny"},
+    {"tiny-t16k", MOE_PRESET, 1, 256, 0, 0, 0, 16384, "tiny"},
 };
 #define MOE_N_SHAPES (sizeof moe_shapes / sizeof moe_shapes[0])
 
@@ -169,8 +169,8 @@ static const struct moe_case moe_cases[] = {
     MOE_CASES3("deepseek-v3", 64), MOE_CASES3("deepseek-v3", 257),
     MOE_CASES3("deepseek-v3", 512),
 
-    MOE_CASES3("tiny-t4k", 1000), MOE_CASES3("tiny-t4k", 4096),
-    {"tiny-t4k", 4097, R_UNIFORM, 4097000, MOE_TOL, B_HOST, MOED_E_INVAL},
+    MOE_CASES3("tiny-t16k", 4096), MOE_CASES3("tiny-t16k", 16384),
+    {"tiny-t16k", 16385, R_UNIFORM, 16385000, MOE_TOL, B_HOST, MOED_E_INVAL},
 };
 #define MOE_N_CASES (sizeof moe_cases / sizeof moe_cases[0])
 
