@@ -669,32 +669,14 @@ def fused_experts(hidden_states, topk_weights, topk_ids, layer, client=None, *,
     first if the framework applies it inside its kernel. ``client`` defaults
     to one Client per thread on $MOED_SOCKET (or /tmp/moed.sock).
 
-    Wiring into SGLang (NVFP4 checkpoints, ``--quantization modelopt_fp4``):
-    patch ``ModelOptNvFp4FusedMoEMethod.apply``
-    (python/sglang/srt/layers/quantization/modelopt_quant.py) before the model
-    is built, e.g. in a launcher script::
-
-        from sglang.srt.layers.quantization import modelopt_quant as mq
-        from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
-        import moed_client
-
-        def moed_apply(self, layer, dispatch_output):
-            x = dispatch_output.hidden_states
-            topk_weights, topk_ids, _ = dispatch_output.topk_output
-            cfg = self.moe_runner_config
-            if cfg.routed_scaling_factor not in (None, 1.0):
-                topk_weights = topk_weights * cfg.routed_scaling_factor
-            y = moed_client.fused_experts(x, topk_weights, topk_ids,
-                                          layer=layer.layer_id)
-            return StandardCombineInput(hidden_states=y)
-
-        mq.ModelOptNvFp4FusedMoEMethod.apply = moed_apply
-
-    Shared experts: if the daemon holds them (HELLO n_shared > 0) it adds
-    them, so keep SGLang from adding them again. This inline path copies the
-    activations to the host and makes a socket round trip per layer, so it is
-    not CUDA-graph safe: run SGLang with --disable-cuda-graph. (The zero-copy
-    CUDA IPC path, REGISTER_BUF, is reserved for a later protocol version.)
+    Serving frameworks: the SGLang and vLLM plugins of this package
+    (moed_client.sglang_plugin, moed_client.vllm_plugin; on when MOED_SOCKET
+    is set) call this for every ModelOpt NVFP4 MoE layer and keep the expert
+    weights off the serving GPUs: docs/SGLANG.md, docs/VLLM.md. This inline
+    path copies the activations to the host and makes a socket round trip
+    per layer, so it is not CUDA-graph safe (run the framework with CUDA
+    graphs off); registered GPU buffers (Client.register_buf, forward_desc,
+    moed_client.cuda) avoid the copies: docs/ZERO_COPY.md.
 
     routed_only / empty_slots: see Client.forward (the plugins set them from
     the framework's shared-expert fusion and expert-parallel maps).
