@@ -192,6 +192,34 @@ START_TEST(missing_shared_tensor)
 }
 END_TEST
 
+/* Mixtral names: the missing up projection is named as Mixtral calls it (w3). */
+START_TEST(missing_mixtral_w3)
+{
+    struct fx f = tiny;
+    f.mixtral = 1;
+    f.S = 0;
+    f.skip = "model.layers.1.block_sparse_moe.experts.2.w3.weight";
+    write_model(&f);
+    expect_open_fail(0, MOED_E_MODEL,
+                     "missing tensor 'model.layers.1.block_sparse_moe.experts.2.w3.weight'");
+}
+END_TEST
+
+/* Mixtral has no shared-expert tensors: a config that asks for some is
+ * refused before any tensor is looked up. */
+START_TEST(mixtral_shared_refused)
+{
+    struct fx f = tiny;
+    f.mixtral = 1;
+    f.config = "{\"model_type\": \"mixtral\", \"hidden_size\": 64, \"intermediate_size\": 32, "
+               "\"num_local_experts\": 4, \"num_experts_per_tok\": 2, \"n_shared_experts\": 1, "
+               "\"num_hidden_layers\": 2}";
+    write_model(&f);
+    expect_open_fail(0, MOED_E_MODEL,
+                     "1 shared experts, but model_type 'mixtral' names no shared-expert");
+}
+END_TEST
+
 START_TEST(missing_moe_layer)
 {
     /* config says 3 MoE layers, the checkpoint holds layers 0 and 1 only. */
@@ -423,6 +451,8 @@ int main(void)
     tcase_add_test(bad, shard_missing_file);
     tcase_add_test(bad, missing_tensor);
     tcase_add_test(bad, missing_shared_tensor);
+    tcase_add_test(bad, missing_mixtral_w3);
+    tcase_add_test(bad, mixtral_shared_refused);
     tcase_add_test(bad, missing_moe_layer);
     tcase_add_test(bad, scale_shape_mismatch);
     tcase_add_test(bad, scale_nan);
