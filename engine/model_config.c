@@ -73,8 +73,9 @@ int model_json_uint(const cJSON *v, uint64_t max, uint64_t *out)
     return 0;
 }
 
-static int cfg_read_concept(const cJSON *root, enum cfg_concept c, uint32_t *out, char *err,
-                            size_t errlen)
+/* *used: the key the value came from (for messages). */
+static int cfg_read_concept(const cJSON *root, enum cfg_concept c, uint32_t *out,
+                            const char **used, char *err, size_t errlen)
 {
     const struct cfg_alias *a = &cfg_aliases[c];
     const cJSON *v = NULL;
@@ -84,6 +85,7 @@ static int cfg_read_concept(const cJSON *root, enum cfg_concept c, uint32_t *out
         if (v)
             key = a->keys[i];
     }
+    *used = key;
     if (!v || cJSON_IsNull(v)) {
         if (a->required) {
             char alias[128] = "";
@@ -190,10 +192,11 @@ int model_cfg_parse(const cJSON *root, struct moed_dims *d, uint8_t *is_moe, cha
                      size_t errlen)
 {
     uint32_t v[C__COUNT];
+    const char *key[C__COUNT];
     int rc;
     memset(d, 0, sizeof *d);
     for (int c = 0; c < C__COUNT; c++)
-        if ((rc = cfg_read_concept(root, (enum cfg_concept)c, &v[c], err, errlen)) != 0)
+        if ((rc = cfg_read_concept(root, (enum cfg_concept)c, &v[c], &key[c], err, errlen)) != 0)
             return rc;
     /* The format's own unit: one E4M3 scale per NVFP4_GROUP (16) weights of a
      * row, two weights a byte. Backends may need more (CUDA: 64, checked when
@@ -205,10 +208,9 @@ int model_cfg_parse(const cJSON *root, struct moed_dims *d, uint8_t *is_moe, cha
                            v[C_HIDDEN], NVFP4_GROUP, NVFP4_GROUP, NVFP4_GROUP);
     if (v[C_INTER] % NVFP4_GROUP != 0)
         return moed_seterr(err, errlen, MOED_E_MODEL,
-                           "config.json: moe_intermediate_size %u is not a multiple of %d (an "
-                           "NVFP4 row is whole %d-weight scale blocks: one E4M3 scale per %d "
-                           "weights)",
-                           v[C_INTER], NVFP4_GROUP, NVFP4_GROUP, NVFP4_GROUP);
+                           "config.json: %s %u is not a multiple of %d (an NVFP4 row is whole "
+                           "%d-weight scale blocks: one E4M3 scale per %d weights)",
+                           key[C_INTER], v[C_INTER], NVFP4_GROUP, NVFP4_GROUP, NVFP4_GROUP);
     if (v[C_TOPK] > v[C_EXPERTS])
         return moed_seterr(err, errlen, MOED_E_MODEL,
                            "config.json: num_experts_per_tok %u is over the %u routed experts",

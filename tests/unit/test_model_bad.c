@@ -54,6 +54,11 @@ START_TEST(config_bad_values)
                        "\"n_routed_experts\": 4, \"num_experts_per_tok\": 2, "
                        "\"num_hidden_layers\": 2, \"first_k_dense_replace\": 0}",
                        "moe_intermediate_size 40 is not a multiple of 16");
+    /* the message names the key the value came from (Mixtral: intermediate_size) */
+    expect_config_fail("{\"model_type\": \"mixtral\", \"hidden_size\": 64, "
+                       "\"intermediate_size\": 40, \"num_local_experts\": 4, "
+                       "\"num_experts_per_tok\": 2, \"num_hidden_layers\": 2}",
+                       "config.json: intermediate_size 40 is not a multiple of 16");
     expect_config_fail("{\"hidden_size\": 64, \"moe_intermediate_size\": 32, "
                        "\"n_routed_experts\": 4, \"num_experts_per_tok\": 5, "
                        "\"num_hidden_layers\": 2, \"first_k_dense_replace\": 0}",
