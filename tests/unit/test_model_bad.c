@@ -176,37 +176,29 @@ START_TEST(shard_missing_file)
 }
 END_TEST
 
+/* A missing expert tensor is named as the checkpoint's family names it: a
+ * routed one, a shared one (sharded), Mixtral's up projection (w3). */
+static const struct missing_case {
+    int n_shards, mixtral;
+    const char *skip;
+} missing_cases[] = {
+    {0, 0, "model.layers.0.mlp.experts.3.up_proj.weight_scale"},
+    {2, 0, "model.layers.1.mlp.shared_experts.down_proj.weight"},
+    {0, 1, "model.layers.1.block_sparse_moe.experts.2.w3.weight"},
+};
+
 START_TEST(missing_tensor)
 {
+    const struct missing_case *c = &missing_cases[_i];
     struct fx f = tiny;
-    f.skip = "model.layers.0.mlp.experts.3.up_proj.weight_scale";
+    char want[160];
+    f.n_shards = c->n_shards;
+    f.mixtral = c->mixtral;
+    f.S = c->mixtral ? 0 : f.S;
+    f.skip = c->skip;
     write_model(&f);
-    expect_open_fail(0, MOED_E_MODEL,
-                     "missing tensor 'model.layers.0.mlp.experts.3.up_proj.weight_scale'");
-}
-END_TEST
-
-START_TEST(missing_shared_tensor)
-{
-    struct fx f = tiny;
-    f.n_shards = 2;
-    f.skip = "model.layers.1.mlp.shared_experts.down_proj.weight";
-    write_model(&f);
-    expect_open_fail(0, MOED_E_MODEL,
-                     "missing tensor 'model.layers.1.mlp.shared_experts.down_proj.weight'");
-}
-END_TEST
-
-/* Mixtral names: the missing up projection is named as Mixtral calls it (w3). */
-START_TEST(missing_mixtral_w3)
-{
-    struct fx f = tiny;
-    f.mixtral = 1;
-    f.S = 0;
-    f.skip = "model.layers.1.block_sparse_moe.experts.2.w3.weight";
-    write_model(&f);
-    expect_open_fail(0, MOED_E_MODEL,
-                     "missing tensor 'model.layers.1.block_sparse_moe.experts.2.w3.weight'");
+    snprintf(want, sizeof want, "missing tensor '%s'", c->skip);
+    expect_open_fail(0, MOED_E_MODEL, want);
 }
 END_TEST
 
@@ -454,9 +446,8 @@ int main(void)
     tcase_add_test(bad, shard_escape);
     tcase_add_test(bad, shard_absolute);
     tcase_add_test(bad, shard_missing_file);
-    tcase_add_test(bad, missing_tensor);
-    tcase_add_test(bad, missing_shared_tensor);
-    tcase_add_test(bad, missing_mixtral_w3);
+    tcase_add_loop_test(bad, missing_tensor, 0,
+                        (int)(sizeof missing_cases / sizeof missing_cases[0]));
     tcase_add_test(bad, mixtral_shared_refused);
     tcase_add_test(bad, missing_moe_layer);
     tcase_add_test(bad, scale_shape_mismatch);
