@@ -609,6 +609,7 @@ int moed_model_open(const char *dir, uint64_t budget_bytes, moed_progress_fn pro
     rc = model_cfg_parse(config, &m->dims, m->is_moe, err, errlen);
     if (rc)
         goto fail;
+    m->names = model_naming_for(m->dims.family);
     rc = quant_check(hq, config, err, errlen);
     if (rc)
         goto fail;
@@ -658,8 +659,8 @@ int moed_model_open(const char *dir, uint64_t budget_bytes, moed_progress_fn pro
             for (int p = 0; p < 3; p++, mi++) {
                 char base[160];
                 if (e < d->n_experts)
-                    snprintf(base, sizeof base, "layers.%u.mlp.experts.%u.%s", l, e,
-                             proj_names[p]);
+                    snprintf(base, sizeof base, "layers.%u.%s.experts.%u.%s", l,
+                             m->names->block, e, m->names->proj[p]);
                 else if (d->n_shared == 1)
                     snprintf(base, sizeof base, "layers.%u.mlp.shared_experts.%s", l,
                              proj_names[p]);

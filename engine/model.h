@@ -9,9 +9,14 @@
  *       weight_scale_2,input_scale}
  *   model.layers.{L}.mlp.shared_experts.{gate,up,down}_proj.{...}   (if any)
  *
+ * or, for model_type "mixtral" (no shared experts):
+ *
+ *   model.layers.{L}.block_sparse_moe.experts.{e}.{w1,w3,w2}.{...}
+ *       (w1 gate, w3 up, w2 down)
+ *
  * Layers: every L in [first_dense, n_layers) is an MoE layer (DeepSeek-V3/GLM
  * first_k_dense_replace, GLM-5 mlp_layer_types, Qwen3 decoder_sparse_step +
- * mlp_only_layers). The wire protocol names layers by this absolute L.
+ * mlp_only_layers; Mixtral: every layer). The wire protocol names layers by this absolute L.
  */
 #ifndef MOED_MODEL_H
 #define MOED_MODEL_H
@@ -44,7 +49,8 @@ struct moed_model; /* opaque: owns the mmaps of every shard */
 /* Progress callback for long loads: done/total bytes; may be NULL. */
 typedef void (*moed_progress_fn)(void *ctx, uint64_t done, uint64_t total);
 
-/* Parse config.json (alias table for DeepSeek-V3, GLM-4.5/GLM-5, Qwen3-MoE)
+/* Parse config.json (alias table for DeepSeek-V3, GLM-4.5/GLM-5, Qwen3-MoE,
+ * Mixtral)
  * from `dir`; no tensors touched. */
 int moed_model_read_config(const char *dir, struct moed_dims *dims, char *err, size_t errlen);
 

@@ -32,6 +32,25 @@ static const struct cfg_alias {
     [C_LAYERS] = {"layers", {"num_hidden_layers"}, 1, 0, 1, MOED_MAX_LAYERS},
 };
 
+/* Expert tensor names by family. DeepSeek-V2/V3, GLM-4.5/5, Qwen2/3-MoE:
+ * mlp.experts.{e}.{gate,up,down}_proj. Mixtral (MixtralForCausalLM, and
+ * ModelOpt's NVFP4 exports of it): block_sparse_moe.experts.{e}.{w1,w3,w2},
+ * w1 the gate, w3 the up and w2 the down projection (the names vLLM's and
+ * SGLang's Mixtral loaders map and transformers 5 converts to its fused
+ * gate_up_proj: w1 rows first); no shared experts, every layer MoE. */
+static const struct model_naming namings[] = {
+    {"mixtral", "block_sparse_moe", {"w1", "w3", "w2"}, 0, 1},
+    {NULL, "mlp", {"gate_proj", "up_proj", "down_proj"}, 1, 0},
+};
+
+const struct model_naming *model_naming_for(const char *family)
+{
+    const struct model_naming *n = namings;
+    while (n->family && strcmp(n->family, family) != 0)
+        n++;
+    return n;
+}
+
 /* Multimodal wrappers (e.g. Qwen3-VL-MoE) nest the language model's keys in
  * "text_config"; look there when the top level lacks the key. */
 const cJSON *model_cfg_get(const cJSON *root, const char *key)
@@ -54,8 +73,9 @@ int model_json_uint(const cJSON *v, uint64_t max, uint64_t *out)
     return 0;
 }
 
-static int cfg_read_concept(const cJSON *root, enum cfg_concept c, uint32_t *out, char *err,
-                            size_t errlen)
+/* *used: the key the value came from (for messages). */
+static int cfg_read_concept(const cJSON *root, enum cfg_concept c, uint32_t *out,
+                            const char **used, char *err, size_t errlen)
 {
     const struct cfg_alias *a = &cfg_aliases[c];
     const cJSON *v = NULL;
@@ -65,6 +85,7 @@ static int cfg_read_concept(const cJSON *root, enum cfg_concept c, uint32_t *out
         if (v)
             key = a->keys[i];
     }
+    *used = key;
     if (!v || cJSON_IsNull(v)) {
         if (a->required) {
             char alias[128] = "";
@@ -94,8 +115,8 @@ static int cfg_read_concept(const cJSON *root, enum cfg_concept c, uint32_t *out
 
 /* Which layers are MoE: GLM-5 mlp_layer_types, else DeepSeek/GLM-4.5
  * first_k_dense_replace, else Qwen3 decoder_sparse_step + mlp_only_layers. */
-static int cfg_moe_layers(const cJSON *root, uint32_t n_layers, uint8_t *is_moe, char *err,
-                          size_t errlen)
+static int cfg_moe_layers(const cJSON *root, const struct model_naming *nm, uint32_t n_layers,
+                          uint8_t *is_moe, char *err, size_t errlen)
 {
     const cJSON *types = model_cfg_get(root, "mlp_layer_types");
     const cJSON *fk = model_cfg_get(root, "first_k_dense_replace");
@@ -158,6 +179,10 @@ static int cfg_moe_layers(const cJSON *root, uint32_t n_layers, uint8_t *is_moe,
         }
         return 0;
     }
+    if (nm->all_moe) { /* Mixtral: no key, every decoder layer is MoE */
+        memset(is_moe, 1, n_layers);
+        return 0;
+    }
     return moed_seterr(err, errlen, MOED_E_MODEL,
                        "config.json: missing 'first_k_dense_replace' (or alias "
                        "'mlp_layer_types', 'decoder_sparse_step') (which layers are MoE)");
@@ -167,10 +192,11 @@ int model_cfg_parse(const cJSON *root, struct moed_dims *d, uint8_t *is_moe, cha
                      size_t errlen)
 {
     uint32_t v[C__COUNT];
+    const char *key[C__COUNT];
     int rc;
     memset(d, 0, sizeof *d);
     for (int c = 0; c < C__COUNT; c++)
-        if ((rc = cfg_read_concept(root, (enum cfg_concept)c, &v[c], err, errlen)) != 0)
+        if ((rc = cfg_read_concept(root, (enum cfg_concept)c, &v[c], &key[c], err, errlen)) != 0)
             return rc;
     /* The format's own unit: one E4M3 scale per NVFP4_GROUP (16) weights of a
      * row, two weights a byte. Backends may need more (CUDA: 64, checked when
@@ -182,16 +208,24 @@ int model_cfg_parse(const cJSON *root, struct moed_dims *d, uint8_t *is_moe, cha
                            v[C_HIDDEN], NVFP4_GROUP, NVFP4_GROUP, NVFP4_GROUP);
     if (v[C_INTER] % NVFP4_GROUP != 0)
         return moed_seterr(err, errlen, MOED_E_MODEL,
-                           "config.json: moe_intermediate_size %u is not a multiple of %d (an "
-                           "NVFP4 row is whole %d-weight scale blocks: one E4M3 scale per %d "
-                           "weights)",
-                           v[C_INTER], NVFP4_GROUP, NVFP4_GROUP, NVFP4_GROUP);
+                           "config.json: %s %u is not a multiple of %d (an NVFP4 row is whole "
+                           "%d-weight scale blocks: one E4M3 scale per %d weights)",
+                           key[C_INTER], v[C_INTER], NVFP4_GROUP, NVFP4_GROUP, NVFP4_GROUP);
     if (v[C_TOPK] > v[C_EXPERTS])
         return moed_seterr(err, errlen, MOED_E_MODEL,
                            "config.json: num_experts_per_tok %u is over the %u routed experts",
                            v[C_TOPK], v[C_EXPERTS]);
+    const cJSON *mt = model_cfg_get(root, "model_type");
+    snprintf(d->family, sizeof d->family, "%s",
+             cJSON_IsString(mt) ? mt->valuestring : "unknown");
+    const struct model_naming *nm = model_naming_for(d->family);
+    if (v[C_SHARED] > 0 && !nm->shared)
+        return moed_seterr(err, errlen, MOED_E_MODEL,
+                           "config.json: %u shared experts, but model_type '%s' names no "
+                           "shared-expert tensors",
+                           v[C_SHARED], d->family);
     memset(is_moe, 0, MOED_MAX_LAYERS);
-    if ((rc = cfg_moe_layers(root, v[C_LAYERS], is_moe, err, errlen)) != 0)
+    if ((rc = cfg_moe_layers(root, nm, v[C_LAYERS], is_moe, err, errlen)) != 0)
         return rc;
     d->hidden = v[C_HIDDEN];
     d->inter = v[C_INTER];
@@ -213,9 +247,6 @@ int model_cfg_parse(const cJSON *root, struct moed_dims *d, uint8_t *is_moe, cha
         LOG_W("config.json: shared_expert_intermediate_size %llu (a gated shared expert): not "
               "served by moed (HELLO n_shared 0); the serving framework must compute it",
               (unsigned long long)sei_v);
-    const cJSON *mt = model_cfg_get(root, "model_type");
-    snprintf(d->family, sizeof d->family, "%s",
-             cJSON_IsString(mt) ? mt->valuestring : "unknown");
     return 0;
 }
 

@@ -40,9 +40,22 @@ struct wmap_entry {
     uint32_t shard;
 };
 
+/* How a family names its routed experts' tensors (after "model."):
+ *   layers.{L}.{block}.experts.{e}.{proj[0..2]}.{weight,weight_scale,...}
+ * proj is gate, up, down in that order. Shared experts, where a family has
+ * them, are layers.{L}.mlp.shared_experts[.{s}].{gate,up,down}_proj. */
+struct model_naming {
+    const char *family;   /* config.json model_type; the last entry (NULL) is the default */
+    const char *block;    /* the MoE block's module name */
+    const char *proj[3];  /* gate, up, down */
+    int shared;           /* may the family have shared experts? */
+    int all_moe;          /* every layer is MoE when the config names none */
+};
+
 struct moed_model {
     char *dir;
     struct moed_dims dims;
+    const struct model_naming *names; /* for dims.family */
     uint8_t is_moe[MOED_MAX_LAYERS];
     cJSON *index;                    /* kept alive: wmap and shard names point into it */
     struct model_shard *shards;
@@ -55,6 +68,9 @@ struct moed_model {
     uint8_t *split_mem;              /* down pieces of merged shared MLPs (model.c) */
 };
 
+/* The naming of config.json's model_type `family` (the default one when
+ * the table has no row for it); never NULL. */
+const struct model_naming *model_naming_for(const char *family);
 const cJSON *model_cfg_get(const cJSON *root, const char *key);
 int model_cfg_parse(const cJSON *root, struct moed_dims *d, uint8_t *is_moe, char *err,
                      size_t errlen);

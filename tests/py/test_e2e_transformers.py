@@ -1,7 +1,9 @@
-"""End to end with a real transformers model: a tiny Qwen3-MoE and a tiny
+"""End to end with a real transformers model: a tiny Qwen3-MoE, a tiny
 DeepSeek-V3 (two shared experts, stored merged as Hugging Face does, and a
-routed scaling factor) built from their config classes with random init (no
-downloads). Each model's experts are quantized to NVFP4 and written as a
+routed scaling factor) and a tiny Mixtral (every layer MoE, its experts named
+block_sparse_moe.experts.{e}.{w1,w3,w2} as Mixtral checkpoints and their
+ModelOpt exports name them) built from their config classes with random init
+(no downloads). Each model's experts are quantized to NVFP4 and written as a
 ModelOpt checkpoint next to the config.json that save_pretrained writes; the
 model's own expert weights are replaced by the dequantized ones, so the model
 computing its experts itself is the reference. moed (MOED_TEST_BACKEND: cpu,
@@ -54,6 +56,23 @@ def deepseek_config():
         max_position_embeddings=128, initializer_range=0.2)
 
 
+def mixtral_config():
+    return transformers.MixtralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=128, initializer_range=0.2)
+
+
+CONFIGS = {"qwen3_moe": qwen3_config, "deepseek_v3": deepseek_config,
+           "mixtral": mixtral_config}
+
+# Checkpoint names of a routed expert's projections, by family: the MoE block
+# and (gate, up, down); the model's own module names are transformers' fused
+# gate_up_proj / down_proj either way.
+EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+DEFAULT_NAMES = ("mlp", ("gate_proj", "up_proj", "down_proj"))
+
+
 def moe_blocks(model):
     """(layer id, MoE block) for every layer whose mlp has routed experts."""
     return [(i, ly.mlp) for i, ly in enumerate(model.model.layers) if hasattr(ly.mlp, "gate")]
@@ -81,16 +100,17 @@ def write_checkpoint(model, d, per_index_shared=None):
           "quantization": {"quant_algo": "NVFP4", "group_size": 16,
                            "exclude_modules": ["lm_head"]}}
     t, t2 = {}, {}
-    inter = model.config.moe_intermediate_size
+    block, (gate, up, down) = EXPERT_NAMES.get(model.config.model_type, DEFAULT_NAMES)
+    inter = getattr(model.config, "moe_intermediate_size", model.config.intermediate_size)
     with torch.no_grad():
         for L, blk in moe_blocks(model):
             ex = blk.experts
             for e in range(ex.gate_up_proj.shape[0]):
-                base = "model.layers.%d.mlp.experts.%d." % (L, e)
+                base = "model.layers.%d.%s.experts.%d." % (L, block, e)
                 gu = ex.gate_up_proj[e]  # [2I, H]: gate rows, then up rows
-                g, _ = quantize_into(t, base + "gate_proj", gu[:inter])
-                u, _ = quantize_into(t, base + "up_proj", gu[inter:])
-                dn, _ = quantize_into(t, base + "down_proj", ex.down_proj[e])
+                g, _ = quantize_into(t, base + gate, gu[:inter])
+                u, _ = quantize_into(t, base + up, gu[inter:])
+                dn, _ = quantize_into(t, base + down, ex.down_proj[e])
                 ex.gate_up_proj[e].copy_(torch.cat([g, u]))
                 ex.down_proj[e].copy_(dn)
             sh = getattr(blk, "shared_experts", None)
@@ -186,12 +206,12 @@ def rel_l2(a, b):
     return float(torch.linalg.norm(a - b) / torch.linalg.norm(b))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", list(CONFIGS))
 def test_transformers_model_served_by_moed(tmp_path, family):
     if DEVICE == "cuda" and not torch.cuda.is_available():
         pytest.skip("MOED_TEST_BACKEND=cuda but torch sees no GPU")
     torch.manual_seed(7)
-    cfg = qwen3_config() if family == "qwen3_moe" else deepseek_config()
+    cfg = CONFIGS[family]()
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     ckpt, split = str(tmp_path / "ckpt"), str(tmp_path / "ckpt-per-index")
     write_checkpoint(model, ckpt, per_index_shared=split if family == "deepseek_v3" else None)
@@ -199,8 +219,11 @@ def test_transformers_model_served_by_moed(tmp_path, family):
     with open(os.path.join(ckpt, "config.json")) as f:
         written = json.load(f)
     assert written["model_type"] == family and "transformers_version" in written
-    if family == "qwen3_moe":  # transformers 5 writes the expert count under this name
+    if family in ("qwen3_moe", "mixtral"):  # transformers 5's expert-count name
         assert "num_local_experts" in written and "num_experts" not in written
+    if family == "mixtral":  # no key says which layers are MoE: all of them are
+        assert not {"first_k_dense_replace", "decoder_sparse_step", "mlp_layer_types",
+                    "moe_intermediate_size"} & set(written)
     prompt = torch.randint(0, cfg.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     ref_logits, ref_tokens = prefill_and_decode(model, prompt)
 

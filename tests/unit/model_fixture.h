@@ -110,17 +110,23 @@ struct fx {
     const char *shard0;      /* name the index gives the first shard */
     int no_input_scale;
     int scale2_vec;          /* weight_scale_2 as [1] instead of [] */
+    int mixtral;             /* Mixtral names (block_sparse_moe, w1/w3/w2) and config */
 };
 
 static const struct fx tiny = {.H = 64, .I = 32, .E = 4, .S = 1, .k = 2, .layers = 2};
 
 static const char *const projs[3] = {"gate_proj", "up_proj", "down_proj"};
+static const char *const mixtral_projs[3] = {"w1", "w3", "w2"};
 
-/* "model.layers.L.mlp.experts.e.gate_proj" (no trailing dot). */
+/* "model.layers.L.mlp.experts.e.gate_proj" (no trailing dot); Mixtral:
+ * "model.layers.L.block_sparse_moe.experts.e.w1". */
 static inline void base_name(char *buf, size_t len, const char *prefix, const struct fx *f, uint32_t l,
                       uint32_t e, int p)
 {
-    if (e < f->E)
+    if (f->mixtral)
+        snprintf(buf, len, "%slayers.%u.block_sparse_moe.experts.%u.%s", prefix, l, e,
+                 mixtral_projs[p]);
+    else if (e < f->E)
         snprintf(buf, len, "%slayers.%u.mlp.experts.%u.%s", prefix, l, e, projs[p]);
     else if (f->S == 1)
         snprintf(buf, len, "%slayers.%u.mlp.shared_experts.%s", prefix, l, projs[p]);
@@ -181,7 +187,15 @@ static inline void write_model(const struct fx *f)
     cJSON *index = NULL, *wm = NULL;
     ck_assert_int_le(ns, 8);
 
-    if (!f->config) {
+    if (!f->config && f->mixtral) { /* the keys transformers 5 writes (no layer key) */
+        snprintf(cfg, sizeof cfg,
+                 "{\"architectures\": [\"MixtralForCausalLM\"], \"model_type\": \"mixtral\", "
+                 "\"hidden_size\": %u, \"intermediate_size\": %u, \"num_local_experts\": %u, "
+                 "\"num_experts_per_tok\": %u, \"num_hidden_layers\": %u, "
+                 "\"sliding_window\": null, \"transformers_version\": \"5.24.0\"}",
+                 f->H, f->I, f->E, f->k, f->layers);
+        write_text("config.json", cfg);
+    } else if (!f->config) {
         snprintf(cfg, sizeof cfg,
                  "{\"model_type\": \"deepseek_v3\", \"hidden_size\": %u, "
                  "\"moe_intermediate_size\": %u, \"n_routed_experts\": %u, "

@@ -200,12 +200,16 @@ START_TEST(alias_transformers5)
     ck_assert_uint_eq(d.inter, 768);
     ck_assert_uint_eq(d.n_experts, 128);
     ck_assert_uint_eq(d.n_moe_layers, 48);
+    /* Mixtral-8x7B's keys as transformers 5 writes them: no layer key, every
+     * layer is MoE */
     d = dims_of("{\"model_type\": \"mixtral\", \"hidden_size\": 4096, \"intermediate_size\": "
                 "14336, \"num_local_experts\": 8, \"num_experts_per_tok\": 2, "
-                "\"num_hidden_layers\": 32, \"first_k_dense_replace\": 0}");
+                "\"num_hidden_layers\": 32, \"sliding_window\": null}");
     ck_assert_uint_eq(d.inter, 14336);
     ck_assert_uint_eq(d.n_experts, 8);
     ck_assert_uint_eq(d.n_shared, 0);
+    ck_assert_uint_eq(d.n_moe_layers, 32);
+    ck_assert_str_eq(d.family, "mixtral");
     d = dims_of("{\"model_type\": \"bailing_moe\", \"hidden_size\": 2048, "
                 "\"moe_intermediate_size\": 512, \"num_experts\": 256, "
                 "\"num_shared_experts\": 1, \"num_experts_per_tok\": 8, "
@@ -271,6 +275,26 @@ START_TEST(layers_qwen3_sparse_step)
 }
 END_TEST
 
+/* Mixtral: block_sparse_moe.experts.{e}.{w1,w3,w2} (gate, up, down), every
+ * layer MoE, no shared experts; the bytes land in gate/up/down in that order. */
+START_TEST(mixtral_naming)
+{
+    struct fx f = tiny;
+    f.mixtral = 1;
+    f.S = 0;
+    f.layers = 3;
+    write_model(&f);
+    struct moed_model *m;
+    int rc = moed_model_open(dir, 0, NULL, NULL, &m, err, sizeof err);
+    ck_assert_msg(rc == 0, "%s", err);
+    ck_assert_str_eq(moed_model_dims(m)->family, "mixtral");
+    ck_assert_uint_eq(moed_model_dims(m)->n_moe_layers, 3);
+    ck_assert_uint_eq(moed_model_weight_bytes(m), 3u * 4 * TINY_EXPERT_BYTES);
+    check_bytes(m, &f);
+    moed_model_close(m);
+}
+END_TEST
+
 START_TEST(alias_text_config)
 {
     write_text("config.json",
@@ -305,6 +329,7 @@ int main(void)
     tcase_add_test(alias, alias_qwen3);
     tcase_add_test(alias, alias_transformers5);
     tcase_add_test(alias, alias_text_config);
+    tcase_add_test(alias, mixtral_naming);
     tcase_add_test(alias, layers_first_k_dense);
     tcase_add_test(alias, layers_mlp_layer_types);
     tcase_add_test(alias, layers_qwen3_sparse_step);

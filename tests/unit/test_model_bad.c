@@ -54,6 +54,11 @@ START_TEST(config_bad_values)
                        "\"n_routed_experts\": 4, \"num_experts_per_tok\": 2, "
                        "\"num_hidden_layers\": 2, \"first_k_dense_replace\": 0}",
                        "moe_intermediate_size 40 is not a multiple of 16");
+    /* the message names the key the value came from (Mixtral: intermediate_size) */
+    expect_config_fail("{\"model_type\": \"mixtral\", \"hidden_size\": 64, "
+                       "\"intermediate_size\": 40, \"num_local_experts\": 4, "
+                       "\"num_experts_per_tok\": 2, \"num_hidden_layers\": 2}",
+                       "config.json: intermediate_size 40 is not a multiple of 16");
     expect_config_fail("{\"hidden_size\": 64, \"moe_intermediate_size\": 32, "
                        "\"n_routed_experts\": 4, \"num_experts_per_tok\": 5, "
                        "\"num_hidden_layers\": 2, \"first_k_dense_replace\": 0}",
@@ -171,24 +176,44 @@ START_TEST(shard_missing_file)
 }
 END_TEST
 
+/* A missing expert tensor is named as the checkpoint's family names it: a
+ * routed one, a shared one (sharded), Mixtral's up projection (w3). */
+static const struct missing_case {
+    int n_shards, mixtral;
+    const char *skip;
+} missing_cases[] = {
+    {0, 0, "model.layers.0.mlp.experts.3.up_proj.weight_scale"},
+    {2, 0, "model.layers.1.mlp.shared_experts.down_proj.weight"},
+    {0, 1, "model.layers.1.block_sparse_moe.experts.2.w3.weight"},
+};
+
 START_TEST(missing_tensor)
 {
+    const struct missing_case *c = &missing_cases[_i];
     struct fx f = tiny;
-    f.skip = "model.layers.0.mlp.experts.3.up_proj.weight_scale";
+    char want[160];
+    f.n_shards = c->n_shards;
+    f.mixtral = c->mixtral;
+    f.S = c->mixtral ? 0 : f.S;
+    f.skip = c->skip;
     write_model(&f);
-    expect_open_fail(0, MOED_E_MODEL,
-                     "missing tensor 'model.layers.0.mlp.experts.3.up_proj.weight_scale'");
+    snprintf(want, sizeof want, "missing tensor '%s'", c->skip);
+    expect_open_fail(0, MOED_E_MODEL, want);
 }
 END_TEST
 
-START_TEST(missing_shared_tensor)
+/* Mixtral has no shared-expert tensors: a config that asks for some is
+ * refused before any tensor is looked up. */
+START_TEST(mixtral_shared_refused)
 {
     struct fx f = tiny;
-    f.n_shards = 2;
-    f.skip = "model.layers.1.mlp.shared_experts.down_proj.weight";
+    f.mixtral = 1;
+    f.config = "{\"model_type\": \"mixtral\", \"hidden_size\": 64, \"intermediate_size\": 32, "
+               "\"num_local_experts\": 4, \"num_experts_per_tok\": 2, \"n_shared_experts\": 1, "
+               "\"num_hidden_layers\": 2}";
     write_model(&f);
     expect_open_fail(0, MOED_E_MODEL,
-                     "missing tensor 'model.layers.1.mlp.shared_experts.down_proj.weight'");
+                     "1 shared experts, but model_type 'mixtral' names no shared-expert");
 }
 END_TEST
 
@@ -421,8 +446,9 @@ int main(void)
     tcase_add_test(bad, shard_escape);
     tcase_add_test(bad, shard_absolute);
     tcase_add_test(bad, shard_missing_file);
-    tcase_add_test(bad, missing_tensor);
-    tcase_add_test(bad, missing_shared_tensor);
+    tcase_add_loop_test(bad, missing_tensor, 0,
+                        (int)(sizeof missing_cases / sizeof missing_cases[0]));
+    tcase_add_test(bad, mixtral_shared_refused);
     tcase_add_test(bad, missing_moe_layer);
     tcase_add_test(bad, scale_shape_mismatch);
     tcase_add_test(bad, scale_nan);
