@@ -127,6 +127,14 @@ static void hex16(const uint8_t *u, char out[33])
 }
 
 /* Validate (everything that does not need the handle), then open. */
+static int find(const struct desc_conn *t, uint32_t id)
+{
+    for (uint32_t i = 0; t && i < t->n; i++)
+        if (t->bufs[i]->id == id)
+            return (int)i;
+    return -1;
+}
+
 int moed_desc_register(struct moed_desc *d, struct moed_conn *c,
                        const struct moed_register_req *rq, uint32_t *buf_id, char *err,
                        size_t errlen)
@@ -219,10 +227,11 @@ int moed_desc_register(struct moed_desc *d, struct moed_conn *c,
         rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory for a registration");
         goto out;
     }
+    /* ids are never 0 and never one still registered (after 2^32 of them) */
+    while (t->next_id == 0 || find(t, t->next_id) >= 0)
+        t->next_id++;
     *b = (struct desc_buf){.id = t->next_id++, .refs = 1, .map = m, .off = rq->offset,
                            .size = rq->size};
-    if (t->next_id == 0)
-        t->next_id = 1;
     t->bufs[t->n++] = b;
     m = NULL; /* b holds it */
     d->st.registered++;
@@ -234,14 +243,6 @@ out:
     if (rc < 0)
         d->st.refused++;
     return rc;
-}
-
-static int find(const struct desc_conn *t, uint32_t id)
-{
-    for (uint32_t i = 0; t && i < t->n; i++)
-        if (t->bufs[i]->id == id)
-            return (int)i;
-    return -1;
 }
 
 int moed_desc_unregister(struct moed_desc *d, struct moed_conn *c, uint32_t buf_id, char *err,
@@ -314,9 +315,7 @@ static int desc_reply(const struct moed_reqio_env *env, struct moed_reqio *io,
     (void)bound;
     (void)row;
     req_release(io);
-    int gone = moed_server_conn_gone(io->conn);
-    moed_server_reply_desc(io->conn, io->request_id, io->n_tokens, env->hidden, t);
-    return gone ? 0 : 1;
+    return moed_server_reply_desc(io->conn, io->request_id, io->n_tokens, env->hidden, t);
 }
 
 static void desc_fail(const struct moed_reqio_env *env, struct moed_reqio *io, int code,
@@ -347,11 +346,12 @@ static const struct moed_reqio_ops desc_ops = {
     .abandon = desc_abandon,
 };
 
-static int overlap(const struct desc_req *q, int i, int j, const struct moed_bufref *ri,
-                   const struct moed_bufref *rj)
+/* Ranges i and j of the request share bytes: by address, so that two
+ * registrations of one allocation (one cached mapping) are caught too. */
+static int overlap(const struct desc_req *q, int i, int j)
 {
-    return q->ref[i] == q->ref[j] && ri->offset < rj->offset + q->buf[j].bytes &&
-           rj->offset < ri->offset + q->buf[i].bytes;
+    uintptr_t a = (uintptr_t)q->buf[i].ptr, b = (uintptr_t)q->buf[j].ptr;
+    return a < b + q->buf[j].bytes && b < a + q->buf[i].bytes;
 }
 
 int moed_desc_request(struct moed_desc *d, struct moed_conn *c, uint64_t request_id,
@@ -394,7 +394,7 @@ int moed_desc_request(struct moed_desc *d, struct moed_conn *c, uint64_t request
         q->buf[i] = (struct moed_buf){b->map->mem.kind, b->map->mem.device, p, len[i]};
     }
     for (int i = 0; i < 3; i++)
-        if (overlap(q, 3, i, refs[3], refs[i])) {
+        if (overlap(q, 3, i)) {
             rc = moed_seterr(err, errlen, MOED_E_INVAL, "y overlaps %s in buffer %u", names[i],
                              refs[i]->buf_id);
             goto fail;

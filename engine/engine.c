@@ -297,11 +297,6 @@ static struct eng_batch *batch_alloc_bound(struct moed_engine *e, struct eng_req
     return eb;
 }
 
-static enum moed_buf_kind hbuf_kind(const struct moed_hbuf *h)
-{
-    return h->pinned ? MOED_BUF_PINNED : MOED_BUF_HOST;
-}
-
 void batch_free(struct moed_engine *e, struct eng_batch *eb)
 {
     moed_bufpool_put(e->pool, &eb->mem);
@@ -320,7 +315,7 @@ struct eng_batch *batch_alloc(struct moed_engine *e, uint32_t layer, uint32_t T)
         free(eb);
         return NULL;
     }
-    enum moed_buf_kind k = hbuf_kind(&eb->mem);
+    enum moed_buf_kind k = moed_reqio_hbuf_kind(&eb->mem);
     uint8_t *m = eb->mem.base;
     struct moed_batch *b = &eb->b;
     b->seq = ++e->next_seq;

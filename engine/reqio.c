@@ -34,11 +34,6 @@ static size_t x_bytes(const struct moed_reqio_env *env, uint32_t t)
     return (size_t)t * env->hidden * 2;
 }
 
-static enum moed_buf_kind hbuf_kind(const struct moed_hbuf *h)
-{
-    return h->pinned ? MOED_BUF_PINNED : MOED_BUF_HOST;
-}
-
 /* The inputs are read: give them back. */
 static void sock_drop_inputs(const struct moed_reqio_env *env, struct moed_reqio *io)
 {
@@ -66,11 +61,11 @@ static int sock_bind(const struct moed_reqio_env *env, struct moed_reqio *io, st
     if (moed_bufpool_get(env->pool, MOED_SERVER_FWD_PAD + MOED_SERVER_FWD_Y_OFF + xb, 1,
                          &io->frame))
         return MOED_E_NOMEM;
-    enum moed_buf_kind xk = io->rx.base ? hbuf_kind(&io->rx) : MOED_BUF_HOST;
+    enum moed_buf_kind xk = io->rx.base ? moed_reqio_hbuf_kind(&io->rx) : MOED_BUF_HOST;
     b->x = (struct moed_buf){xk, 0, io->data, xb};
     b->ids = (struct moed_buf){xk, 0, io->data + xb, ib};
     b->w = (struct moed_buf){xk, 0, io->data + xb + ib, ib};
-    b->y = (struct moed_buf){hbuf_kind(&io->frame), 0,
+    b->y = (struct moed_buf){moed_reqio_hbuf_kind(&io->frame), 0,
                              io->frame.base + MOED_SERVER_FWD_PAD + MOED_SERVER_FWD_Y_OFF, xb};
     return 0;
 }

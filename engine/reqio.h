@@ -29,6 +29,12 @@
 #include "bufpool.h"
 #include "server.h"
 
+/* The kind of memory a pool buffer is, for a moed_buf. */
+static inline enum moed_buf_kind moed_reqio_hbuf_kind(const struct moed_hbuf *h)
+{
+    return h->pinned ? MOED_BUF_PINNED : MOED_BUF_HOST;
+}
+
 /* What every request of one engine shares. */
 struct moed_reqio_env {
     struct moed_bufpool *pool;

@@ -256,20 +256,30 @@ void conn_send_error(struct moed_conn *c, uint64_t request_id, int code, const c
     conn_queue(c, wr, wr->data, n, NULL);
 }
 
-void conn_send(struct moed_conn *c, uint16_t type, uint64_t request_id, const void *payload,
-                      size_t plen)
+/* conn_send with the request's timestamps (NULL: none); 1 when the frame
+ * was queued, 0 when the client is gone or the copy could not be made (the
+ * connection is then closed). */
+static int conn_send_timed(struct moed_conn *c, uint16_t type, uint64_t request_id,
+                           const void *payload, size_t plen, const struct moed_req_times *t)
 {
     if (!conn_writable(c))
-        return;
+        return 0;
     struct write_req *wr = wr_small(MOED_PROTO_HDR_SIZE + plen);
     if (!wr) {
         conn_close(c, 0);
-        return;
+        return 0;
     }
     moed_frame_encode(wr->data, type | MOED_PROTO_REPLY, request_id, plen);
     if (plen)
         memcpy(wr->data + MOED_PROTO_HDR_SIZE, payload, plen);
-    conn_queue(c, wr, wr->data, MOED_PROTO_HDR_SIZE + plen, NULL);
+    conn_queue(c, wr, wr->data, MOED_PROTO_HDR_SIZE + plen, t);
+    return 1;
+}
+
+void conn_send(struct moed_conn *c, uint16_t type, uint64_t request_id, const void *payload,
+                      size_t plen)
+{
+    (void)conn_send_timed(c, type, request_id, payload, plen, NULL);
 }
 
 /* ---- closing ------------------------------------------------------------ */
@@ -670,23 +680,16 @@ int moed_server_forward_parse(const uint8_t *payload, uint64_t len, uint32_t hid
     return 0;
 }
 
-void moed_server_reply_desc(struct moed_conn *c, uint64_t request_id, uint32_t n_tokens,
-                            uint32_t hidden, const struct moed_req_times *t)
+int moed_server_reply_desc(struct moed_conn *c, uint64_t request_id, uint32_t n_tokens,
+                           uint32_t hidden, const struct moed_req_times *t)
 {
-    if (!c->closing && conn_writable(c)) {
-        const size_t n = MOED_PROTO_HDR_SIZE + sizeof(struct moed_forward_rep);
-        struct write_req *wr = wr_small(n);
-        if (wr) {
-            moed_frame_encode(wr->data, MOED_MSG_FORWARD_DESC | MOED_PROTO_REPLY, request_id,
-                              sizeof(struct moed_forward_rep));
-            struct moed_forward_rep rep = {.n_tokens = n_tokens, .hidden = hidden};
-            memcpy(wr->data + MOED_PROTO_HDR_SIZE, &rep, sizeof rep);
-            conn_queue(c, wr, wr->data, n, t);
-        } else {
-            conn_close(c, 0);
-        }
-    }
+    uint8_t rep[sizeof(struct moed_forward_rep)];
+    le_put32(rep, n_tokens);
+    le_put32(rep + 4, hidden);
+    int queued = !c->closing &&
+                 conn_send_timed(c, MOED_MSG_FORWARD_DESC, request_id, rep, sizeof rep, t);
     conn_request_done(c);
+    return queued;
 }
 
 void **moed_server_conn_user(struct moed_conn *c) { return &c->user; }

@@ -200,6 +200,7 @@ def test_forward_desc_checks_every_range(daemon, dims, cases):
                 mc.Client(daemon.sock_path, timeout=du.wait_s(30)) as c2:
             bid = c.register_buf(shm.handle, 0, total, UUID)
             small = c.register_buf(shm.handle, 0, 64, UUID)
+            twin = c.register_buf(shm.handle, 0, total, UUID)  # the same bytes again
             shm.put(ox, x)
             shm.put(oi, ids)
             shm.put(ow, w)
@@ -213,6 +214,7 @@ def test_forward_desc_checks_every_range(daemon, dims, cases):
                 (dict(x=(bid, ox + 8)), "inval", "multiple of 16"),
                 (dict(ids=(bid, oi + 2)), "inval", "multiple of 4"),
                 (dict(y=(bid, ox)), "inval", "y overlaps x"),
+                (dict(y=(twin, ox)), "inval", "y overlaps x"),
                 (dict(y=(bid, oi - 16 if oi >= 16 else 0)), "inval", "y overlaps"),
                 (dict(x=(0, ox)), "inval", "must be non-zero"),
             ]
