@@ -485,6 +485,10 @@ static int forward_precheck(struct moedc *c, uint32_t n_tokens, uint32_t top_k, 
         return moed_seterr(err, errlen, MOED_E_INVAL,
                            "forward flags 0x%" PRIx32 " has unknown bits 0x%" PRIx32, flags,
                            flags & ~MOED_FORWARD_FLAGS_KNOWN);
+    if (n_tokens == 0 && c->hello.version < 2)
+        return moed_seterr(err, errlen, MOED_E_VERSION,
+                           "n_tokens 0 needs protocol version 2; the daemon speaks version %u",
+                           (unsigned)c->hello.version);
     if (flags && c->hello.version < 2)
         return moed_seterr(err, errlen, MOED_E_VERSION,
                            "forward flags 0x%" PRIx32 " need protocol version 2; the daemon "
@@ -503,7 +507,7 @@ static int forward_precheck(struct moedc *c, uint32_t n_tokens, uint32_t top_k, 
 /* Byte-swap into a little-endian copy (big-endian hosts only). */
 static void *le_copy(const void *src, size_t n_elems, size_t elem)
 {
-    uint8_t *d = malloc(n_elems * elem);
+    uint8_t *d = malloc(n_elems ? n_elems * elem : 1); /* T = 0: nothing, but not NULL */
     const uint8_t *s = src;
     if (!d)
         return NULL;

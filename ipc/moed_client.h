@@ -86,7 +86,8 @@ MOEDC_API int moedc_forward(struct moedc *c, uint32_t layer, uint32_t n_tokens, 
  * (the routed experts only, no shared-expert term) and MOED_FORWARD_EMPTY_SLOTS
  * (an id of MOED_EXPERT_NONE, -1, is an empty slot that adds nothing). A
  * version-1 daemon gets none (MOED_E_VERSION, nothing sent). n_tokens 0 is
- * valid in both calls: x, ids, w and y may then be NULL, and nothing is
+ * valid in both calls with a version-2 daemon (a version-1 one: MOED_E_VERSION,
+ * nothing sent): x, ids, w and y may then be NULL, and nothing is
  * written to y. */
 MOEDC_API int moedc_forward_flags(struct moedc *c, uint32_t layer, uint32_t n_tokens,
                                   uint32_t top_k, const uint16_t *x, const int32_t *ids,

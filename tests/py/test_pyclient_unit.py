@@ -306,6 +306,17 @@ def test_client_side_checks(daemon):
         np.testing.assert_array_equal(c.forward(1, xb, ib, wb), expected(xb, wb))
         ts = [u32(f[32:], 4) for f in daemon.seen[n:] if int.from_bytes(f[6:8], "little") == 2]
         assert ts == [MAX_T, 1]
+        # a batch to split whose routing rows do not match: refused before
+        # anything is sent, and the connection stays usable
+        n = len(daemon.seen)
+        with pytest.raises(ValueError, match="have 16 and 17 rows; hidden_states has T=17"):
+            c.forward(1, xb, ib[:MAX_T], wb)
+        assert len(daemon.seen) == n
+        np.testing.assert_array_equal(c.forward(1, x, ids, w), expected(x, w))
+        # T = 0 with this version-1 daemon (which refuses it): the empty
+        # result without a round trip
+        y0 = c.forward(1, x[:0], ids[:0], w[:0])
+        assert y0.shape == (0, H) and len(daemon.seen) == n + 1
 
 
 def test_pipelined_out_of_order():
@@ -386,6 +397,20 @@ def test_bad_replies_are_errors_not_crashes(reply, match, close_after):
         assert e.value.request_id is None
         with pytest.raises(mc.MoedError, match="closed"):
             c.ping()
+    finally:
+        d.close()
+
+
+def test_hello_with_absurd_n_layers_is_refused():
+    """A version-1 HELLO's n_layers becomes the layer list: bounded by
+    MAX_LAYERS like a version-2 list, not a 4-billion-entry range."""
+    rep = struct.pack("<HHIIIIIIIIIQ16s", 1, 0, H, INTER, E, K, 1, 0xFFFFFFF0, 1, MAX_T, 0,
+                      1 << 20, b"fake")
+    d = script_daemon(lambda rid: hdr(0x8001, rid, 64) + rep)
+    try:
+        c = mc.Client(d.path, timeout=5)
+        with pytest.raises(mc.MoedError, match="n_layers 4294967280, over 1024"):
+            c.hello()
     finally:
         d.close()
 

@@ -307,6 +307,9 @@ START_TEST(test_daemon_error_passthrough)
     ck_assert_int_eq(moedc_forward_flags(c, 1, 2, K, x, ids, w, 0x4, y, err, sizeof err),
                      MOED_E_INVAL);
     ck_assert_str_eq(err, "forward flags 0x4 has unknown bits 0x4");
+    ck_assert_int_eq(moedc_forward(c, 1, 0, K, NULL, NULL, NULL, NULL, err, sizeof err),
+                     MOED_E_VERSION);
+    ck_assert_str_eq(err, "n_tokens 0 needs protocol version 2; the daemon speaks version 1");
     uint32_t layers[8];
     ck_assert_uint_eq(moedc_moe_layers(c, layers, 8), 3); /* version 1: first_moe_layer 1 .. 3 */
     ck_assert_uint_eq(layers[0], 1);

@@ -387,6 +387,8 @@ class Client:
             self._fail(E_PROTO, "HELLO reply has implausible dims: hidden %d, max_tokens %d, "
                        "top_k %d, n_experts %d" % (hidden, max_tokens, top_k, n_experts))
         n_layers, first = f[7], f[8]
+        if n_layers > MAX_LAYERS:
+            self._fail(E_PROTO, "HELLO reply has n_layers %d, over %d" % (n_layers, MAX_LAYERS))
         if version == 1:
             if len(rep) != HELLO_V1_BYTES:
                 self._fail(E_PROTO, "version-1 HELLO reply is %d bytes, expected 64" % len(rep))
@@ -532,7 +534,14 @@ class Client:
             self.hello()
         flags = _forward_flags(routed_only, empty_slots)
         T, mt = self._n_tokens(hidden_states, topk_ids), self.info.max_tokens
+        if T == 0 and self.info.version < 2:
+            # a version-1 daemon refuses T = 0: the empty result, shapes checked here
+            kind = self._encode_forward(layer, hidden_states, topk_ids, topk_weights)[2]
+            return _wire_to_hidden(b"", 0, self.info.hidden, kind)
         if T > mt:
+            if len(topk_ids) != T or len(topk_weights) != T:
+                raise ValueError("topk_ids and topk_weights have %d and %d rows; hidden_states "
+                                 "has T=%d" % (len(topk_ids), len(topk_weights), T))
             bounds = [(t0, min(t0 + mt, T)) for t0 in range(0, T, mt)]
             chunks = [(_rows(hidden_states, a, b), _rows(topk_ids, a, b),
                        _rows(topk_weights, a, b)) for a, b in bounds]
@@ -552,34 +561,32 @@ class Client:
         base = self._next_id
         self._next_id += len(chunks)
         sent = 0
-        while sent < len(chunks) or pending:
-            if sent < len(chunks) and len(pending) < self.max_inflight:
-                x, ids, w = chunks[sent]
-                payload, t, kind = self._encode_forward(layer, x, ids, w, flags)
-                kind0 = kind0 or kind
-                rid = base + 1 + sent
-                pending[rid] = (sent, t, kind)
-                self._send_reading(MSG_FORWARD, rid, payload, pending, out)
-                sent += 1
-            else:
-                self._recv_chunk(pending, out)
+        try:
+            while sent < len(chunks) or pending:
+                if sent < len(chunks) and len(pending) < self.max_inflight:
+                    x, ids, w = chunks[sent]
+                    payload, t, kind = self._encode_forward(layer, x, ids, w, flags)
+                    kind0 = kind0 or kind
+                    rid = base + 1 + sent
+                    pending[rid] = (sent, t, kind)
+                    self._send_reading(MSG_FORWARD, rid, payload, pending, out)
+                    sent += 1
+                else:
+                    self._recv_chunk(pending, out)
+        except BaseException:
+            # replies of chunks already sent would be read by the next call
+            if pending:
+                self.close()
+            raise
         return _concat(out, kind0)
 
     def _recv_chunk(self, pending, out):
-        mtype, rid, payload = self._read_frame_pipelined(pending)
+        mtype, rid, payload = self._read_frame()
         if mtype != MSG_FORWARD | REPLY or rid not in pending:
             self._fail(E_PROTO, "reply type 0x%04x id %d does not answer a FORWARD in flight"
                        % (mtype, rid))
         i, t, kind = pending.pop(rid)
         out[i] = self._decode_forward(payload, t, kind)
-
-    def _read_frame_pipelined(self, pending):
-        try:
-            return self._read_frame()
-        except MoedError as e:
-            if e.request_id:  # one chunk refused: the others' replies are unread
-                self.close()
-            raise
 
     def _send_reading(self, msg_type, rid, payload, pending, out):
         """Write one frame; whenever the socket has a reply to read meanwhile,

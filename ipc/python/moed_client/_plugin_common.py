@@ -19,6 +19,7 @@ import inspect
 import os
 
 import moed_client
+from moed_client._arrays import _is_torch
 
 ENV_SOCKET = "MOED_SOCKET"
 ENV_PLUGIN = "MOED_PLUGIN"
@@ -83,7 +84,7 @@ def _np():
 def to_numpy(a, dtype):
     """A host numpy copy of a torch tensor / numpy array / nested list."""
     np = _np()
-    if type(a).__module__.split(".")[0] == "torch":
+    if _is_torch(a):
         a = a.detach().to("cpu")
         if a.is_floating_point():
             a = a.float()
@@ -200,7 +201,7 @@ def rank_role(tp_rank, ep_rank, framework_serves_shared):
 
 
 def _zeros(x, t):
-    if type(x).__module__.split(".")[0] == "torch":
+    if _is_torch(x):
         import torch
         return torch.zeros((t, x.shape[1]), dtype=x.dtype, device=x.device)
     np = _np()
@@ -208,7 +209,7 @@ def _zeros(x, t):
 
 
 def _concat(parts):
-    if type(parts[0]).__module__.split(".")[0] == "torch":
+    if _is_torch(parts[0]):
         import torch
         return torch.cat(parts, dim=0)
     return _np().concatenate(parts, axis=0)
@@ -268,27 +269,29 @@ class Experts:
             return _zeros(x, 0)
         c = self.client
         info = c.info if c.info is not None else c.hello()
+        v2 = getattr(info, "version", 1) >= 2  # the daemon speaks the FORWARD flags
         if routed_only and info.n_shared:
-            if not client_supports(c, "routed_only"):
+            if not (v2 and client_supports(c, "routed_only")):
                 raise MoedPluginError(
                     "the daemon adds %d shared expert(s) and the framework computes them too; "
-                    "this moed_client cannot ask for the routed experts only (protocol "
-                    "version 2, FORWARD flag routed_only)" % info.n_shared)
+                    "this moed_client or daemon cannot ask for the routed experts only "
+                    "(protocol version 2, FORWARD flag routed_only)" % info.n_shared)
         kw = {}
         if routed_only and info.n_shared:
             kw["routed_only"] = True
         if empty_slots:
             if routed_only and bool((ids < 0).all()):
                 return _zeros(x, t)  # nothing of this rank's in the batch
-            if client_supports(c, "empty_slots"):
+            if v2 and client_supports(c, "empty_slots"):
                 kw["empty_slots"] = True
             else:
-                # A version-1 client: an empty slot becomes expert 0 with
+                # A version-1 client or daemon: an empty slot becomes expert 0 with
                 # weight 0 (the same sum; the daemon computes one slot more).
                 empty = ids < 0
                 ids = np.where(empty, 0, ids).astype(np.int32)
                 w = np.where(empty, np.float32(0), w).astype(np.float32)
-        step = info.max_tokens
+        # a client that splits by itself pipelines the chunks: one call
+        step = t if hasattr(c, "_forward_pipelined") else info.max_tokens
         parts = []
         for s in range(0, t, step):
             e = min(t, s + step)
