@@ -21,9 +21,12 @@ __device__ __forceinline__ unsigned expert_of(const int32_t *ids, unsigned i, un
     unsigned t = i / ks, j = i - t * ks;
     if (j < k) {
         int v = __ldcg(ids + (size_t)t * k + j);
+        /* socket requests: validated on the host (-1 only with EMPTY_SLOTS);
+         * FORWARD_DESC ids come from client GPU memory: any negative id is
+         * an empty slot and one of E or more reads expert 0 (PROTOCOL.md 9) */
         if (v < 0)
             return ROUTE_NONE;
-        return (unsigned)v < E ? (unsigned)v : 0u; /* host validated; stay in bounds */
+        return (unsigned)v < E ? (unsigned)v : 0u;
     }
     return (flags & MOE_GPU_ROUTED_ONLY) ? ROUTE_NONE : E + (j - k);
 }
