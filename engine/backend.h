@@ -69,6 +69,25 @@ struct moed_batch {
  * in it asked for the routed experts only). */
 #define MOED_BATCH_ROUTED_ONLY 0x1u
 
+/* A doorbell channel (chan_open): one registered range it may name. */
+struct moed_chan_buf {
+    void *ptr;      /* the range's device address in the daemon */
+    uint64_t size;  /* its bytes */
+};
+struct moed_chan_info {
+    uint32_t index;        /* the kernel's table entry */
+    uint64_t key;          /* every descriptor of the channel carries it */
+    uint8_t handle[64];    /* CUDA IPC handle of the channel's allocation */
+    uint64_t size;         /* bytes of struct moe_gpu_chan at its start */
+    const void *kernel;    /* the client kernel's fatbin (static; kernels/moe_chan_client.cu) */
+    uint64_t kernel_bytes;
+};
+struct moed_chan_stats {
+    uint64_t served, refused; /* descriptors run / answered with an error status */
+    uint64_t kernel_ns;       /* sum of the served batches' kernel times */
+    uint64_t last;            /* status word of the last answer (seq << 8 | status) */
+};
+
 struct moed_backend;
 typedef void (*moed_backend_done_fn)(void *ctx, struct moed_batch *b);
 
@@ -110,6 +129,21 @@ struct moed_backend_ops {
     int (*ipc_open)(struct moed_backend *be, const uint8_t handle[64], struct moed_buf *out,
                     char *err, size_t errlen);
     void (*ipc_close)(struct moed_backend *be, const struct moed_buf *m);
+    /* Optional, all four or none (doorbell channels, engine/desc.h; CUDA
+     * only). chan_open takes a free entry of the kernel's channel table
+     * (engine.max_channels; none free: MOED_E_BUSY), fills it with bufs (the
+     * registered ranges the channel's descriptors may name, by index) and a
+     * fresh key, activates it and fills *out. chan_close deactivates entry
+     * `index` without waiting; chan_quiet then answers 1 once the kernel can
+     * no longer touch the channel or its buffers (the entry is free again
+     * from then on; the caller releases the buffers then), 0 while it still
+     * may. chan_stats reads an entry's counters. Loop thread; none of them
+     * waits for the kernel. */
+    int (*chan_open)(struct moed_backend *be, const struct moed_chan_buf *bufs, uint32_t n_bufs,
+                     struct moed_chan_info *out, char *err, size_t errlen);
+    void (*chan_close)(struct moed_backend *be, uint32_t index);
+    int (*chan_quiet)(struct moed_backend *be, uint32_t index);
+    void (*chan_stats)(struct moed_backend *be, uint32_t index, struct moed_chan_stats *out);
 };
 
 struct moed_backend {
@@ -127,6 +161,7 @@ struct moed_backend_cfg {
     uint32_t max_tokens;
     uint32_t batch_deadline_ms; /* CUDA: a batch over this fails the backend */
     uint32_t idle_exit_ms;  /* CUDA: persistent kernel exits after idle (0 = never) */
+    uint32_t max_channels;  /* CUDA: doorbell channel table entries (0: none) */
     /* Optional: weight placement progress (bytes placed, bytes to place),
      * called from the opening thread during open. */
     moed_progress_fn progress;

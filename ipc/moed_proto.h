@@ -42,6 +42,8 @@ enum moed_msg_type {
     MOED_MSG_REGISTER_BUF = 16,
     MOED_MSG_UNREGISTER_BUF = 17,
     MOED_MSG_FORWARD_DESC = 18, /* FORWARD by descriptor: x, ids, w, y in registered buffers */
+    MOED_MSG_CHAN_OPEN = 19,    /* a GPU doorbell channel over registered buffers */
+    MOED_MSG_CHAN_CLOSE = 20,
 };
 
 struct moed_frame_hdr {
@@ -175,6 +177,41 @@ int moed_forward_desc_decode(const uint8_t *payload, uint64_t len, uint32_t top_
                              int (*is_moe_layer)(const void *ctx, uint32_t layer),
                              const void *ctx, struct moed_forward_desc_req *out, char *err,
                              size_t errlen);
+
+/* ---- version 2: GPU doorbell channels (PROTOCOL.md section 10) ---- */
+#define MOED_PROTO_CHAN_BUFS 16 /* buffers a channel names (MOE_GPU_CHAN_BUFS) */
+
+/* CHAN_OPEN request payload (88 bytes): the GPU the client's kernels run on
+ * and the registered buffers (REGISTER_BUF ids of this connection) its
+ * descriptors name, by index: descriptor buffer i is buf_ids[i]. */
+struct moed_chan_open_req {
+    uint8_t uuid[MOED_PROTO_UUID_BYTES];
+    uint32_t n_bufs;                         /* 1..MOED_PROTO_CHAN_BUFS */
+    uint32_t flags;                          /* 0 */
+    uint32_t buf_ids[MOED_PROTO_CHAN_BUFS];  /* [n_bufs] non-zero, the rest 0 */
+};
+_Static_assert(sizeof(struct moed_chan_open_req) == 88, "channel open request");
+
+/* CHAN_OPEN reply payload: this head (96 bytes), then kernel_bytes bytes of
+ * the client kernel's fatbin (cuModuleLoadData; kernels/moe_chan_client.cu,
+ * entry moed_chan_call). */
+struct moed_chan_open_rep {
+    uint32_t chan_id;                        /* > 0; CHAN_CLOSE names it */
+    uint32_t slots;                          /* descriptors in flight (MOE_GPU_CHAN_SLOTS) */
+    uint64_t key;                            /* every descriptor carries it */
+    uint8_t handle[MOED_PROTO_IPC_HANDLE_BYTES]; /* the channel's allocation */
+    uint64_t size;                           /* bytes of struct moe_gpu_chan at offset 0 */
+    uint32_t abi_version;                    /* MOE_GPU_ABI_VERSION */
+    uint32_t kernel_bytes;
+};
+_Static_assert(sizeof(struct moed_chan_open_rep) == 96, "channel open reply head");
+
+/* CHAN_CLOSE request payload (8 bytes); the reply has no payload. */
+struct moed_chan_close_req {
+    uint32_t chan_id;
+    uint32_t reserved;                       /* 0 */
+};
+_Static_assert(sizeof(struct moed_chan_close_req) == 8, "channel close request");
 
 /* STATUS: empty request; reply payload is the status JSON (UTF-8).
  * PING: request payload up to 64 bytes, echoed in the reply. */

@@ -42,7 +42,7 @@
 #endif
 
 /* Bump when the meaning of a field changes without a change of layout. */
-#define MOE_GPU_ABI_VERSION 1u
+#define MOE_GPU_ABI_VERSION 2u
 
 /* ---- weight stream geometry (packer <-> kernel) ---- */
 #define MOE_GPU_MR 2            /* 16-row sub-tiles per warp tile (H200 2026-11-29: 4 is
@@ -156,56 +156,81 @@ struct moe_gpu_params {
     uint64_t start_seq; /* first seq this launch processes */
     uint32_t smem_route;/* bytes of the routing part of dynamic smem */
     uint16_t *route_g;  /* device: per-CTA pos/tok tables, moe_gpu_route_gmem_bytes each */
+    /* doorbell channels (n_chans 0: none; the kernel then polls the host ring only) */
+    struct moe_gpu_chan_ent *chans;     /* device: [n_chans] */
+    struct moe_gpu_chanctl *chanctl;    /* device pointer of the mapped block */
+    const int32_t *slot_of;             /* device: [n_slot_of] layer id -> layer slot, -1 */
+    uint32_t n_chans, n_slot_of;
 };
 
-/* ---- doorbell channels (issue 15 item 2; the kernel side is not built yet) ----
- * A client on the daemon's GPU gets a channel of its own: one moe_gpu_chan in
- * device memory that the daemon allocates and exports (cudaIpcGetMemHandle).
- * The client writes a descriptor into slot[seq % MOE_GPU_CHAN_SLOTS] and
- * releases `bell` = seq from its own stream (a CUDA stream memory operation,
- * so that it can be captured in a CUDA graph), then waits until done >= seq.
- * The descriptor comes from untrusted GPU code: the kernel checks it against
- * the host-written registration table of that channel (moe_gpu_reg, one per
- * registered buffer id; size 0 = none) with moe_gpu_chan_check and every
- * expert id with moe_gpu_ids_check before it touches a byte, and answers a
- * bad one with its MOE_GPU_CHAN_E_* code in `status` (never an out-of-bounds
- * access). One writer per word: bell and the slots the client, done and
- * status the kernel. */
-#define MOE_GPU_CHAN_SLOTS 8 /* descriptors in flight per channel */
-#define MOE_GPU_CHAN_BUFS 16 /* registration table entries per channel */
+/* ---- doorbell channels (ipc/PROTOCOL.md section 10, docs/ZERO_COPY.md) ----
+ * A client on the daemon's GPU (under MPS) or on a peer GPU gets a channel of
+ * its own: one moe_gpu_chan in device memory that the daemon allocates and
+ * exports (cudaIpcGetMemHandle; an allocation of its own, kept and reused by
+ * the next channel of the same table index). The client's kernel
+ * (kernels/moe_chan_client.cu, whose fatbin the daemon sends with CHAN_OPEN)
+ * writes a descriptor into slot[seq % MOE_GPU_CHAN_SLOTS] and releases
+ * `bell` = seq, then waits until done >= seq and reads status[seq % SLOTS].
+ * The persistent kernel's dispatcher polls every active channel's bell next
+ * to the host ring. The descriptor comes from untrusted GPU code: the
+ * dispatcher checks it against the channel's host-written table entry
+ * (moe_gpu_chan_ent: the key, the registered buffers) with
+ * moe_gpu_chan_check and every expert id (moe_gpu_id_ok) before any other
+ * CTA touches a byte, and answers a bad one with its MOE_GPU_CHAN_E_* code
+ * (never an out-of-bounds access). One writer per word: bell and the slots
+ * the client, done and status the kernel. */
+#define MOE_GPU_CHAN_SLOTS 8  /* descriptors in flight per channel */
+#define MOE_GPU_CHAN_BUFS 16  /* registered buffers a channel can name */
+#define MOE_GPU_MAX_CHANS 64  /* table entries at most (engine.max_channels) */
+#define MOE_GPU_CHAN_ALLOC (2u << 20) /* bytes of a channel's allocation (one granule:
+                                          its IPC handle exposes nothing else) */
 
 enum moe_gpu_chan_status {
     MOE_GPU_CHAN_OK = 0,
     MOE_GPU_CHAN_E_TOKENS = 1,  /* T = 0 or over max_tokens */
     MOE_GPU_CHAN_E_LAYER = 2,   /* not an MoE layer of the model */
-    MOE_GPU_CHAN_E_BUF = 3,     /* buffer id outside the table or not registered */
+    MOE_GPU_CHAN_E_BUF = 3,     /* buffer index outside the table or not registered */
     MOE_GPU_CHAN_E_RANGE = 4,   /* range past the end of its buffer (overflow included) */
     MOE_GPU_CHAN_E_ALIGN = 5,   /* x / y not 16-aligned, ids / w not 4-aligned */
     MOE_GPU_CHAN_E_OVERLAP = 6, /* y overlaps x, ids or w */
-    MOE_GPU_CHAN_E_EXPERT = 7,  /* an expert id outside [0, E) */
+    MOE_GPU_CHAN_E_EXPERT = 7,  /* an expert id outside [0, E) (-1 allowed with EMPTY_SLOTS) */
+    MOE_GPU_CHAN_E_SEQ = 8,     /* the slot's seq is not the one rung, or the bell jumped
+                                   more than MOE_GPU_CHAN_SLOTS ahead */
+    MOE_GPU_CHAN_E_KEY = 9,     /* the descriptor's key is not the channel's */
+    MOE_GPU_CHAN_E_FLAGS = 10,  /* unknown flag bits */
+    MOE_GPU_CHAN_E_TIMEOUT = 11,/* client side only: no answer within the wait limit */
 };
+
+/* moe_gpu_chan_desc.flags (the FORWARD flags, ipc/PROTOCOL.md 3.2) */
+#define MOE_GPU_CHAN_ROUTED_ONLY 0x1u /* the routed experts only, no shared ones */
+#define MOE_GPU_CHAN_EMPTY_SLOTS 0x2u /* an id of -1 is an empty slot */
 
 /* A range of a registered buffer. */
 struct moe_gpu_chan_ref {
-    uint32_t buf;  /* index into the channel's registration table */
+    uint32_t buf;  /* index into the channel's table (CHAN_OPEN's buffer list) */
     uint32_t pad;
     uint64_t off;  /* bytes from the start of the registered range */
 };
 
-/* One request: as FORWARD_DESC (ipc/PROTOCOL.md section 9.3). */
+/* One request: FORWARD_DESC's fields, the bell value and the channel's key. */
 struct moe_gpu_chan_desc {
     uint32_t layer;    /* absolute layer id */
     uint32_t n_tokens; /* T */
     uint64_t seq;      /* the bell value that submits it */
+    uint64_t key;      /* CHAN_OPEN's reply: refuses a stale owner of a reused channel */
+    uint32_t flags;    /* MOE_GPU_CHAN_ROUTED_ONLY | MOE_GPU_CHAN_EMPTY_SLOTS */
+    uint32_t pad;
     struct moe_gpu_chan_ref x, ids, w, y;
 };
 
+/* The channel (device memory of the daemon, mapped by the client). */
 struct moe_gpu_chan {
     uint64_t bell;    /* client: highest submitted seq (release) */
     uint64_t pad0[7];
     uint64_t done;    /* kernel: highest answered seq (release, after status) */
-    uint64_t status;  /* kernel: seq << 8 | moe_gpu_chan_status of the last answer */
-    uint64_t pad1[6];
+    uint64_t pad1[7];
+    uint64_t status[MOE_GPU_CHAN_SLOTS]; /* kernel: seq << 8 | moe_gpu_chan_status of
+                                            the answer to seq, at seq % SLOTS */
     struct moe_gpu_chan_desc slot[MOE_GPU_CHAN_SLOTS];
 };
 
@@ -216,18 +241,55 @@ struct moe_gpu_reg {
     uint64_t size;
 };
 
-/* Check one descriptor against the table and the model (pure; host and
- * device). On MOE_GPU_CHAN_OK, ptr[0..3] are the device addresses of x, ids,
- * w and y and *slot the kernel's layer index. slot_of maps an absolute layer
- * to the kernel's layer table (-1: not an MoE layer). */
+/* One channel of the kernel's table (device memory; the host writes an
+ * entry while it is inactive, the kernel writes only `seen`). */
+struct moe_gpu_chan_ent {
+    uint64_t chan;     /* host: daemon-side device address of the moe_gpu_chan */
+    uint64_t key;      /* host: the descriptor key of the channel's owner */
+    uint32_t active;   /* host: 1 while open */
+    uint32_t pad;
+    uint64_t seen;     /* kernel: last seq taken (the host zeroes it at open) */
+    struct moe_gpu_reg reg[MOE_GPU_CHAN_BUFS];
+};
+
+/* Per-channel counters, kernel-written into mapped host memory. */
+struct moe_gpu_chan_stat {
+    uint64_t served;    /* descriptors run */
+    uint64_t refused;   /* descriptors answered with an error status */
+    uint64_t kernel_ns; /* sum of the served batches' kernel times (%globaltimer) */
+    uint64_t last;      /* status word of the last answer */
+};
+
+/* Channel control in mapped host memory. The host changes a table entry,
+ * then releases gen; the dispatcher, between batches (none in flight), sees
+ * it, reads the table afresh from then on and releases ack = gen: once ack
+ * >= the gen of a close, the kernel can no longer touch that channel, its
+ * buffers, or run one of its batches. */
+struct moe_gpu_chanctl {
+    uint64_t gen;       /* host */
+    uint64_t pad0[7];
+    uint64_t ack;       /* device */
+    uint64_t pad1[7];
+    struct moe_gpu_chan_stat stat[MOE_GPU_MAX_CHANS];
+};
+
+/* Check one descriptor against its channel's entry and the model (pure;
+ * host and device). On MOE_GPU_CHAN_OK, ptr[0..3] are the device addresses
+ * of x, ids, w and y and *slot the kernel's layer index. slot_of maps an
+ * absolute layer to the kernel's layer table (-1: not an MoE layer). The
+ * expert ids lie behind ptr[1]: the caller checks them (moe_gpu_id_ok). */
 MOE_GPU_HD static inline uint32_t moe_gpu_chan_check(const struct moe_gpu_chan_desc *d,
-                                                     const struct moe_gpu_reg *tab,
+                                                     uint64_t key, const struct moe_gpu_reg *tab,
                                                      uint32_t hidden, uint32_t top_k,
                                                      uint32_t max_tokens, const int32_t *slot_of,
                                                      uint32_t n_slot_of, uint64_t ptr[4],
                                                      int32_t *slot)
 {
     const uint64_t T = d->n_tokens;
+    if (d->key != key)
+        return MOE_GPU_CHAN_E_KEY;
+    if (d->flags & ~(MOE_GPU_CHAN_ROUTED_ONLY | MOE_GPU_CHAN_EMPTY_SLOTS))
+        return MOE_GPU_CHAN_E_FLAGS;
     if (T == 0 || T > max_tokens)
         return MOE_GPU_CHAN_E_TOKENS;
     if (d->layer >= n_slot_of || slot_of[d->layer] < 0)
@@ -251,15 +313,18 @@ MOE_GPU_HD static inline uint32_t moe_gpu_chan_check(const struct moe_gpu_chan_d
     return MOE_GPU_CHAN_OK;
 }
 
-/* Every expert id in [0, n_experts) (serial; the kernel splits it over a
- * CTA's threads and reduces). */
-MOE_GPU_HD static inline uint32_t moe_gpu_ids_check(const int32_t *ids, uint64_t n,
-                                                    uint32_t n_experts)
+/* One expert id: in [0, n_experts), or -1 when the descriptor has
+ * MOE_GPU_CHAN_EMPTY_SLOTS (the kernel checks each id as it stages it). */
+MOE_GPU_HD static inline int moe_gpu_id_ok(int32_t id, uint32_t n_experts, uint32_t flags)
 {
-    for (uint64_t i = 0; i < n; i++)
-        if (ids[i] < 0 || (uint32_t)ids[i] >= n_experts)
-            return MOE_GPU_CHAN_E_EXPERT;
-    return MOE_GPU_CHAN_OK;
+    return (id >= 0 && (uint32_t)id < n_experts) ||
+           (id == -1 && (flags & MOE_GPU_CHAN_EMPTY_SLOTS));
+}
+
+/* The status word of the answer to seq. */
+MOE_GPU_HD MOE_GPU_CONSTEXPR static inline uint64_t moe_gpu_chan_word(uint64_t seq, uint32_t status)
+{
+    return seq << 8 | status;
 }
 
 /* ---- layout asserts (every compiler that includes this checks them) ---- */
@@ -296,24 +361,44 @@ MOE_GPU_STATIC_ASSERT(offsetof(struct moe_gpu_params, layers) == 24 &&
                           offsetof(struct moe_gpu_params, start_seq) == 88 &&
                           offsetof(struct moe_gpu_params, smem_route) == 96 &&
                           offsetof(struct moe_gpu_params, route_g) == 104 &&
-                          sizeof(struct moe_gpu_params) == 112,
+                          offsetof(struct moe_gpu_params, chans) == 112 &&
+                          offsetof(struct moe_gpu_params, chanctl) == 120 &&
+                          offsetof(struct moe_gpu_params, slot_of) == 128 &&
+                          offsetof(struct moe_gpu_params, n_chans) == 136 &&
+                          offsetof(struct moe_gpu_params, n_slot_of) == 140 &&
+                          sizeof(struct moe_gpu_params) == 144,
                       "params: layout");
 MOE_GPU_STATIC_ASSERT(MOE_GPU_UNIT_BYTES % 16 == 0, "units are copied in 16-byte chunks");
 MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_chan_ref) == 16 &&
                           offsetof(struct moe_gpu_chan_ref, off) == 8,
                       "chan ref: id, pad, offset");
-MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_chan_desc) == 80 &&
+MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_chan_desc) == 96 &&
                           offsetof(struct moe_gpu_chan_desc, seq) == 8 &&
-                          offsetof(struct moe_gpu_chan_desc, x) == 16 &&
-                          offsetof(struct moe_gpu_chan_desc, y) == 64 &&
+                          offsetof(struct moe_gpu_chan_desc, key) == 16 &&
+                          offsetof(struct moe_gpu_chan_desc, flags) == 24 &&
+                          offsetof(struct moe_gpu_chan_desc, x) == 32 &&
+                          offsetof(struct moe_gpu_chan_desc, y) == 80 &&
                           sizeof(struct moe_gpu_chan_desc) % 16 == 0,
-                      "chan desc: 80 bytes, copied as uint4");
+                      "chan desc: 96 bytes, copied as uint4");
 MOE_GPU_STATIC_ASSERT(offsetof(struct moe_gpu_chan, bell) == 0 &&
                           offsetof(struct moe_gpu_chan, done) == 64 &&
-                          offsetof(struct moe_gpu_chan, status) == 72 &&
-                          offsetof(struct moe_gpu_chan, slot) == 128 &&
-                          sizeof(struct moe_gpu_chan) == 128 + MOE_GPU_CHAN_SLOTS * 80,
-                      "chan: bell and done on their own lines, slots after");
+                          offsetof(struct moe_gpu_chan, status) == 128 &&
+                          offsetof(struct moe_gpu_chan, slot) == 128 + 8 * MOE_GPU_CHAN_SLOTS &&
+                          sizeof(struct moe_gpu_chan) ==
+                              128 + 8 * MOE_GPU_CHAN_SLOTS + MOE_GPU_CHAN_SLOTS * 96 &&
+                          sizeof(struct moe_gpu_chan) <= MOE_GPU_CHAN_ALLOC,
+                      "chan: bell and done on their own lines, status words, slots");
+MOE_GPU_STATIC_ASSERT(offsetof(struct moe_gpu_chan, slot) % 16 == 0, "chan slots: uint4 loads");
+MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_chan_ent) == 32 + 16 * MOE_GPU_CHAN_BUFS &&
+                          offsetof(struct moe_gpu_chan_ent, active) == 16 &&
+                          offsetof(struct moe_gpu_chan_ent, seen) == 24 &&
+                          offsetof(struct moe_gpu_chan_ent, reg) == 32,
+                      "chan entry: pointer, key, active, seen, table");
+MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_chan_stat) == 32, "chan stat: four counters");
+MOE_GPU_STATIC_ASSERT(offsetof(struct moe_gpu_chanctl, gen) == 0 &&
+                          offsetof(struct moe_gpu_chanctl, ack) == 64 &&
+                          offsetof(struct moe_gpu_chanctl, stat) == 128,
+                      "chanctl: gen and ack on their own lines");
 MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_reg) == 16, "reg: base, size");
 
 /* FNV-1a over every size, offset and constant above: equal on both sides
@@ -347,13 +432,22 @@ MOE_GPU_HD MOE_GPU_CONSTEXPR static inline uint64_t moe_gpu_abi_fingerprint(void
         offsetof(struct moe_gpu_params, ids_s), offsetof(struct moe_gpu_params, w_s),
         offsetof(struct moe_gpu_params, h), offsetof(struct moe_gpu_params, dout),
         offsetof(struct moe_gpu_params, start_seq), offsetof(struct moe_gpu_params, smem_route),
-        offsetof(struct moe_gpu_params, route_g),
-        MOE_GPU_CHAN_SLOTS, MOE_GPU_CHAN_BUFS, sizeof(struct moe_gpu_chan_desc),
-        offsetof(struct moe_gpu_chan_desc, seq), offsetof(struct moe_gpu_chan_desc, x),
+        offsetof(struct moe_gpu_params, route_g), offsetof(struct moe_gpu_params, chans),
+        offsetof(struct moe_gpu_params, chanctl), offsetof(struct moe_gpu_params, slot_of),
+        offsetof(struct moe_gpu_params, n_chans), offsetof(struct moe_gpu_params, n_slot_of),
+        MOE_GPU_CHAN_SLOTS, MOE_GPU_CHAN_BUFS, MOE_GPU_MAX_CHANS, MOE_GPU_CHAN_ALLOC,
+        MOE_GPU_CHAN_ROUTED_ONLY, MOE_GPU_CHAN_EMPTY_SLOTS, sizeof(struct moe_gpu_chan_desc),
+        offsetof(struct moe_gpu_chan_desc, seq), offsetof(struct moe_gpu_chan_desc, key),
+        offsetof(struct moe_gpu_chan_desc, flags), offsetof(struct moe_gpu_chan_desc, x),
         offsetof(struct moe_gpu_chan_desc, ids), offsetof(struct moe_gpu_chan_desc, w),
         offsetof(struct moe_gpu_chan_desc, y), sizeof(struct moe_gpu_chan),
         offsetof(struct moe_gpu_chan, done), offsetof(struct moe_gpu_chan, status),
         offsetof(struct moe_gpu_chan, slot), sizeof(struct moe_gpu_reg),
+        sizeof(struct moe_gpu_chan_ent), offsetof(struct moe_gpu_chan_ent, key),
+        offsetof(struct moe_gpu_chan_ent, active), offsetof(struct moe_gpu_chan_ent, seen),
+        offsetof(struct moe_gpu_chan_ent, reg), sizeof(struct moe_gpu_chan_stat),
+        sizeof(struct moe_gpu_chanctl), offsetof(struct moe_gpu_chanctl, ack),
+        offsetof(struct moe_gpu_chanctl, stat),
         /* stream sizes of a reference shape (H 7168, I 2048) */
         moe_gpu_gu_bytes(7168, 2048), moe_gpu_dn_bytes(7168, 2048)};
     uint64_t h = 1469598103934665603ull;
@@ -405,6 +499,23 @@ static inline void moe_gpu_request_stop(struct moe_gpu_ctrl *c)
 static inline int moe_gpu_exited(const struct moe_gpu_ctrl *c)
 {
     return __atomic_load_n(&c->exited, __ATOMIC_ACQUIRE) != 0;
+}
+/* Channels: release a table change (entries written and visible on the
+ * device before this call); the dispatcher acknowledges it between batches. */
+static inline void moe_gpu_chan_publish(struct moe_gpu_chanctl *c, uint64_t gen)
+{
+    __atomic_store_n(&c->gen, gen, __ATOMIC_RELEASE);
+}
+static inline uint64_t moe_gpu_chan_acked(const struct moe_gpu_chanctl *c)
+{
+    return __atomic_load_n(&c->ack, __ATOMIC_ACQUIRE);
+}
+/* One counter of channel i's stat (i < MOE_GPU_MAX_CHANS; word 0..3). */
+static inline uint64_t moe_gpu_chan_counter(const struct moe_gpu_chanctl *c, unsigned i,
+                                            unsigned word)
+{
+    const uint64_t *w = &c->stat[i].served;
+    return __atomic_load_n(w + word, __ATOMIC_RELAXED);
 }
 #endif
 

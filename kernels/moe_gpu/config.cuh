@@ -51,6 +51,8 @@ constexpr int STAGE_BYTES = MOE_GPU_UNIT_BYTES + CHUNK_TOKENS * X_ROW_BYTES;
 constexpr int WARP_SMEM = STAGES * STAGE_BYTES;
 static_assert((size_t)THREADS * 16 >= sizeof(struct moe_gpu_slot), "one load per thread reads a ring slot");
 static_assert(sizeof(struct moe_gpu_desc) / 16 <= THREADS, "one load per thread reads the desc");
+static_assert(sizeof(struct moe_gpu_chan_desc) / 16 + MOE_GPU_CHAN_BUFS + 1 <= THREADS,
+              "one load per thread reads a doorbell descriptor, its table and key");
 
 /* 16-byte chunks of a weight unit, and how many lanes copy them (the largest
  * divisor of UC that is at most 32: 72 -> 24 lanes x 3). */
@@ -69,6 +71,10 @@ struct moe_state {
     unsigned int exit_ctr;
     unsigned int x_done; /* CTAs that finished their slice of the x staging */
     unsigned int gu_all, dn_all; /* tiles done in this batch (phase timestamps) */
+    unsigned long long src_seq;  /* the current batch's seq in its source */
+    unsigned long long t0;       /* %globaltimer when the dispatcher took it */
+    unsigned int src;            /* its source: 0 the host ring, 1 + c channel c */
+    unsigned int pad_;
     struct moe_gpu_desc desc; /* current batch */
     unsigned int gu_done[1];  /* [E+S], allocated larger */
 };

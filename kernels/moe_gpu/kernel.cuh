@@ -3,10 +3,11 @@
  * kernels. Part of the one translation unit moe_gpu.cu. */
 
 /* Batch end (every thread of every CTA): the last CTA to finish batch n
- * resets the counters, then releases done_dev and ctrl->done_seq. */
-__device__ __forceinline__ void batch_end(unsigned NE, struct moe_state *st,
-                                          struct moe_gpu_ctrl *ctrl, unsigned long long n,
-                                          int &s_last)
+ * resets the counters, answers the batch's source (the host ring's
+ * ctrl->done_seq, or the channel's status word and done) and then releases
+ * done_dev, which lets the dispatcher take the next batch. */
+__device__ __forceinline__ void batch_end(const struct moe_gpu_params &p, unsigned NE,
+                                          struct moe_state *st, unsigned long long n, int &s_last)
 {
     const unsigned tid = threadIdx.x;
     __syncthreads();
@@ -31,11 +32,160 @@ __device__ __forceinline__ void batch_end(unsigned NE, struct moe_state *st,
         __syncthreads();
         if (tid == 0) {
             __threadfence_system();
-            st_relaxed_sys(&ctrl->phase_ns[5], globaltimer_ns());
+            const unsigned src = __ldcg(&st->src);
+            const unsigned long long seq = __ldcg(&st->src_seq), now = globaltimer_ns();
+            if (src == 0) {
+                st_relaxed_sys(&p.ctrl->phase_ns[5], now);
+                st_release_sys(&p.ctrl->done_seq, seq);
+            } else {
+                struct moe_gpu_chan *ch = (struct moe_gpu_chan *)__ldcg(&p.chans[src - 1].chan);
+                st_relaxed_sys(&ch->status[seq % MOE_GPU_CHAN_SLOTS],
+                               moe_gpu_chan_word(seq, MOE_GPU_CHAN_OK));
+                st_release_sys(&ch->done, seq);
+                struct moe_gpu_chan_stat *cs = &p.chanctl->stat[src - 1];
+                st_relaxed_sys(&cs->served, ld_relaxed_sys(&cs->served) + 1);
+                st_relaxed_sys(&cs->kernel_ns, ld_relaxed_sys(&cs->kernel_ns) + (now - __ldcg(&st->t0)));
+                st_relaxed_sys(&cs->last, moe_gpu_chan_word(seq, MOE_GPU_CHAN_OK));
+            }
             st_release_gpu64(&st->done_dev, n);
-            st_release_sys(&ctrl->done_seq, n);
         }
     }
+}
+
+/* The dispatcher's answer to a doorbell descriptor it refuses (CTA 0, one
+ * thread): the status word, then done; the channel's stats. */
+__device__ __forceinline__ void chan_refuse(const struct moe_gpu_params &p, unsigned c,
+                                            struct moe_gpu_chan *ch, unsigned long long seq,
+                                            unsigned status)
+{
+    p.chans[c].seen = seq;
+    st_relaxed_sys(&ch->status[seq % MOE_GPU_CHAN_SLOTS], moe_gpu_chan_word(seq, status));
+    st_release_sys(&ch->done, seq);
+    struct moe_gpu_chan_stat *cs = &p.chanctl->stat[c];
+    st_relaxed_sys(&cs->refused, ld_relaxed_sys(&cs->refused) + 1);
+    st_relaxed_sys(&cs->last, moe_gpu_chan_word(seq, status));
+}
+
+/* ---- the dispatcher's sources (CTA 0, thread 0; the state lives in
+ * shared memory, as registers it would stay live across the whole batch and
+ * spill) ---- */
+__shared__ unsigned long long hseq;     /* the next host seq */
+__shared__ unsigned long long gen_seen; /* the channel table generation acknowledged */
+__shared__ unsigned rr;                 /* the channel polled first */
+__shared__ bool last_host;              /* the last batch was the host's: sources
+                                           alternate while both have work */
+__shared__ int s_src;                   /* 0 stop, 1 host, 2 + c channel c */
+__shared__ unsigned long long s_cseq;   /* the seq taken (~bell: out of order) */
+__shared__ uint4 s_cd[sizeof(struct moe_gpu_chan_desc) / 16];
+__shared__ struct moe_gpu_reg s_reg[MOE_GPU_CHAN_BUFS];
+__shared__ unsigned long long s_key;
+__shared__ unsigned s_bad;              /* the status of a doorbell descriptor */
+__shared__ unsigned long long s_hb_last;/* %globaltimer of the last heartbeat */
+
+/* Poll the host ring, the channel control word and every active channel's
+ * bell until one has work (1 host, 2 + c channel c; s_cseq its seq) or the
+ * host asks the kernel to stop (0); acknowledges a table change on the way. */
+__device__ __noinline__ int poll_sources(struct moe_gpu_ctrl *ctrl, struct moe_gpu_chanctl *cc,
+                                         struct moe_gpu_chan_ent *chans, unsigned n_chans,
+                                         unsigned long long busy_at)
+{
+    unsigned ns = 32;
+    int src = 0;
+    unsigned long long cseq = 0;
+    for (;;) {
+        /* one round: every load issued before any is used */
+        const unsigned long long head = ld_relaxed_sys(&ctrl->head);
+        const unsigned long long stop = ld_relaxed_sys(&ctrl->stop);
+        const unsigned long long gen = n_chans ? ld_relaxed_sys(&cc->gen) : 0;
+        int chan = -1;
+        if (n_chans) {
+            if (gen != gen_seen) {
+                /* no batch in flight: from here on the
+                 * table as the host wrote it before gen */
+                __threadfence_system();
+                gen_seen = gen;
+                st_release_sys(&cc->ack, gen);
+            }
+            for (unsigned i = 0; i < n_chans && chan < 0; i++) {
+                const unsigned c = rr + i < n_chans ? rr + i : rr + i - n_chans;
+                const struct moe_gpu_chan_ent *e = &chans[c];
+                if (!*(volatile const uint32_t *)&e->active)
+                    continue;
+                const struct moe_gpu_chan *ch =
+                    (const struct moe_gpu_chan *)*(volatile const uint64_t *)&e->chan;
+                const unsigned long long bell = ld_relaxed_sys(&ch->bell);
+                if (bell != *(volatile const uint64_t *)&e->seen) {
+                    chan = (int)c;
+                    cseq = bell;
+                }
+            }
+        }
+        const bool host = head >= hseq;
+        if (host && (chan < 0 || !last_host)) {
+            __threadfence_system(); /* acquire: the slot after head */
+            src = 1;
+            st_relaxed_sys(&ctrl->phase_ns[0], globaltimer_ns());
+            break;
+        }
+        if (chan >= 0) {
+            __threadfence_system(); /* acquire: the slot after bell */
+            src = 2 + chan;
+            rr = chan + 1 < (int)n_chans ? chan + 1 : 0;
+            break;
+        }
+        if (stop)
+            break;
+        unsigned long long now = globaltimer_ns();
+        if (now - s_hb_last > 100000ull) {
+            st_relaxed_sys(&ctrl->heartbeat, ld_relaxed_sys(&ctrl->heartbeat) + 1);
+            s_hb_last = now;
+        }
+        __nanosleep(ns);
+        ns = min(ns * 2, now - busy_at > 1000000ull ? 20000u : 256u);
+    }
+    s_bad = MOE_GPU_CHAN_OK;
+    if (src == 1)
+        cseq = hseq;
+    if (src >= 2) { /* the bell rang cseq; seen + 1 is next */
+        const struct moe_gpu_chan_ent *e = &chans[src - 2];
+        const unsigned long long seen = *(volatile const uint64_t *)&e->seen;
+        if (cseq > seen && cseq - seen <= MOE_GPU_CHAN_SLOTS)
+            cseq = seen + 1;
+        else /* behind or too far ahead: answered E_SEQ at the bell's value */
+            s_bad = MOE_GPU_CHAN_E_SEQ;
+    }
+    s_cseq = cseq;
+    return src;
+}
+
+/* A doorbell descriptor taken for seq (CTA 0, thread 0): its status against
+ * the channel's key and table (s_key, s_reg) and the model; on OK *sd is the
+ * batch, less the expert ids (checked as they are staged). */
+__device__ __noinline__ unsigned chan_desc_check(const struct moe_gpu_chan_desc *cd,
+                                                 unsigned long long seq,
+                                                 const struct moe_gpu_dims &d,
+                                                 const int32_t *slot_of, unsigned n_slot_of,
+                                                 struct moe_gpu_desc *sd)
+{
+    if (cd->seq != seq)
+        return MOE_GPU_CHAN_E_SEQ;
+    uint64_t ptr[4];
+    int32_t slot = -1;
+    const unsigned status = moe_gpu_chan_check(cd, s_key, s_reg, d.hidden, d.top_k, d.max_tokens,
+                                               slot_of, n_slot_of, ptr, &slot);
+    if (status != MOE_GPU_CHAN_OK)
+        return status;
+    sd->seq = seq;
+    sd->layer = (uint32_t)slot;
+    sd->n_tokens = cd->n_tokens;
+    sd->x = ptr[0];
+    sd->ids = ptr[1];
+    sd->w = ptr[2];
+    sd->y = ptr[3];
+    sd->stall_ns = 0;
+    sd->inl = 0;
+    sd->flags = (cd->flags & MOE_GPU_CHAN_ROUTED_ONLY) ? MOE_GPU_ROUTED_ONLY : 0;
+    return MOE_GPU_CHAN_OK;
 }
 
 __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe_gpu_params p)
@@ -66,49 +216,96 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
      * later instruction moves by one slot). */
     __syncthreads();
 
-    unsigned long long hb_last = globaltimer_ns(), busy_at = hb_last;
-    for (unsigned long long n = p.start_seq;; n++) {
-        /* ---- dispatcher: CTA 0 brings batch n in from the host ring ---- */
+    unsigned long long busy_at = globaltimer_ns();
+    if (tid == 0) {
+        s_hb_last = busy_at;
+        hseq = p.start_seq;
+        gen_seen = ~0ull;
+        rr = 0;
+        last_host = false;
+    }
+    /* batch n is the n-th this launch runs, whatever its source */
+    for (unsigned long long n = 1;; n++) {
+        /* ---- dispatcher: CTA 0 takes batch n from the host ring or a
+         * channel (refusing bad doorbell descriptors on the way) ---- */
         if (blockIdx.x == 0) {
-            if (tid == 0) {
-                while (ld_acquire_gpu64(&st->done_dev) + 1 < n)
-                    __nanosleep(64);
-                unsigned ns = 32;
-                int go;
-                for (;;) {
-                    if (ld_acquire_sys(&ctrl->head) >= n) {
-                        go = 1;
-                        st_relaxed_sys(&ctrl->phase_ns[0], globaltimer_ns());
-                        break;
-                    }
-                    if (ld_relaxed_sys(&ctrl->stop)) {
-                        go = 0;
-                        break;
-                    }
-                    unsigned long long now = globaltimer_ns();
-                    if (now - hb_last > 100000ull) {
-                        st_relaxed_sys(&ctrl->heartbeat, ld_relaxed_sys(&ctrl->heartbeat) + 1);
-                        hb_last = now;
-                    }
-                    __nanosleep(ns);
-                    ns = min(ns * 2, now - busy_at > 1000000ull ? 20000u : 256u);
+            for (;;) {
+                if (tid == 0) {
+                    while (ld_acquire_gpu64(&st->done_dev) + 1 < n)
+                        __nanosleep(64);
+                    s_src = poll_sources(p.ctrl, p.chanctl, p.chans, p.n_chans, busy_at);
                 }
-                s_go = go;
+                __syncthreads();
+                const int src = s_src;
+                if (src < 2)
+                    break;
+                /* ---- a doorbell descriptor: check it before anything runs ---- */
+                const unsigned c = src - 2;
+                struct moe_gpu_chan_ent *e = &p.chans[c];
+                /* the table entry through L2 (the host rewrites it between
+                 * owners), the slot as the client wrote it */
+                struct moe_gpu_chan *ch = (struct moe_gpu_chan *)__ldcg(&e->chan);
+                const unsigned long long cseq = s_cseq;
+                constexpr unsigned ND = sizeof(struct moe_gpu_chan_desc) / 16;
+                if (tid < ND)
+                    s_cd[tid] = __ldcv(reinterpret_cast<const uint4 *>(
+                                           &ch->slot[cseq % MOE_GPU_CHAN_SLOTS]) + tid);
+                else if (tid < ND + MOE_GPU_CHAN_BUFS)
+                    reinterpret_cast<uint4 *>(s_reg)[tid - ND] =
+                        __ldcg(reinterpret_cast<const uint4 *>(e->reg) + (tid - ND));
+                else if (tid == ND + MOE_GPU_CHAN_BUFS)
+                    s_key = __ldcg(&e->key);
+                __syncthreads();
+                const struct moe_gpu_chan_desc *cd =
+                    reinterpret_cast<const struct moe_gpu_chan_desc *>(s_cd);
+                if (tid == 0 && s_bad == MOE_GPU_CHAN_OK)
+                    s_bad = chan_desc_check(cd, cseq, p.d, p.slot_of, p.n_slot_of, &sd);
+                __syncthreads();
+                if (s_bad == MOE_GPU_CHAN_OK) {
+                    /* stage ids and w, checking every expert id */
+                    const bool bad = stage_routing(sd.n_tokens * p.d.top_k, (const int32_t *)sd.ids,
+                                                   (const float *)sd.w, p.ids_s, p.w_s, true,
+                                                   p.d.n_experts, cd->flags);
+                    if (__syncthreads_or(bad)) {
+                        if (tid == 0)
+                            s_bad = MOE_GPU_CHAN_E_EXPERT;
+                    } else if (tid == 0) {
+                        e->seen = cseq;
+                        st->src = 1 + c;
+                        st->src_seq = cseq;
+                        st->t0 = globaltimer_ns();
+                        st->desc = sd;
+                    }
+                    __syncthreads();
+                }
+                if (s_bad == MOE_GPU_CHAN_OK) {
+                    __threadfence();
+                    __syncthreads();
+                    if (tid == 0) {
+                        last_host = false;
+                        st_release_gpu64(&st->dev_head, n);
+                    }
+                    __syncthreads();
+                    break;
+                }
+                if (tid == 0) /* refused: answered, and the dispatcher polls again */
+                    chan_refuse(p, c, ch, cseq, s_bad);
+                __syncthreads();
             }
-            __syncthreads();
-            if (s_go && tid < sizeof(struct moe_gpu_slot) / 16) { /* one PCIe round trip */
+            const int go = s_src;
+            if (go == 1 && tid < sizeof(struct moe_gpu_slot) / 16) { /* one PCIe round trip */
                 const uint4 v =
-                    __ldcv(reinterpret_cast<const uint4 *>(&ctrl->ring[n % MOE_GPU_RING]) + tid);
+                    __ldcv(reinterpret_cast<const uint4 *>(&ctrl->ring[s_cseq % MOE_GPU_RING]) + tid);
                 if (tid < sizeof(struct moe_gpu_desc) / 16)
                     reinterpret_cast<uint4 *>(&sd)[tid] = v;
                 else
                     s_inl[tid - sizeof(struct moe_gpu_desc) / 16] = v;
             }
             __syncthreads();
-            if (s_go && tid == 0)
+            if (go == 1 && tid == 0)
                 for (unsigned long long t0 = globaltimer_ns(); globaltimer_ns() - t0 < sd.stall_ns;)
                     __nanosleep(100000);
-            if (s_go) {
+            if (go == 1) {
                 /* stage ids, w and x into device memory (read once over PCIe) */
                 const unsigned T = sd.n_tokens, k = p.d.top_k;
                 if (sd.inl) { /* ids and w came with the descriptor */
@@ -122,19 +319,24 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                     stage_routing(T * k, (const int32_t *)sd.ids, (const float *)sd.w,
                                   p.ids_s, p.w_s);
                 }
-                if (tid == 0)
+                if (tid == 0) {
                     st->desc = sd;
+                    st->src = 0;
+                    st->src_seq = hseq;
+                }
                 __threadfence();
                 __syncthreads();
                 if (tid == 0) {
                     st_release_gpu64(&st->dev_head, n);
                     st_relaxed_sys(&ctrl->phase_ns[1], globaltimer_ns());
+                    hseq++;
+                    last_host = true;
                 }
-            } else {
+            } else if (go == 0) {
                 if (tid == 0)
                     st_release_gpu32(&st->stop_dev, 1);
             }
-            __syncthreads(); /* every thread has read s_go before tid 0 rewrites it */
+            __syncthreads(); /* every thread has read s_src before tid 0 rewrites it */
         }
         /* ---- every CTA: wait for batch n (or stop) ---- */
         if (tid == 0) {
@@ -270,10 +472,10 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
             __threadfence_system(); /* y (possibly host memory) before done_seq */
 
         /* ---- batch end: the last CTA resets the counters and publishes ---- */
-        batch_end(NE, st, ctrl, n, s_last);
+        batch_end(p, NE, st, n, s_last);
         if (blockIdx.x == 0 && tid == 0) {
             st_relaxed_sys(&ctrl->heartbeat, ld_relaxed_sys(&ctrl->heartbeat) + 1);
-            hb_last = globaltimer_ns();
+            s_hb_last = globaltimer_ns();
         }
         busy_at = globaltimer_ns();
     }
@@ -282,6 +484,8 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
         if (atomicAdd(&st->exit_ctr, 1u) == gridDim.x - 1) {
             st->exit_ctr = 0;
             st->stop_dev = 0;
+            st->dev_head = 0; /* the next launch counts its batches from 1 again */
+            st->done_dev = 0;
             __threadfence_system();
             st_release_sys(&ctrl->exited, 1);
         }

@@ -254,11 +254,15 @@ __device__ __forceinline__ unsigned ntile_for(unsigned tiles, unsigned grid)
  * is issued before any is used: one round trip per THREADS * XR entries, not
  * per THREADS (H200: release 11.8 us at T = 64 and 39.9 at T = 256 when
  * each thread waited for its load). XR = 2: more, inlined or not, makes the
- * persistent kernel spill. */
-__device__ __forceinline__ void stage_routing(unsigned n, const int32_t *ids, const float *w,
-                                              int32_t *ids_s, float *w_s)
+ * persistent kernel spill. With check (a doorbell descriptor's ids, from
+ * client GPU memory) every id is checked as it is staged (moe_gpu_id_ok) and
+ * a bad one staged as -1; returns whether this thread saw a bad one. */
+__device__ __forceinline__ bool stage_routing(unsigned n, const int32_t *ids, const float *w,
+                                              int32_t *ids_s, float *w_s, bool check = false,
+                                              unsigned n_experts = 0, unsigned flags = 0)
 {
     constexpr unsigned XR = 2;
+    bool bad = false;
     for (unsigned i0 = 0; i0 < n; i0 += THREADS * XR) {
         int32_t a[XR];
         float b[XR];
@@ -274,10 +278,15 @@ __device__ __forceinline__ void stage_routing(unsigned n, const int32_t *ids, co
         for (unsigned j = 0; j < XR; j++) {
             const unsigned i = i0 + j * THREADS + threadIdx.x;
             if (i < n) {
+                if (check && !moe_gpu_id_ok(a[j], n_experts, flags)) {
+                    bad = true;
+                    a[j] = -1; /* never routed: the batch is not released */
+                }
                 ids_s[i] = a[j];
                 w_s[i] = b[j];
             }
         }
     }
+    return bad;
 }
 

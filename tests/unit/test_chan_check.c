@@ -4,7 +4,8 @@
  * code, here on the CPU: a good descriptor resolves to the right addresses,
  * and each malformed one (T 0 or too large, not an MoE layer, unknown or
  * empty buffer id, a range past the end or overflowing, misaligned, y
- * overlapping an input, an expert id out of range) gets its own status. */
+ * overlapping an input, an expert id out of range, a wrong key, unknown
+ * flags) gets its own status. */
 #include <check.h>
 #include <stdint.h>
 #include <string.h>
@@ -13,6 +14,7 @@
 #include "check_main.h"
 
 enum { H = 64, K = 2, MAXT = 8, E = 6 };
+#define KEY 0x5eed1234abcdull
 static const int32_t slot_of[4] = {-1, 0, 1, -1};
 static struct moe_gpu_reg tab[MOE_GPU_CHAN_BUFS];
 
@@ -22,7 +24,7 @@ static struct moe_gpu_chan_desc good(void)
     memset(tab, 0, sizeof tab);
     tab[1] = (struct moe_gpu_reg){0x10000, 4096};
     tab[2] = (struct moe_gpu_reg){0x40000, 2 * 4 * H};
-    struct moe_gpu_chan_desc d = {.layer = 2, .n_tokens = 4, .seq = 1};
+    struct moe_gpu_chan_desc d = {.layer = 2, .n_tokens = 4, .seq = 1, .key = KEY};
     d.x = (struct moe_gpu_chan_ref){1, 0, 0};
     d.ids = (struct moe_gpu_chan_ref){1, 0, 2 * 4 * H};
     d.w = (struct moe_gpu_chan_ref){1, 0, 2 * 4 * H + 4 * 4 * K};
@@ -32,7 +34,7 @@ static struct moe_gpu_chan_desc good(void)
 
 static uint32_t check(const struct moe_gpu_chan_desc *d, uint64_t ptr[4], int32_t *slot)
 {
-    return moe_gpu_chan_check(d, tab, H, K, MAXT, slot_of, 4, ptr, slot);
+    return moe_gpu_chan_check(d, KEY, tab, H, K, MAXT, slot_of, 4, ptr, slot);
 }
 
 START_TEST(test_good_descriptor_resolves)
@@ -62,6 +64,11 @@ START_TEST(test_malformed_descriptors_get_their_status)
         edit;                                                                                     \
         ck_assert_uint_eq(check(&d, p, &slot), status);                                           \
     } while (0)
+    EXPECT(d.key = KEY + 1, MOE_GPU_CHAN_E_KEY);
+    EXPECT(d.key = 0, MOE_GPU_CHAN_E_KEY);
+    EXPECT(d.flags = 0x4, MOE_GPU_CHAN_E_FLAGS);
+    EXPECT(d.flags = 0x80000000u, MOE_GPU_CHAN_E_FLAGS);
+    EXPECT(d.flags = MOE_GPU_CHAN_ROUTED_ONLY | MOE_GPU_CHAN_EMPTY_SLOTS, MOE_GPU_CHAN_OK);
     EXPECT(d.n_tokens = 0, MOE_GPU_CHAN_E_TOKENS);
     EXPECT(d.n_tokens = MAXT + 1, MOE_GPU_CHAN_E_TOKENS);
     EXPECT(d.n_tokens = UINT32_MAX, MOE_GPU_CHAN_E_TOKENS);
@@ -86,14 +93,21 @@ END_TEST
 
 START_TEST(test_expert_ids)
 {
-    int32_t ids[8] = {0, 1, 2, 3, 4, 5, 0, 5};
-    ck_assert_uint_eq(moe_gpu_ids_check(ids, 8, E), MOE_GPU_CHAN_OK);
-    ids[7] = E;
-    ck_assert_uint_eq(moe_gpu_ids_check(ids, 8, E), MOE_GPU_CHAN_E_EXPERT);
-    ids[7] = -1;
-    ck_assert_uint_eq(moe_gpu_ids_check(ids, 8, E), MOE_GPU_CHAN_E_EXPERT);
-    ids[7] = INT32_MIN;
-    ck_assert_uint_eq(moe_gpu_ids_check(ids, 8, E), MOE_GPU_CHAN_E_EXPERT);
+    const int32_t good[] = {0, 1, 5};
+    for (unsigned i = 0; i < 3; i++) {
+        ck_assert(moe_gpu_id_ok(good[i], E, 0));
+        ck_assert(moe_gpu_id_ok(good[i], E, MOE_GPU_CHAN_EMPTY_SLOTS));
+    }
+    const int32_t bad[] = {E, E + 1, -2, INT32_MIN, INT32_MAX};
+    for (unsigned i = 0; i < 5; i++) {
+        ck_assert(!moe_gpu_id_ok(bad[i], E, 0));
+        ck_assert(!moe_gpu_id_ok(bad[i], E, MOE_GPU_CHAN_EMPTY_SLOTS | MOE_GPU_CHAN_ROUTED_ONLY));
+    }
+    /* -1 is an empty slot only when the descriptor says so */
+    ck_assert(!moe_gpu_id_ok(-1, E, 0));
+    ck_assert(!moe_gpu_id_ok(-1, E, MOE_GPU_CHAN_ROUTED_ONLY));
+    ck_assert(moe_gpu_id_ok(-1, E, MOE_GPU_CHAN_EMPTY_SLOTS));
+    ck_assert_uint_eq(moe_gpu_chan_word(5, MOE_GPU_CHAN_E_EXPERT), (5u << 8) | 7u);
 }
 END_TEST
 
