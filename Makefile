@@ -80,6 +80,9 @@ LIB_C    := $(filter-out %_nocuda.c,$(LIB_C))
 CFLAGS   += -DMOED_HAVE_CUDA=1 -DMOED_CUDA_ARCHS='"$(CUDA_ARCHS)"' -I$(CUDA_HOME)/include
 CU_SRC   := $(wildcard kernels/*.cu)
 CU_OBJ   := $(patsubst %.cu,$(BUILD)/%.o,$(CU_SRC))
+# The doorbell client kernel: a fatbin of its own (every CUDA_ARCHS SASS and
+# compute_90 PTX for later GPUs), embedded in the daemon, sent to clients.
+CHAN_FATBIN := $(BUILD)/kernels/moe_chan_client.fatbin
 LIBS     += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lnccl -lstdc++
 else
 LIB_C    := $(filter-out %_cuda.c,$(LIB_C))
@@ -122,6 +125,16 @@ $(BUILD)/client/%.o: %.c
 $(BUILD)/%.o: %.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -MMD -MP -c $< -o $@
+
+ifeq ($(CUDA),1)
+$(CHAN_FATBIN): kernels/chan_client/moe_chan_client.cu kernels/moe_gpu_abi.h
+	@mkdir -p $(dir $@)
+	$(NVCC) -std=c++17 -O3 -fatbin -Werror all-warnings \
+	    $(foreach a,$(CUDA_ARCHS),-gencode=arch=compute_$(a),code=sm_$(a)) \
+	    -gencode=arch=compute_90,code=compute_90 -Ikernels $< -o $@
+$(BUILD)/kernels/moe_chan_fatbin_cuda.o: CFLAGS += -DMOE_CHAN_FATBIN='"$(CHAN_FATBIN)"'
+$(BUILD)/kernels/moe_chan_fatbin_cuda.o: $(CHAN_FATBIN)
+endif
 
 $(BUILD)/libmoed.a: $(LIB_OBJ) $(CU_OBJ)
 	@rm -f $@
@@ -211,7 +224,7 @@ bench: all $(BENCH_BIN)
 	BUILD=$(BUILD) scripts/run-bench.sh
 
 # The CUDA sources compile for every arch in CUDA_ARCHS (CI has nvcc, no GPU).
-check-cuda-compile: $(CU_OBJ)
+check-cuda-compile: $(CU_OBJ) $(CHAN_FATBIN)
 
 # libFuzzer targets (clang): the host library built once with the fuzzer's
 # coverage and ASan/UBSan, then one binary per tests/fuzz/fuzz_*.c.

@@ -370,7 +370,8 @@ static void *completion_thread(void *arg)
         int pending = cb->ph != NULL;
         const char *why = NULL;
         if (!failed) {
-            if (!cb->running && pending) {
+            /* a channel's bell is seen only by a running kernel */
+            if (!cb->running && (pending || cb->chans_live) && !cb->closing) {
                 char lerr[MOED_ERRLEN];
                 if (launch_locked(cb, lerr, sizeof lerr))
                     why = "kernel relaunch failed";
@@ -389,6 +390,7 @@ static void *completion_thread(void *arg)
             break;
         }
         int want_idle_stop = !failed && !why && cb->running && !inflight && !pending &&
+                             !cb->chans_live &&
                              !cb->closing && cb->idle_exit_ms &&
                              age_ns(now, cb->last_active_ns) > (int64_t)cb->idle_exit_ms * 1000000;
         if (want_idle_stop)
@@ -436,7 +438,8 @@ static void *completion_thread(void *arg)
                 ts.tv_nsec -= 1000000000;
             }
             pthread_mutex_lock(&cb->mu);
-            if (!cb->ph && cb->next_seq == cb->delivered && !cb->closing)
+            if (!cb->ph && cb->next_seq == cb->delivered && !cb->closing &&
+                (cb->running || !cb->chans_live))
                 pthread_cond_timedwait(&cb->cv, &cb->mu, &ts);
             pthread_mutex_unlock(&cb->mu);
             last_progress = moed_mono_ns();
@@ -490,6 +493,7 @@ static void free_all(struct cuda_backend *cb, int device_ok)
         if (cb->stage)
             cudaFreeHost(cb->stage);
     }
+    cuda_chan_teardown(cb, device_ok);
     free(cb->slot_of);
     pthread_mutex_destroy(&cb->mu);
     pthread_cond_destroy(&cb->cv);
@@ -501,6 +505,7 @@ static void cuda_close(struct moed_backend *be)
     struct cuda_backend *cb = (struct cuda_backend *)be;
     if (!cb)
         return;
+    cuda_chan_deactivate_all(cb);
     pthread_mutex_lock(&cb->mu);
     cb->closing = 1;
     pthread_cond_signal(&cb->cv);
@@ -537,6 +542,10 @@ static const struct moed_backend_ops cuda_ops = {
     .device_uuid = cuda_device_uuid,
     .ipc_open = cuda_ipc_open,
     .ipc_close = cuda_ipc_close,
+    .chan_open = cuda_chan_open,
+    .chan_close = cuda_chan_close,
+    .chan_quiet = cuda_chan_quiet,
+    .chan_stats = cuda_chan_stats,
 };
 
 /* ---------------- open ---------------- */
@@ -694,6 +703,7 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
         .xs = cb->xs, .ids_s = cb->ids_s, .w_s = cb->w_s, .h = cb->h, .dout = cb->dout,
         .start_seq = 1, .smem_route = moe_gpu_smem_route_bytes(&cb->d),
         .route_g = cb->route_g};
+    MOED_TRY(cuda_chan_setup(cb, cfg->max_channels, err, errlen));
     LOG_I("cuda: GPU %d: persistent kernel grid %d CTAs = %d/SM x %d SMs (%d left free), %d "
           "threads, %d B dynamic smem", cb->dev, cb->launch.grid, cb->launch.ctas_per_sm,
           cb->launch.sms, sms_free, cb->launch.block, cb->launch.smem_bytes);

@@ -37,5 +37,9 @@ void moed_backend_cuda_test_guards(int on);
  * side and first changed byte (MOED_E_INVAL: opened without guards). Safe
  * while the kernel runs (a copy on another stream). */
 int moed_backend_cuda_check_guards(struct moed_backend *be, char *err, size_t errlen);
+/* The daemon-side device address of doorbell channel `index` (what a client
+ * maps through the IPC handle; a test in the daemon's own process cannot
+ * open its own handle), NULL if it has none. */
+struct moe_gpu_chan *moed_backend_cuda_chan_ptr(struct moed_backend *be, uint32_t index);
 
 #endif

@@ -91,6 +91,25 @@ struct cuda_backend {
     char fail_msg[256];
     /* host_alloc blocks given back (host_free), freed in close (mu) */
     struct host_blk *host_freed;
+    /* doorbell channels (backend_chan_cuda.c): the kernel's table, its
+     * control block, the layer map it checks descriptors with, the stream
+     * the table is written through; host state and counts under mu */
+    uint32_t n_chans;
+    struct moe_gpu_chan_ent *chans_d;
+    struct moe_gpu_chanctl *chanctl, *chanctl_d;
+    int32_t *slot_of_d;
+    cudaStream_t side;
+    struct cuda_chan *chan;  /* [n_chans] */
+    uint32_t chans_live;     /* open or draining: the kernel stays resident */
+    uint64_t chan_gen;       /* last generation released */
+};
+
+/* Host state of one channel table entry. */
+struct cuda_chan {
+    void *mem;            /* its allocation (MOE_GPU_CHAN_ALLOC), kept once made */
+    uint8_t handle[64];   /* cudaIpcGetMemHandle of mem */
+    int state;            /* free, open, draining */
+    uint64_t close_gen;   /* draining: quiet once the kernel acknowledged this */
 };
 
 /* A host_alloc block given back, waiting for close; the link lies in it. */
@@ -115,6 +134,19 @@ void cuda_sharing_probe(struct cuda_backend *cb, const struct cudaDeviceProp *pr
 /* SMs the kernel leaves free: sms_free, or under MPS with sms_free 0,
  * mps_percent of the device's SMs (logged). */
 int cuda_sms_free(const struct cuda_backend *cb, int sms_free, int mps_percent);
+
+/* Doorbell channels (backend_chan_cuda.c): the table and its control block
+ * at open (fills cb->params' channel fields; max_channels 0: none), freed
+ * in free_all; the backend ops; every open channel closed (before the
+ * kernel is asked to stop: a ringing channel would keep it busy). */
+int cuda_chan_setup(struct cuda_backend *cb, uint32_t max_channels, char *err, size_t errlen);
+void cuda_chan_teardown(struct cuda_backend *cb, int device_ok);
+int cuda_chan_open(struct moed_backend *be, const struct moed_chan_buf *bufs, uint32_t n_bufs,
+                   struct moed_chan_info *out, char *err, size_t errlen);
+void cuda_chan_close(struct moed_backend *be, uint32_t index);
+int cuda_chan_quiet(struct moed_backend *be, uint32_t index);
+void cuda_chan_stats(struct moed_backend *be, uint32_t index, struct moed_chan_stats *out);
+void cuda_chan_deactivate_all(struct cuda_backend *cb);
 
 /* host_alloc / host_free of the backend ops (backend_place_cuda.c) */
 void *cuda_host_alloc(struct moed_backend *be, size_t bytes);

@@ -103,3 +103,11 @@ int moed_backend_cuda_check_guards(struct moed_backend *be, char *err, size_t er
 cleanup:
     return rc;
 }
+
+struct moe_gpu_chan *moed_backend_cuda_chan_ptr(struct moed_backend *be, uint32_t index)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)be;
+    if (index >= cb->n_chans)
+        return NULL;
+    return cb->chan[index].mem;
+}

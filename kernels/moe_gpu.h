@@ -127,6 +127,11 @@ uint32_t moe_gpu_smem_bytes(const struct moe_gpu_dims *d);
 /* The layout fingerprint the kernel module (kernels/moe_gpu.cu, nvcc) was
  * compiled with: moe_gpu_abi_fingerprint() of its translation unit. */
 uint64_t moe_gpu_kernel_abi(void);
+/* The doorbell client kernel's fatbin (kernels/chan_client/moe_chan_client.cu,
+ * embedded by kernels/moe_chan_fatbin_cuda.c): [begin, end). CUDA builds. */
+extern const unsigned char moe_chan_client_fatbin[];
+extern const unsigned char moe_chan_client_fatbin_end[];
+
 /* Grid from the occupancy API on `device`, leaving sms_free SMs idle. */
 int moe_gpu_plan(int device, const struct moe_gpu_dims *d, int sms_free,
                  struct moe_gpu_launch *out, char *err, size_t errlen);

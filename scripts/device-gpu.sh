@@ -18,11 +18,12 @@ mode=${1:-all}
 
 if [ "$mode" = prepare ]; then
     set -e
-    make BUILD="$BUILD" CUDA=1 all "$BUILD/tests/gpu_test_moe_gpu" "$BUILD/bench/bench_moe"
+    make BUILD="$BUILD" CUDA=1 all "$BUILD/bench/bench_moe" \
+        $(ls tests/gpu/*.c | sed -E "s|tests/gpu/(.*)\.c|$BUILD/tests/gpu_\1|")
     make BUILD="$BUILD" CUDA=1 $(ls tests/tools/*.c 2>/dev/null | sed -E "s|tests/tools/(.*)\.c|$BUILD/tools/\1|")
     rm -rf .device/lib
     mkdir -p .device/lib
-    for b in "$BUILD/moed" "$BUILD/moectl" "$BUILD/tests/gpu_test_moe_gpu" "$BUILD/bench/bench_moe"; do
+    for b in "$BUILD/moed" "$BUILD/moectl" "$BUILD"/tests/gpu_* "$BUILD/bench/bench_moe"; do
         ldd "$b" | awk '/=> \//{print $3}'
     done | sort -u | while read -r lib; do
         case "$(basename "$lib")" in

@@ -41,6 +41,18 @@ else
     step "gpu_test_moe_gpu (checks)" FAIL "no summary, exit $rc"
 fi
 
+# 1b. doorbell channels in one process (the client kernel from the embedded fatbin)
+T2=$BUILD/tests/gpu_test_chan_gpu
+if [ -x "$T2" ]; then
+    timeout "${GPU_TEST_TIMEOUT:-600}" "$T2" > "$LOGDIR/gpu_test_chan_gpu.log" 2>&1
+    rc=$?
+    grep -E '^(PASS|FAIL)' "$LOGDIR/gpu_test_chan_gpu.log"
+    line=$(grep -E '^gpu tests: ' "$LOGDIR/gpu_test_chan_gpu.log" | tail -1)
+    f=$(echo "$line" | sed -nE 's/.* ([0-9]+) failed.*/\1/p')
+    step "gpu_test_chan_gpu (doorbell checks)" "$([ "${f:-1}" = 0 ] && [ $rc = 0 ] && echo PASS || echo FAIL)" \
+        "${line:-no summary}, exit $rc"
+fi
+
 # 2. compute-sanitizer memcheck and racecheck on the tiny cases
 CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 for tool in memcheck racecheck; do

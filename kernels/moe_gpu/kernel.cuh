@@ -77,7 +77,7 @@ __shared__ bool last_host;              /* the last batch was the host's: source
 __shared__ int s_src;                   /* 0 stop, 1 host, 2 + c channel c */
 __shared__ unsigned long long s_cseq;   /* the seq taken (~bell: out of order) */
 __shared__ uint4 s_cd[sizeof(struct moe_gpu_chan_desc) / 16];
-__shared__ struct moe_gpu_reg s_reg[MOE_GPU_CHAN_BUFS];
+__shared__ __align__(16) struct moe_gpu_reg s_reg[MOE_GPU_CHAN_BUFS]; /* written as uint4 */
 __shared__ unsigned long long s_key;
 __shared__ unsigned s_bad;              /* the status of a doorbell descriptor */
 __shared__ unsigned long long s_hb_last;/* %globaltimer of the last heartbeat */
@@ -161,7 +161,7 @@ __device__ __noinline__ int poll_sources(struct moe_gpu_ctrl *ctrl, struct moe_g
 /* A doorbell descriptor taken for seq (CTA 0, thread 0): its status against
  * the channel's key and table (s_key, s_reg) and the model; on OK *sd is the
  * batch, less the expert ids (checked as they are staged). */
-__device__ __noinline__ unsigned chan_desc_check(const struct moe_gpu_chan_desc *cd,
+__device__ __forceinline__ unsigned chan_desc_check(const struct moe_gpu_chan_desc *cd,
                                                  unsigned long long seq,
                                                  const struct moe_gpu_dims &d,
                                                  const int32_t *slot_of, unsigned n_slot_of,
@@ -191,7 +191,7 @@ __device__ __noinline__ unsigned chan_desc_check(const struct moe_gpu_chan_desc 
 __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe_gpu_params p)
 {
     extern __shared__ __align__(16) uint8_t smem[];
-    __shared__ struct moe_gpu_desc sd;
+    __shared__ __align__(16) struct moe_gpu_desc sd; /* written as uint4 */
     __shared__ uint4 s_inl[MOE_GPU_INLINE_BYTES / 16];
     __shared__ int s_go, s_last;
     __shared__ unsigned s_task;
