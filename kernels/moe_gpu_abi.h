@@ -181,7 +181,9 @@ struct moe_gpu_params {
  * the client, done and status the kernel. */
 #define MOE_GPU_CHAN_SLOTS 8  /* descriptors in flight per channel */
 #define MOE_GPU_CHAN_BUFS 16  /* registered buffers a channel can name */
-#define MOE_GPU_MAX_CHANS 64  /* table entries at most (engine.max_channels) */
+#define MOE_GPU_MAX_CHANS 16  /* table entries at most (engine.max_channels); the
+                                 dispatcher keeps a pointer and a seq per entry in
+                                 every CTA's static shared memory */
 #define MOE_GPU_CHAN_ALLOC (2u << 20) /* bytes of a channel's allocation (one granule:
                                           its IPC handle exposes nothing else) */
 

@@ -52,8 +52,7 @@ extern "C" __global__ void moed_chan_call(struct moe_gpu_chan *ch, struct moe_gp
 #pragma unroll
     for (unsigned i = 0; i < sizeof d / 16; i++)
         __stcg(dst + i, src[i]);
-    __threadfence_system(); /* the slot before the bell, for a kernel of another process */
-    st_release_sys(&ch->bell, seq);
+    st_release_sys(&ch->bell, seq); /* release: the slot before the bell, at system scope */
 
     const unsigned long long t0 = globaltimer_ns();
     unsigned ns = 32;
@@ -75,5 +74,4 @@ extern "C" __global__ void moed_chan_call(struct moe_gpu_chan *ch, struct moe_gp
         ns = ns < 256 ? ns * 2 : 256;
     }
     atomicCAS(err, 0ull, word);
-    __threadfence_system();
 }

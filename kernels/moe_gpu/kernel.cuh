@@ -2,6 +2,26 @@
  * batch loop, the task claim loop, the batch end) and the two benchmark
  * kernels. Part of the one translation unit moe_gpu.cu. */
 
+/* ---- the dispatcher's sources (CTA 0, thread 0; the state lives in
+ * shared memory, as registers it would stay live across the whole batch and
+ * spill) ---- */
+__shared__ unsigned long long hseq;     /* the next host seq */
+__shared__ unsigned long long gen_seen; /* the channel table generation acknowledged */
+__shared__ unsigned rr;                 /* the channel polled first */
+__shared__ bool last_host;              /* the last batch was the host's: sources
+                                           alternate while both have work */
+__shared__ int s_src;                   /* 0 stop, 1 host, 2 + c channel c */
+__shared__ unsigned long long s_cseq;   /* the seq taken */
+__shared__ uint4 s_cd[sizeof(struct moe_gpu_chan_desc) / 16];
+__shared__ __align__(16) struct moe_gpu_reg s_reg[MOE_GPU_CHAN_BUFS]; /* written as uint4 */
+__shared__ unsigned long long s_key;
+__shared__ unsigned s_bad;              /* the status of a doorbell descriptor */
+__shared__ unsigned long long s_hb_last;/* %globaltimer of the last heartbeat */
+
+__shared__ struct moe_gpu_chan *s_chan[MOE_GPU_MAX_CHANS]; /* the active channels as of
+                                                              gen_seen (NULL: none) */
+__shared__ unsigned long long s_seen[MOE_GPU_MAX_CHANS];     /* their last seq taken */
+
 /* Batch end (every thread of every CTA): the last CTA to finish batch n
  * resets the counters, answers the batch's source (the host ring's
  * ctrl->done_seq, or the channel's status word and done) and then releases
@@ -59,6 +79,7 @@ __device__ __forceinline__ void chan_refuse(const struct moe_gpu_params &p, unsi
                                             unsigned status)
 {
     p.chans[c].seen = seq;
+    s_seen[c] = seq;
     st_relaxed_sys(&ch->status[seq % MOE_GPU_CHAN_SLOTS], moe_gpu_chan_word(seq, status));
     st_release_sys(&ch->done, seq);
     struct moe_gpu_chan_stat *cs = &p.chanctl->stat[c];
@@ -66,25 +87,19 @@ __device__ __forceinline__ void chan_refuse(const struct moe_gpu_params &p, unsi
     st_relaxed_sys(&cs->last, moe_gpu_chan_word(seq, status));
 }
 
-/* ---- the dispatcher's sources (CTA 0, thread 0; the state lives in
- * shared memory, as registers it would stay live across the whole batch and
- * spill) ---- */
-__shared__ unsigned long long hseq;     /* the next host seq */
-__shared__ unsigned long long gen_seen; /* the channel table generation acknowledged */
-__shared__ unsigned rr;                 /* the channel polled first */
-__shared__ bool last_host;              /* the last batch was the host's: sources
-                                           alternate while both have work */
-__shared__ int s_src;                   /* 0 stop, 1 host, 2 + c channel c */
-__shared__ unsigned long long s_cseq;   /* the seq taken (~bell: out of order) */
-__shared__ uint4 s_cd[sizeof(struct moe_gpu_chan_desc) / 16];
-__shared__ __align__(16) struct moe_gpu_reg s_reg[MOE_GPU_CHAN_BUFS]; /* written as uint4 */
-__shared__ unsigned long long s_key;
-__shared__ unsigned s_bad;              /* the status of a doorbell descriptor */
-__shared__ unsigned long long s_hb_last;/* %globaltimer of the last heartbeat */
+/* acquire after relaxed loads (lighter than __threadfence_system's fence.sc) */
+__device__ __forceinline__ void fence_acq_rel_sys(void)
+{
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
 
 /* Poll the host ring, the channel control word and every active channel's
  * bell until one has work (1 host, 2 + c channel c; s_cseq its seq) or the
- * host asks the kernel to stop (0); acknowledges a table change on the way. */
+ * host asks the kernel to stop (0). A table change (gen) is taken between
+ * rounds: the active channels are read into shared memory afresh and the
+ * change acknowledged, so that a round's loads are the host's three words
+ * (mapped host memory, in flight together) and one bell per active channel
+ * (device memory, issued eight at a time), none waiting for another. */
 __device__ __noinline__ int poll_sources(struct moe_gpu_ctrl *ctrl, struct moe_gpu_chanctl *cc,
                                          struct moe_gpu_chan_ent *chans, unsigned n_chans,
                                          unsigned long long busy_at)
@@ -92,48 +107,63 @@ __device__ __noinline__ int poll_sources(struct moe_gpu_ctrl *ctrl, struct moe_g
     unsigned ns = 32;
     int src = 0;
     unsigned long long cseq = 0;
-    for (;;) {
-        /* one round: every load issued before any is used */
-        const unsigned long long head = ld_relaxed_sys(&ctrl->head);
-        const unsigned long long stop = ld_relaxed_sys(&ctrl->stop);
+    for (unsigned round = 0;; round++) {
         const unsigned long long gen = n_chans ? ld_relaxed_sys(&cc->gen) : 0;
+        const unsigned long long head = ld_relaxed_sys(&ctrl->head);
         int chan = -1;
-        if (n_chans) {
-            if (gen != gen_seen) {
-                /* no batch in flight: from here on the
-                 * table as the host wrote it before gen */
-                __threadfence_system();
-                gen_seen = gen;
-                st_release_sys(&cc->ack, gen);
+        unsigned best = ~0u;
+        for (unsigned base = 0; base < n_chans; base += 8) {
+            unsigned long long bell[8];
+#pragma unroll
+            for (unsigned j = 0; j < 8; j++) {
+                const unsigned c = base + j;
+                bell[j] = c < n_chans && s_chan[c] ? ld_relaxed_sys(&s_chan[c]->bell) : 0;
             }
-            for (unsigned i = 0; i < n_chans && chan < 0; i++) {
-                const unsigned c = rr + i < n_chans ? rr + i : rr + i - n_chans;
-                const struct moe_gpu_chan_ent *e = &chans[c];
-                if (!*(volatile const uint32_t *)&e->active)
-                    continue;
-                const struct moe_gpu_chan *ch =
-                    (const struct moe_gpu_chan *)*(volatile const uint64_t *)&e->chan;
-                const unsigned long long bell = ld_relaxed_sys(&ch->bell);
-                if (bell != *(volatile const uint64_t *)&e->seen) {
-                    chan = (int)c;
-                    cseq = bell;
+#pragma unroll
+            for (unsigned j = 0; j < 8; j++) {
+                const unsigned c = base + j;
+                if (c < n_chans && s_chan[c] && bell[j] != s_seen[c]) {
+                    const unsigned d = c >= rr ? c - rr : c + n_chans - rr; /* round robin */
+                    if (d < best) {
+                        best = d;
+                        chan = (int)c;
+                        cseq = bell[j];
+                    }
                 }
             }
         }
+        if (n_chans && gen != gen_seen) {
+            /* between batches, none in flight: the table as the host wrote
+             * it before gen, from here on */
+            fence_acq_rel_sys();
+            for (unsigned c = 0; c < n_chans; c++) {
+                const struct moe_gpu_chan_ent *e = &chans[c];
+                s_chan[c] = *(volatile const uint32_t *)&e->active
+                                ? (struct moe_gpu_chan *)*(volatile const uint64_t *)&e->chan
+                                : NULL;
+                s_seen[c] = *(volatile const uint64_t *)&e->seen;
+            }
+            gen_seen = gen;
+            st_release_sys(&cc->ack, gen);
+            continue;
+        }
+        /* every load of the round has been used: the fences below wait for
+         * none of them */
         const bool host = head >= hseq;
         if (host && (chan < 0 || !last_host)) {
-            __threadfence_system(); /* acquire: the slot after head */
+            fence_acq_rel_sys(); /* acquire: the slot after head */
             src = 1;
             st_relaxed_sys(&ctrl->phase_ns[0], globaltimer_ns());
             break;
         }
         if (chan >= 0) {
-            __threadfence_system(); /* acquire: the slot after bell */
+            fence_acq_rel_sys(); /* acquire: the slot after bell */
             src = 2 + chan;
             rr = chan + 1 < (int)n_chans ? chan + 1 : 0;
             break;
         }
-        if (stop)
+        /* idle: the stop request every 8th round (one more PCIe round trip) */
+        if (round % 8 == 7 && ld_relaxed_sys(&ctrl->stop))
             break;
         unsigned long long now = globaltimer_ns();
         if (now - s_hb_last > 100000ull) {
@@ -147,8 +177,7 @@ __device__ __noinline__ int poll_sources(struct moe_gpu_ctrl *ctrl, struct moe_g
     if (src == 1)
         cseq = hseq;
     if (src >= 2) { /* the bell rang cseq; seen + 1 is next */
-        const struct moe_gpu_chan_ent *e = &chans[src - 2];
-        const unsigned long long seen = *(volatile const uint64_t *)&e->seen;
+        const unsigned long long seen = s_seen[src - 2];
         if (cseq > seen && cseq - seen <= MOE_GPU_CHAN_SLOTS)
             cseq = seen + 1;
         else /* behind or too far ahead: answered E_SEQ at the bell's value */
@@ -271,6 +300,7 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                             s_bad = MOE_GPU_CHAN_E_EXPERT;
                     } else if (tid == 0) {
                         e->seen = cseq;
+                        s_seen[c] = cseq;
                         st->src = 1 + c;
                         st->src_seq = cseq;
                         st->t0 = globaltimer_ns();
