@@ -276,3 +276,85 @@ def test_check_layer_refuses_what_the_daemon_does_not_serve(daemon):
     with pytest.raises(pc.MoedPluginError, match="not the same checkpoint"):
         ex.check_layer(layer_of(ex), info.n_experts + 4)
     assert ex.check_layer(layer_of(ex), info.n_experts) is info
+
+
+# ---- MOED_ZERO_COPY=doorbell: the routing on the device, the session calls ----
+
+def test_zero_copy_switch():
+    assert pc.zero_copy({}) is None
+    for off in ("", "0", "off", "No"):
+        assert pc.zero_copy({pc.ENV_ZERO_COPY: off}) is None
+    assert pc.zero_copy({pc.ENV_ZERO_COPY: " Doorbell "}) == "doorbell"
+    with pytest.raises(pc.MoedPluginError, match="MOED_ZERO_COPY='inline': expected doorbell or off"):
+        pc.zero_copy({pc.ENV_ZERO_COPY: "inline"})
+
+
+def test_device_routing_is_the_host_routing():
+    """device_routing (torch ops, no host sync) gives what drop_shared_columns
+    + map_ids + final_weights give on the host, for an EP rank's table with
+    EPLB redundancy and a fused shared column; an id outside the table
+    becomes n_logical (which moed refuses) where the host path raises."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    n_logical, n_routed_in, n_shared_cols, T = 8, 12, 1, 37
+    p2l = rng.integers(0, n_logical, size=n_routed_in)
+    table = pc.id_table(n_routed_in + 1, n_logical, n_routed_incoming=n_routed_in, p2l=p2l)
+    table[3] = -1  # another rank's expert
+    ids = rng.integers(-1, n_routed_in, size=(T, 3)).astype(np.int64)
+    ids[:, -1] = n_routed_in  # the shared slot
+    w = rng.random((T, 3)).astype(np.float32)
+    h_ids, h_w = pc.drop_shared_columns(ids, w, n_shared_cols, n_routed_in)
+    h_ids, _ = pc.map_ids(h_ids, table)
+    h_w = pc.final_weights(h_w, 2.5, fused_in_topk=False)
+    d_ids, d_w = pc.device_routing(torch.from_numpy(ids), torch.from_numpy(w),
+                                   pc.device_table(table, "cpu"), n_logical,
+                                   n_shared_cols=n_shared_cols, scale=2.5)
+    assert d_ids.dtype == torch.int32 and d_w.dtype == torch.float32
+    np.testing.assert_array_equal(d_ids.numpy(), h_ids)
+    np.testing.assert_array_equal(d_w.numpy(), h_w)
+    assert (d_ids.numpy() == -1).any()  # empty slots survive
+    bad = ids.copy()
+    bad[0, 0], bad[1, 1] = n_routed_in + 1, -7
+    d_ids, _ = pc.device_routing(torch.from_numpy(bad), torch.from_numpy(w),
+                                 pc.device_table(table, "cpu"), n_logical,
+                                 n_shared_cols=n_shared_cols)
+    assert d_ids[0, 0] == n_logical and d_ids[1, 1] == n_logical
+    with pytest.raises(pc.MoedPluginError, match="outside the 13 ids"):
+        pc.map_ids(bad[:, :-1], table)
+
+
+class _FakeSession:
+    """Records what the doorbell path asks of a DoorbellSession."""
+
+    def __init__(self, max_tokens, n_shared):
+        self.max_tokens = max_tokens
+        self.info = type("Info", (), {"n_shared": n_shared})()
+        self.calls = []
+
+    def fused_experts(self, x, w, ids, layer, *, routed_only, empty_slots):
+        import torch
+        self.calls.append((x.shape[0], layer, routed_only, empty_slots))
+        return torch.full_like(x, float(len(self.calls)))
+
+
+def test_doorbell_path_splits_and_sets_the_flags():
+    """The plugins' doorbell path: one session per device, a batch over its
+    max_tokens in chunks (in order), empty slots always allowed, routed-only
+    asked only when the daemon has shared experts; T = 0 makes no call."""
+    torch = pytest.importorskip("torch")
+    fake = _FakeSession(max_tokens=16, n_shared=1)
+    ex = pc.Experts(zero_copy_mode="doorbell", sessions={"cpu": fake})
+    x = torch.zeros((40, 8), dtype=torch.bfloat16)
+    ids = torch.zeros((40, 2), dtype=torch.int32)
+    w = torch.ones((40, 2))
+    y = ex._forward_doorbell(3, x, ids, w, routed_only=True)
+    assert fake.calls == [(16, 3, True, True), (16, 3, True, True), (8, 3, True, True)]
+    assert y.shape == x.shape and y[0, 0] == 1 and y[16, 0] == 2 and y[39, 0] == 3
+    fake2 = _FakeSession(max_tokens=64, n_shared=0)
+    ex2 = pc.Experts(zero_copy_mode="doorbell", sessions={"cpu": fake2})
+    ex2._forward_doorbell(5, x, ids, w, routed_only=True)
+    assert fake2.calls == [(40, 5, False, True)]
+    # CPU tensors never take the doorbell (it is a GPU path), T = 0 makes no call
+    assert not ex.on_device(x)
+    assert ex.forward(3, x[:0], ids[:0], w[:0], routed_only=True, empty_slots=True).shape == (0, 8)
+    assert len(fake.calls) == 3

@@ -23,6 +23,7 @@ from moed_client._arrays import _is_torch
 
 ENV_SOCKET = "MOED_SOCKET"
 ENV_PLUGIN = "MOED_PLUGIN"
+ENV_ZERO_COPY = "MOED_ZERO_COPY"
 
 
 class MoedPluginError(RuntimeError):
@@ -38,6 +39,22 @@ def enabled(environ=None):
     if env.get(ENV_PLUGIN, "").strip().lower() in ("0", "off", "false", "no"):
         return False
     return bool(env.get(ENV_SOCKET, "").strip())
+
+
+def zero_copy(environ=None):
+    """MOED_ZERO_COPY=doorbell: a layer whose tensors are on a CUDA device
+    goes to moed through a GPU doorbell channel (moed_client.cuda.
+    DoorbellSession): no host copy, no host round trip, and legal inside the
+    framework's CUDA graph. It needs moed on the same GPU under MPS (or a
+    peer GPU) and a daemon with the CUDA backend (docs/ZERO_COPY.md).
+    Unset, empty or off: the socket path. Returns "doorbell" or None."""
+    env = os.environ if environ is None else environ
+    v = env.get(ENV_ZERO_COPY, "").strip().lower()
+    if v in ("", "0", "off", "false", "no"):
+        return None
+    if v == "doorbell":
+        return v
+    raise MoedPluginError("%s=%r: expected doorbell or off" % (ENV_ZERO_COPY, v))
 
 
 # Parameter names the frameworks' loaders map ModelOpt NVFP4 expert tensors
@@ -183,6 +200,48 @@ def final_weights(topk_weights, routed_scaling_factor, fused_in_topk):
     return w
 
 
+def device_table(table, device, _cache={}):
+    """id_table's table as an int32 tensor on `device`, made once per
+    (table, device) (a host-to-device copy cannot be captured in a graph;
+    the framework captures after its first calls)."""
+    import torch
+    key = (table.tobytes(), str(device))
+    t = _cache.get(key)
+    if t is None:
+        if len(_cache) > 4096:
+            _cache.clear()
+        t = _cache[key] = torch.as_tensor(table, dtype=torch.int32).to(device)
+    return t
+
+
+def device_routing(topk_ids, topk_weights, table_dev, n_logical, *, n_shared_cols=0,
+                   scale=None):
+    """The doorbell path's routing, on the tensors' device and without a
+    host synchronization (so that it can be captured in a CUDA graph):
+    (ids int32 [T, k], weights fp32 [T, k]). The last n_shared_cols columns
+    (the framework's fused shared-expert slots) are dropped; every id goes
+    through table_dev (device_table); -1 stays an empty slot; an id the
+    table does not cover (outside [-1, len(table))) becomes n_logical, which
+    moed refuses (the call's error then surfaces in DoorbellSession.check())
+    instead of being computed as some other expert. scale: the routed
+    scaling factor to apply here (None: already applied, final_weights)."""
+    import torch
+    ids, w = topk_ids, topk_weights
+    if n_shared_cols:
+        ids, w = ids[:, :-n_shared_cols], w[:, :-n_shared_cols]
+    ids = ids.long()
+    n = table_dev.shape[0]
+    inside = (ids >= 0) & (ids < n)
+    mapped = table_dev[ids.clamp(0, max(n - 1, 0))].long()
+    out = torch.where(inside, mapped,
+                      torch.where(ids == -1, torch.full_like(ids, -1),
+                                  torch.full_like(ids, n_logical)))
+    w = w.float()
+    if scale not in (None, 1.0):
+        w = w * float(scale)
+    return out.to(torch.int32), w
+
+
 def rank_role(tp_rank, ep_rank, framework_serves_shared):
     """(compute, routed_only) for one rank.
 
@@ -230,8 +289,24 @@ class Experts:
     default on $MOED_SOCKET), the daemon's dims cached, the flags checked
     against what the client can send."""
 
-    def __init__(self, client=None):
+    def __init__(self, client=None, zero_copy_mode=None, sessions=None):
         self._client = client
+        self.zero_copy = zero_copy_mode       # "doorbell" or None (zero_copy())
+        self._sessions = {} if sessions is None else sessions  # device -> DoorbellSession
+
+    def doorbell(self, device):
+        """This process's doorbell session on `device` (made on first use:
+        a registered arena and a channel; moed_client.cuda.DoorbellSession)."""
+        key = str(device)
+        s = self._sessions.get(key)
+        if s is None:
+            from moed_client import cuda as mcc
+            s = self._sessions[key] = mcc.DoorbellSession(device=device)
+        return s
+
+    def on_device(self, x):
+        """Whether x takes the doorbell path (zero-copy on and x on a GPU)."""
+        return self.zero_copy == "doorbell" and _is_torch(x) and x.is_cuda
 
     @property
     def client(self):
@@ -263,10 +338,12 @@ class Experts:
         final weights; T = 0 gives an empty [0, H] without a round trip,
         T over the daemon's max_tokens is sent in chunks (a client that
         splits by itself gets chunks it need not split)."""
-        np = _np()
         t = x.shape[0]
         if t == 0:
             return _zeros(x, 0)
+        if self.on_device(x):
+            return self._forward_doorbell(layer_id, x, ids, w, routed_only=routed_only)
+        np = _np()
         c = self.client
         info = c.info if c.info is not None else c.hello()
         v2 = getattr(info, "version", 1) >= 2  # the daemon speaks the FORWARD flags
@@ -296,6 +373,19 @@ class Experts:
         for s in range(0, t, step):
             e = min(t, s + step)
             parts.append(c.forward(layer_id, x[s:e], ids[s:e], w[s:e], **kw))
+        return parts[0] if len(parts) == 1 else _concat(parts)
+
+
+    def _forward_doorbell(self, layer_id, x, ids, w, *, routed_only):
+        """The doorbell path: ids and w from device_routing (on x's device),
+        every call enqueued on the current stream; T over the session's
+        max_tokens in chunks. Empty slots are always allowed (a -1 is one)."""
+        s = self.doorbell(x.device)
+        ro = bool(routed_only and s.info.n_shared)
+        t, step = x.shape[0], s.max_tokens
+        parts = [s.fused_experts(x[a:a + step], w[a:a + step], ids[a:a + step], layer_id,
+                                 routed_only=ro, empty_slots=True)
+                 for a in range(0, t, step)]
         return parts[0] if len(parts) == 1 else _concat(parts)
 
 

@@ -109,7 +109,7 @@ class _Method:
 
     def __init__(self, quant_config, experts=None):
         self.quant_config = quant_config
-        self.experts = experts or pc.Experts()
+        self.experts = experts or pc.Experts(zero_copy_mode=pc.zero_copy())
         self.moe_runner_config = None
         self._checked = set()
 
@@ -186,11 +186,19 @@ class _Method:
                 lo = layer.moe_ep_rank * n_local_routed
                 table[:lo] = -1
                 table[lo + n_local_routed:] = -1
-        ids, w = pc.drop_shared_columns(topk_output.topk_ids, topk_output.topk_weights,
-                                        n_shared_slots, n_routed_in)
-        ids, any_empty = pc.map_ids(ids, table)
-        w = pc.final_weights(w, cfg.routed_scaling_factor,
-                             getattr(layer, "should_fuse_routed_scaling_factor_in_topk", False))
+        fused_scale = getattr(layer, "should_fuse_routed_scaling_factor_in_topk", False)
+        if self.experts.on_device(topk_output.topk_ids):  # MOED_ZERO_COPY=doorbell
+            ids, w = pc.device_routing(
+                topk_output.topk_ids, topk_output.topk_weights,
+                pc.device_table(table, topk_output.topk_ids.device), info.n_experts,
+                n_shared_cols=n_shared_slots,
+                scale=None if fused_scale else cfg.routed_scaling_factor)
+            any_empty = True
+        else:
+            ids, w = pc.drop_shared_columns(topk_output.topk_ids, topk_output.topk_weights,
+                                            n_shared_slots, n_routed_in)
+            ids, any_empty = pc.map_ids(ids, table)
+            w = pc.final_weights(w, cfg.routed_scaling_factor, fused_scale)
         compute, routed_only = pc.rank_role(getattr(layer, "moe_tp_rank", 0),
                                             getattr(layer, "moe_ep_rank", 0),
                                             framework_serves_shared=n_shared_slots == 0)

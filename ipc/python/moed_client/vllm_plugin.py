@@ -71,7 +71,7 @@ class _Method:
     def __init__(self, quant_config, moe_config, experts=None):
         self._base_init(moe_config)
         self.quant_config = quant_config
-        self.experts = experts or pc.Experts()
+        self.experts = experts or pc.Experts(zero_copy_mode=pc.zero_copy())
         tp_rank, ep_rank, use_ep, dp_size = parallel_of(moe_config)
         if dp_size > 1:
             raise pc.MoedPluginError(
@@ -113,8 +113,13 @@ class _Method:
         if use_ep and expert_map is not None:
             local = pc.to_numpy(expert_map, np.int64) >= 0
             table = np.where(local, table, -1).astype(np.int32)
-        ids, any_empty = pc.map_ids(topk_ids, table)
-        w = pc.to_numpy(topk_weights, np.float32)
+        if self.experts.on_device(topk_ids):  # MOED_ZERO_COPY=doorbell
+            ids, w = pc.device_routing(topk_ids, topk_weights,
+                                       pc.device_table(table, topk_ids.device), info.n_experts)
+            any_empty = True
+        else:
+            ids, any_empty = pc.map_ids(topk_ids, table)
+            w = pc.to_numpy(topk_weights, np.float32)
         compute, _ = pc.rank_role(tp_rank, ep_rank, framework_serves_shared=True)
         return ids, w, any_empty, compute
 
