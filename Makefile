@@ -86,7 +86,7 @@ LIB_C    := $(filter-out %_cuda.c,$(LIB_C))
 CU_OBJ   :=
 endif
 LIB_OBJ  := $(patsubst %.c,$(BUILD)/%.o,$(LIB_C))
-CLIENT_C := ipc/client.c ipc/client_desc.c ipc/proto.c common/moed_err.c
+CLIENT_C := ipc/client.c ipc/client_desc.c ipc/client_chan.c ipc/proto.c common/moed_err.c
 CLIENT_OBJ := $(patsubst %.c,$(BUILD)/client/%.o,$(CLIENT_C))
 
 NVCCFLAGS ?=

@@ -6,8 +6,7 @@
 #include <inttypes.h>
 #include <string.h>
 
-/* HELLO first if needed; the daemon must have chosen version 2. */
-static int v2_ready(struct moedc *c, char *err, size_t errlen)
+int moedc__v2_ready(struct moedc *c, const char *what, char *err, size_t errlen)
 {
     int rc = moedc__usable(c, 1, err, errlen);
     if (rc)
@@ -20,15 +19,15 @@ static int v2_ready(struct moedc *c, char *err, size_t errlen)
     }
     if (c->version < 2)
         return moed_seterr(err, errlen, MOED_E_UNSUPPORTED,
-                           "the daemon speaks protocol version %u; registered buffers need 2",
-                           (unsigned)c->version);
+                           "the daemon speaks protocol version %u; %s need 2",
+                           (unsigned)c->version, what);
     return 0;
 }
 
 int moedc_register_buf(struct moedc *c, const uint8_t handle[64], uint64_t offset, uint64_t size,
                        const uint8_t uuid[16], uint32_t *buf_id, char *err, size_t errlen)
 {
-    int rc = v2_ready(c, err, errlen);
+    int rc = moedc__v2_ready(c, "registered buffers", err, errlen);
     if (rc)
         return rc;
     uint8_t p[sizeof(struct moed_register_req)];
@@ -52,7 +51,7 @@ int moedc_register_buf(struct moedc *c, const uint8_t handle[64], uint64_t offse
 
 int moedc_unregister_buf(struct moedc *c, uint32_t buf_id, char *err, size_t errlen)
 {
-    int rc = v2_ready(c, err, errlen);
+    int rc = moedc__v2_ready(c, "registered buffers", err, errlen);
     if (rc)
         return rc;
     uint8_t p[sizeof(struct moed_register_rep)];
@@ -81,7 +80,7 @@ int moedc_forward_desc(struct moedc *c, uint32_t layer, uint32_t n_tokens, uint3
 {
     if (!x || !ids || !w || !y)
         return moed_seterr(err, errlen, MOED_E_INVAL, "moedc_forward_desc: a NULL buffer ref");
-    int rc = v2_ready(c, err, errlen);
+    int rc = moedc__v2_ready(c, "registered buffers", err, errlen);
     if (rc)
         return rc;
     uint8_t p[sizeof(struct moed_forward_desc_req)];

@@ -1,6 +1,7 @@
 /* client_int.h - what the client library's files share (private to ipc/):
  * client.c (connection, I/O, HELLO, FORWARD, STATUS, PING) and
- * client_desc.c (version 2: registered buffers, FORWARD_DESC). */
+ * client_desc.c (version 2: registered buffers, FORWARD_DESC) and
+ * client_chan.c (version 2: doorbell channels). */
 #ifndef MOED_CLIENT_INT_H
 #define MOED_CLIENT_INT_H
 
@@ -32,5 +33,8 @@ int moedc__usable(struct moedc *c, int blocking, char *err, size_t errlen);
  * c->rbuf); the daemon's ERROR comes back as its code. */
 int moedc__call(struct moedc *c, uint16_t type, const void *payload, size_t len,
                 struct moed_frame_hdr *h, char *err, size_t errlen);
+/* Blocking-call checks, then HELLO first if needed; the daemon must have
+ * chosen version 2 (else MOED_E_UNSUPPORTED: "<what> need 2"). */
+int moedc__v2_ready(struct moedc *c, const char *what, char *err, size_t errlen);
 
 #endif

@@ -176,6 +176,35 @@ MOEDC_API int moedc_forward_desc(struct moedc *c, uint32_t layer, uint32_t n_tok
                                  const struct moedc_bufref *ids, const struct moedc_bufref *w,
                                  const struct moedc_bufref *y, char *err, size_t errlen);
 
+/* --- GPU doorbell channels (protocol version 2, PROTOCOL.md section 10) ---
+ * A channel lets the client's own kernels, on its CUDA stream and inside a
+ * CUDA graph, submit layers over its registered buffers to moed's
+ * persistent kernel through device memory, with no host round trip.
+ * moedc_chan_open names 1..16 buffers registered on this connection (the
+ * descriptors then name them by index 0..n-1) and the 16-byte UUID of the
+ * GPU the client's kernels run on (moed's GPU, under MPS); *out gets the
+ * channel's id, descriptor key, the CUDA IPC handle of its memory and a
+ * malloc'd copy of the client kernel's fatbin (cuModuleLoadData; entry
+ * moed_chan_call): give it back with moedc_chan_info_free. The buffers it
+ * names cannot be unregistered while it is open. Blocking; HELLO first if
+ * needed. The channel ends with moedc_chan_close or the connection. */
+struct moedc_chan_info {
+    uint32_t chan_id;        /* > 0: names the channel in moedc_chan_close */
+    uint32_t slots;          /* descriptors in flight at most */
+    uint64_t key;            /* every descriptor carries it */
+    uint8_t handle[64];      /* cudaIpcMemHandle_t of the channel's memory */
+    uint64_t size;           /* bytes of the channel at the handle's offset 0 */
+    uint32_t abi_version;    /* the kernel ABI the daemon speaks */
+    void *kernel;            /* the client kernel's fatbin (malloc'd) */
+    size_t kernel_bytes;
+};
+MOEDC_API int moedc_chan_open(struct moedc *c, const uint32_t *buf_ids, uint32_t n,
+                              const uint8_t uuid[16], struct moedc_chan_info *out, char *err,
+                              size_t errlen);
+MOEDC_API int moedc_chan_close(struct moedc *c, uint32_t chan_id, char *err, size_t errlen);
+/* Free what moedc_chan_open gave (the fatbin copy); NULL is fine. */
+MOEDC_API void moedc_chan_info_free(struct moedc_chan_info *info);
+
 #ifdef __cplusplus
 }
 #endif
