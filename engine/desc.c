@@ -123,10 +123,14 @@ void moed_desc_close(struct moed_desc *d)
     if (!d)
         return;
     moed_desc_detach(d);
+    /* channels still open or draining (the backend has closed: nothing
+     * touches them now): their references go, the mappings stay to exit */
     struct desc_chan *lists[2] = {d->chans, d->draining};
     for (int i = 0; i < 2; i++)
         for (struct desc_chan *ch = lists[i], *nx; ch; ch = nx) {
             nx = ch->next;
+            for (uint32_t k = 0; k < ch->n_bufs; k++)
+                buf_put(d, ch->bufs[k]);
             free(ch);
         }
     for (struct desc_map *m = d->maps, *nx; m; m = nx) {
@@ -346,7 +350,8 @@ static void chan_drain(struct moed_desc *d, struct desc_chan *ch)
     while (*pp != ch)
         pp = &(*pp)->next;
     *pp = ch->next;
-    d->be->ops->chan_close(d->be, ch->index);
+    if (d->be) /* NULL: detached, the backend has closed */
+        d->be->ops->chan_close(d->be, ch->index);
     ch->conn = NULL;
     ch->next = d->draining;
     d->draining = ch;

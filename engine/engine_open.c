@@ -319,6 +319,7 @@ void moed_engine_close(struct moed_engine *e)
      * queued and calls done for each batch; run their completions here so
      * every request is answered. */
     moed_bufpool_release_pinned(e->pool);
+    moed_desc_chan_reap(e->desc); /* what is quiet already goes while the backend can say so */
     moed_desc_detach(e->desc);
     moed_backend_close(e->be);
     e->be = NULL;

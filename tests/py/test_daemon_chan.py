@@ -369,3 +369,18 @@ def test_c_client_chan_open_and_close(daemon, shm):
     assert lines["n_bufs 17"].startswith("inval (moedc_chan_open: 17 buffers"), lines
     assert lines["close again"].startswith("inval (unknown channel"), lines
     wait_idle(daemon)
+
+
+def test_shutdown_with_channels_open_and_draining(tmp_path_factory, shm):
+    """SIGTERM while a client holds one channel open and has just closed
+    another: the daemon closes the client, lets go of both channels and
+    their registrations, and exits 0 (under ASan: with nothing leaked)."""
+    with start(tmp_path_factory, "chan-stop", ENV) as d:
+        a = cf.Raw(d)
+        bid = a.register(shm.handle, 0, 4096, UUID)
+        keep = a.chan_open(UUID, [bid])
+        gone = a.chan_open(UUID, [bid])
+        a.chan_close(gone["chan_id"])
+        assert keep["chan_id"] != gone["chan_id"]
+        assert d.stop() == 0, d.log()[-4000:]
+        a.close()
