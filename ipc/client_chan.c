@@ -56,19 +56,8 @@ int moedc_chan_open(struct moedc *c, const uint32_t *buf_ids, uint32_t n, const 
 
 int moedc_chan_close(struct moedc *c, uint32_t chan_id, char *err, size_t errlen)
 {
-    int rc = moedc__v2_ready(c, "doorbell channels", err, errlen);
-    if (rc)
-        return rc;
-    uint8_t p[sizeof(struct moed_chan_close_req)];
-    le_put32(p, chan_id);
-    le_put32(p + 4, 0);
-    struct moed_frame_hdr h;
-    rc = moedc__call(c, MOED_MSG_CHAN_CLOSE, p, sizeof p, &h, err, errlen);
-    if (rc == 0 && h.payload_len != 0) {
-        c->broken = 1;
-        return moed_seterr(err, errlen, MOED_E_PROTO, "CHAN_CLOSE reply is not empty");
-    }
-    return rc;
+    return moedc__id_call(c, MOED_MSG_CHAN_CLOSE, chan_id, "doorbell channels", "CHAN_CLOSE",
+                          err, errlen);
 }
 
 void moedc_chan_info_free(struct moedc_chan_info *info)

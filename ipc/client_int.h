@@ -36,5 +36,9 @@ int moedc__call(struct moedc *c, uint16_t type, const void *payload, size_t len,
 /* Blocking-call checks, then HELLO first if needed; the daemon must have
  * chosen version 2 (else MOED_E_UNSUPPORTED: "<what> need 2"). */
 int moedc__v2_ready(struct moedc *c, const char *what, char *err, size_t errlen);
+/* A version-2 request whose payload is (id u32, u32 0) and whose reply is
+ * empty (UNREGISTER_BUF, CHAN_CLOSE; `name` for the messages). */
+int moedc__id_call(struct moedc *c, uint16_t type, uint32_t id, const char *what,
+                   const char *name, char *err, size_t errlen);
 
 #endif
