@@ -20,7 +20,8 @@
  *       MPS (a client on it cannot get a doorbell channel);
  *   MOED_TEST_CPU_CHANNELS  the CPU backend has fake doorbell channel ops
  *       (backend.h chan_*): entries of a table of engine.max_channels that
- *       serve nothing and report quiet a few polls after chan_close, so that
+ *       serve nothing, report quiet 3 polls after chan_close and count each
+ *       chan_quiet poll as a descriptor served (1 us of kernel time), so that
  *       the daemon's channel lifetime (CHAN_OPEN's checks, the references on
  *       registrations, UNREGISTER_BUF refused while a channel names the
  *       buffer, draining and reaping on CHAN_CLOSE and disconnect, /status)

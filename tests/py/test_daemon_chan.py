@@ -292,6 +292,32 @@ def test_killed_client_leaves_no_channel_and_no_mapping(daemon, shm):
     a.close()
 
 
+QUIET_POLLS = 3  # the fake backend's CPU_CHAN_QUIET_POLLS: its "served" count at reaping
+
+
+def test_closed_channels_counts_are_kept(daemon, shm):
+    """The doorbell totals are every channel's since start: a channel's
+    final counts (the backend's, read once it is quiet) stay in them after
+    it is reaped, while an open channel's are listed with it."""
+    before = wait_idle(daemon)
+    a = cf.Raw(daemon)
+    try:
+        bid = a.register(shm.handle, 0, 4096, UUID)
+        chans = [a.chan_open(UUID, [bid]) for _ in range(MAX_CHANS)]
+        ch, _ = status(daemon)
+        assert ch["doorbell_requests"] == before["doorbell_requests"], ch
+        assert [c["requests"] for c in ch["list"]] == [0] * MAX_CHANS
+        for c in chans:
+            a.chan_close(c["chan_id"])
+    finally:
+        a.close()
+    after = wait_idle(daemon)
+    assert after["doorbell_requests"] == before["doorbell_requests"] + MAX_CHANS * QUIET_POLLS
+    assert after["doorbell_refused"] == before["doorbell_refused"]
+    assert abs(after["doorbell_kernel_seconds"] - before["doorbell_kernel_seconds"] -
+               MAX_CHANS * QUIET_POLLS * 1e-6) < 1e-9, (after, before)
+
+
 def test_status_and_metrics_agree(daemon, shm):
     """/metrics carries the channel counters /status shows."""
     a = cf.Raw(daemon)
