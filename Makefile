@@ -89,7 +89,7 @@ LIB_C    := $(filter-out %_cuda.c,$(LIB_C))
 CU_OBJ   :=
 endif
 LIB_OBJ  := $(patsubst %.c,$(BUILD)/%.o,$(LIB_C))
-CLIENT_C := ipc/client.c ipc/client_desc.c ipc/proto.c common/moed_err.c
+CLIENT_C := ipc/client.c ipc/client_desc.c ipc/client_chan.c ipc/client_gpu.c ipc/proto.c common/moed_err.c
 CLIENT_OBJ := $(patsubst %.c,$(BUILD)/client/%.o,$(CLIENT_C))
 
 NVCCFLAGS ?=
@@ -154,7 +154,7 @@ $(BUILD)/moectl: $(MOECTL_OBJ) $(CLIENT_OBJ) $(BUILD)/libmoedref.a Makefile
 # Only the moedc_* API is exported (version script); `nm -D` shows it.
 $(BUILD)/libmoedclient.so: $(CLIENT_OBJ) ipc/libmoedclient.map
 	$(CC) $(LDFLAGS) -shared -Wl,-soname,libmoedclient.so.1 \
-	  -Wl,--version-script=ipc/libmoedclient.map -o $@ $(CLIENT_OBJ)
+	  -Wl,--version-script=ipc/libmoedclient.map -o $@ $(CLIENT_OBJ) -ldl
 
 # Files that name PREFIX are rebuilt when it changes: they depend on a stamp
 # that holds its value (rewritten only when it differs).

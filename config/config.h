@@ -56,6 +56,7 @@ struct moed_cfg {
     uint32_t cpu_threads;             /* 0 = all cores */
     uint32_t batch_deadline_ms;
     uint32_t idle_exit_ms;
+    uint32_t max_channels;            /* doorbell channels at once; 0 = off */
     uint32_t drain_stall_ms;          /* drain gives up after batch_deadline_ms + this without progress */
     /* log */
     int log_level;                    /* enum moed_log_level */

@@ -137,8 +137,11 @@ struct moed_backend_ops {
      * `index` without waiting; chan_quiet then answers 1 once the kernel can
      * no longer touch the channel or its buffers (the entry is free again
      * from then on; the caller releases the buffers then), 0 while it still
-     * may. chan_stats reads an entry's counters. Loop thread; none of them
-     * waits for the kernel. */
+     * may. chan_stats reads an entry's counters; desc.c reads them once more
+     * right after chan_quiet answered 1 (before any chan_open could reuse
+     * the entry) as the channel's final counts, so they must hold until the
+     * entry's next chan_open. Loop thread; none of them waits for the
+     * kernel. */
     int (*chan_open)(struct moed_backend *be, const struct moed_chan_buf *bufs, uint32_t n_bufs,
                      struct moed_chan_info *out, char *err, size_t errlen);
     void (*chan_close)(struct moed_backend *be, uint32_t index);

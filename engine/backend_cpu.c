@@ -15,6 +15,12 @@
  * A batch's kernel_ns is 0 (not known: there is no kernel to time), except
  * with MOED_TEST_CPU_KERNEL_TIME, another test switch: then it is the time
  * moe_ref_forward took, so that the kernel stages of /status run without a GPU.
+ *
+ * The CPU backend has no doorbell channels (chan ops NULL), except with
+ * MOED_TEST_CPU_CHANNELS: then fake ones take entries of a table of
+ * engine.max_channels, serve nothing, report a closed entry quiet after
+ * CPU_CHAN_QUIET_POLLS polls and count those polls as "served", so that the
+ * daemon's channel lifetime and counters run without a GPU.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -28,6 +34,7 @@
 #include <unistd.h>
 
 #include "backend.h"
+#include "moe_gpu_abi.h"
 #include "moe_ref.h"
 #include "moed_err.h"
 #include "moed_log.h"
@@ -45,6 +52,13 @@ struct cpu_backend {
     struct moed_model *model;
     int n_threads;
     int kernel_time; /* MOED_TEST_CPU_KERNEL_TIME */
+    int no_mps;      /* MOED_TEST_CPU_NO_MPS */
+    /* MOED_TEST_CPU_CHANNELS: per entry 0 free, 1 open, else closed with
+     * chan_polls[i] polls to go; loop thread only */
+    uint32_t max_chans, chan_opens;
+    uint8_t chan_state[MOE_GPU_MAX_CHANS];
+    uint32_t chan_polls[MOE_GPU_MAX_CHANS];
+    uint64_t chan_count[MOE_GPU_MAX_CHANS]; /* chan_quiet polls since the entry's open */
     pthread_t worker;
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -166,9 +180,8 @@ static void cpu_host_free(struct moed_backend *be, void *p)
  * registered-buffer path runs end to end without a GPU. */
 static int cpu_test_uuid(struct moed_backend *be, uint8_t uuid[16], int *mps)
 {
-    (void)be;
     memcpy(uuid, MOED_TEST_CPU_UUID, 16);
-    *mps = 1;
+    *mps = !((struct cpu_backend *)be)->no_mps;
     return 0;
 }
 
@@ -201,6 +214,62 @@ static void cpu_test_ipc_close(struct moed_backend *be, const struct moed_buf *m
     munmap(m->ptr, (size_t)m->bytes);
 }
 
+/* MOED_TEST_CPU_CHANNELS (test_hooks.h): channel entries that serve
+ * nothing; the "handle" names the entry, the "fatbin" is a fixed string. */
+#define CPU_CHAN_QUIET_POLLS 3
+static const char cpu_chan_kernel[] = "moed-cpu-test-kernel";
+
+static int cpu_chan_open(struct moed_backend *be, const struct moed_chan_buf *bufs,
+                         uint32_t n_bufs, struct moed_chan_info *out, char *err, size_t errlen)
+{
+    struct cpu_backend *cb = (struct cpu_backend *)be;
+    uint32_t i = 0;
+    while (i < cb->max_chans && cb->chan_state[i] != 0)
+        i++;
+    if (i == cb->max_chans)
+        return moed_seterr(err, errlen, MOED_E_BUSY,
+                           "all %u channel entries are taken (engine.max_channels; a closed "
+                           "channel holds its entry until the kernel lets go of it)",
+                           cb->max_chans);
+    for (uint32_t k = 0; k < n_bufs; k++)
+        if (!bufs[k].ptr || !bufs[k].size)
+            return moed_seterr(err, errlen, MOED_E_INVAL, "channel buffer %u is empty", k);
+    cb->chan_state[i] = 1;
+    cb->chan_count[i] = 0;
+    *out = (struct moed_chan_info){.index = i, .key = ((uint64_t)++cb->chan_opens << 8) | i,
+                                   .size = sizeof(struct moe_gpu_chan),
+                                   .kernel = cpu_chan_kernel,
+                                   .kernel_bytes = sizeof cpu_chan_kernel - 1};
+    snprintf((char *)out->handle, sizeof out->handle, "moed-cpu-test-chan-%u", i);
+    return 0;
+}
+
+static void cpu_chan_close(struct moed_backend *be, uint32_t index)
+{
+    struct cpu_backend *cb = (struct cpu_backend *)be;
+    cb->chan_state[index] = 2;
+    cb->chan_polls[index] = CPU_CHAN_QUIET_POLLS;
+}
+
+static int cpu_chan_quiet(struct moed_backend *be, uint32_t index)
+{
+    struct cpu_backend *cb = (struct cpu_backend *)be;
+    cb->chan_count[index]++;
+    if (cb->chan_state[index] == 2 && --cb->chan_polls[index] == 0)
+        cb->chan_state[index] = 0;
+    return cb->chan_state[index] == 0;
+}
+
+/* Nothing is served through a CPU channel: its "counters" are the
+ * chan_quiet polls since it opened (served, 1 us of kernel time each;
+ * refused 0), so that a test sees a closed channel's final counts kept:
+ * CPU_CHAN_QUIET_POLLS per channel once reaped. */
+static void cpu_chan_stats(struct moed_backend *be, uint32_t index, struct moed_chan_stats *out)
+{
+    const uint64_t n = ((struct cpu_backend *)be)->chan_count[index];
+    *out = (struct moed_chan_stats){.served = n, .kernel_ns = 1000 * n, .last = n << 8};
+}
+
 static const struct moed_backend_ops cpu_ops = {
     .name = "cpu",
     .submit = cpu_submit,
@@ -229,6 +298,16 @@ int moed_backend_cpu_open(struct moed_model *m, const struct moed_backend_cfg *c
         cb->ops.ipc_open = cpu_test_ipc_open;
         cb->ops.ipc_close = cpu_test_ipc_close;
     }
+    cb->no_mps = moed_test_switch(MOED_TEST_CPU_NO_MPS);
+    int chans = moed_test_switch(MOED_TEST_CPU_CHANNELS);
+    if (chans) {
+        cb->max_chans = cfg->max_channels < MOE_GPU_MAX_CHANS ? cfg->max_channels
+                                                               : MOE_GPU_MAX_CHANS;
+        cb->ops.chan_open = cpu_chan_open;
+        cb->ops.chan_close = cpu_chan_close;
+        cb->ops.chan_quiet = cpu_chan_quiet;
+        cb->ops.chan_stats = cpu_chan_stats;
+    }
     cb->base.ops = &cb->ops;
     cb->base.done = done;
     cb->base.done_ctx = done_ctx;
@@ -244,9 +323,10 @@ int moed_backend_cpu_open(struct moed_model *m, const struct moed_backend_cfg *c
         free(cb);
         return moed_seterr(err, errlen, MOED_E_BACKEND, "cpu backend: pthread_create: error %d", rc);
     }
-    LOG_I("cpu backend: worker started (%d compute threads, 0 = all cores)%s%s%s", cfg->n_threads,
-          host_alloc ? "; host_alloc on (" MOED_TEST_CPU_HOST_ALLOC ")" : "",
+    LOG_I("cpu backend: worker started (%d compute threads, 0 = all cores)%s%s%s%s",
+          cfg->n_threads, host_alloc ? "; host_alloc on (" MOED_TEST_CPU_HOST_ALLOC ")" : "",
           shm_ipc ? "; shared-memory \"IPC handles\" (" MOED_TEST_CPU_SHM_IPC ")" : "",
+          chans ? "; fake doorbell channels (" MOED_TEST_CPU_CHANNELS ")" : "",
           cb->kernel_time ? "; compute time reported as kernel time (" MOED_TEST_CPU_KERNEL_TIME ")"
                           : "");
     *out = &cb->base;

@@ -6,8 +6,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "moe_gpu_abi.h"
 #include "moed_err.h"
 #include "moed_log.h"
+
+_Static_assert(MOED_PROTO_CHAN_BUFS == MOE_GPU_CHAN_BUFS, "a channel's buffers: wire = kernel");
+_Static_assert(MOE_GPU_MAX_CHANS == 64, "engine.max_channels' bound (config_keys.c) is the "
+                                        "kernel's table size");
 
 /* One mapped client allocation (backend ipc_open), shared by every
  * registration of the same handle. */
@@ -32,11 +37,22 @@ struct desc_conn {
     struct desc_buf *bufs[]; /* max_per_conn slots, n used */
 };
 
+/* A doorbell channel: its backend table entry and the registrations its
+ * descriptors name (a reference on each). */
+struct desc_chan {
+    struct desc_chan *next;
+    struct moed_conn *conn; /* its connection while open; NULL once draining */
+    uint32_t id, index, n_bufs;
+    struct desc_buf *bufs[MOED_PROTO_CHAN_BUFS];
+};
+
 struct moed_desc {
     struct moed_backend *be;
-    uint32_t max_per_conn, hidden, top_k;
+    uint32_t max_per_conn, max_chans, hidden, top_k;
     struct desc_map *maps;
-    struct moed_desc_stats st;
+    struct desc_chan *chans, *draining; /* open; closed, the backend not yet quiet */
+    uint32_t next_chan_id;
+    struct moed_desc_stats st; /* db_*: those of reaped channels (get_stats adds the live) */
     int warned_mps;
 };
 
@@ -72,14 +88,16 @@ static void buf_put(struct moed_desc *d, struct desc_buf *b)
     free(b);
 }
 
-int moed_desc_open(struct moed_backend *be, uint32_t max_per_conn, uint32_t hidden,
-                   uint32_t top_k, struct moed_desc **out)
+int moed_desc_open(struct moed_backend *be, uint32_t max_per_conn, uint32_t max_chans,
+                   uint32_t hidden, uint32_t top_k, struct moed_desc **out)
 {
     struct moed_desc *d = calloc(1, sizeof *d);
     if (!d)
         return MOED_E_NOMEM;
     d->be = be;
     d->max_per_conn = max_per_conn;
+    d->max_chans = max_chans;
+    d->next_chan_id = 1;
     d->hidden = hidden;
     d->top_k = top_k;
     *out = d;
@@ -90,9 +108,13 @@ void moed_desc_detach(struct moed_desc *d)
 {
     if (!d || !d->be)
         return;
+    if (d->chans || d->draining)
+        LOG_W("channels: %" PRIu64 " open and %" PRIu64 " draining as the backend closes; "
+              "their mappings are left to process exit",
+              d->st.chans_open, d->st.chans_draining);
     if (d->maps)
         LOG_W("buffers: %" PRIu64 " client mappings still held as the backend closes "
-              "(abandoned batches); left to process exit", d->st.mappings);
+              "(abandoned batches, channels); left to process exit", d->st.mappings);
     d->be = NULL;
 }
 
@@ -101,6 +123,16 @@ void moed_desc_close(struct moed_desc *d)
     if (!d)
         return;
     moed_desc_detach(d);
+    /* channels still open or draining (the backend has closed: nothing
+     * touches them now): their references go, the mappings stay to exit */
+    struct desc_chan *lists[2] = {d->chans, d->draining};
+    for (int i = 0; i < 2; i++)
+        for (struct desc_chan *ch = lists[i], *nx; ch; ch = nx) {
+            nx = ch->next;
+            for (uint32_t k = 0; k < ch->n_bufs; k++)
+                buf_put(d, ch->bufs[k]);
+            free(ch);
+        }
     for (struct desc_map *m = d->maps, *nx; m; m = nx) {
         nx = m->next;
         free(m);
@@ -254,13 +286,28 @@ int moed_desc_unregister(struct moed_desc *d, struct moed_conn *c, uint32_t buf_
         return moed_seterr(err, errlen, MOED_E_INVAL,
                            "buffer id %u is not registered on this connection", buf_id);
     struct desc_buf *b = t->bufs[i];
+    for (const struct desc_chan *ch = d->chans; ch; ch = ch->next)
+        for (uint32_t k = 0; k < ch->n_bufs; k++)
+            if (ch->bufs[k] == b)
+                return moed_seterr(err, errlen, MOED_E_BUSY,
+                                   "buffer id %u is named by open channel %u (its buffer %u); "
+                                   "close the channel first (CHAN_CLOSE)",
+                                   buf_id, ch->id, k);
     t->bufs[i] = t->bufs[--t->n];
     buf_put(d, b);
     return 0;
 }
 
+static void chan_drain(struct moed_desc *d, struct desc_chan *ch);
+
 void moed_desc_conn_closed(struct moed_desc *d, struct moed_conn *c)
 {
+    /* its channels first: they keep their registrations until reaped */
+    for (struct desc_chan *ch = d->chans, *nx; ch; ch = nx) {
+        nx = ch->next;
+        if (ch->conn == c)
+            chan_drain(d, ch);
+    }
     void **slot = moed_server_conn_user(c);
     struct desc_conn *t = *slot;
     if (!t)
@@ -271,9 +318,206 @@ void moed_desc_conn_closed(struct moed_desc *d, struct moed_conn *c)
     *slot = NULL;
 }
 
+/* ---- doorbell channels ---- */
+
+static void chan_stats(const struct moed_desc *d, const struct desc_chan *ch,
+                       struct moed_chan_stats *out)
+{
+    *out = (struct moed_chan_stats){0};
+    if (d->be && d->be->ops->chan_stats)
+        d->be->ops->chan_stats(d->be, ch->index, out);
+}
+
 void moed_desc_get_stats(const struct moed_desc *d, struct moed_desc_stats *out)
 {
     *out = d ? d->st : (struct moed_desc_stats){0};
+    const struct desc_chan *lists[2] = {d ? d->chans : NULL, d ? d->draining : NULL};
+    for (int i = 0; i < 2; i++)
+        for (const struct desc_chan *ch = lists[i]; ch; ch = ch->next) {
+            struct moed_chan_stats cs;
+            chan_stats(d, ch, &cs);
+            out->db_served += cs.served;
+            out->db_refused += cs.refused;
+            out->db_kernel_ns += cs.kernel_ns;
+        }
+}
+
+/* Close ch at the backend (not waiting) and move it from the open list to
+ * the draining list. */
+static void chan_drain(struct moed_desc *d, struct desc_chan *ch)
+{
+    struct desc_chan **pp = &d->chans;
+    while (*pp != ch)
+        pp = &(*pp)->next;
+    *pp = ch->next;
+    if (d->be) /* NULL: detached, the backend has closed */
+        d->be->ops->chan_close(d->be, ch->index);
+    ch->conn = NULL;
+    ch->next = d->draining;
+    d->draining = ch;
+    d->st.chans_open--;
+    d->st.chans_draining++;
+}
+
+uint32_t moed_desc_chan_reap(struct moed_desc *d)
+{
+    uint32_t left = 0;
+    if (!d || !d->be)
+        return 0; /* detached: left to process exit */
+    for (struct desc_chan **pp = &d->draining; *pp;) {
+        struct desc_chan *ch = *pp;
+        if (!d->be->ops->chan_quiet(d->be, ch->index)) {
+            left++;
+            pp = &ch->next;
+            continue;
+        }
+        /* its final counts (the entry is not reused before the next chan_open) */
+        struct moed_chan_stats cs;
+        chan_stats(d, ch, &cs);
+        d->st.db_served += cs.served;
+        d->st.db_refused += cs.refused;
+        d->st.db_kernel_ns += cs.kernel_ns;
+        *pp = ch->next;
+        for (uint32_t i = 0; i < ch->n_bufs; i++)
+            buf_put(d, ch->bufs[i]);
+        d->st.chans_draining--;
+        LOG_D("channels: channel %u (entry %u) reaped: %" PRIu64 " served, %" PRIu64 " refused",
+              ch->id, ch->index, cs.served, cs.refused);
+        free(ch);
+    }
+    return left;
+}
+
+static struct desc_chan *chan_find(const struct moed_desc *d, uint32_t id)
+{
+    struct desc_chan *ch = d->chans;
+    while (ch && ch->id != id)
+        ch = ch->next;
+    return ch;
+}
+
+/* Everything CHAN_OPEN checks before the backend takes an entry. */
+static int chan_check(struct moed_desc *d, struct moed_conn *c,
+                      const struct moed_chan_open_req *rq, struct desc_chan *ch, char *err,
+                      size_t errlen)
+{
+    const struct moed_backend_ops *ops = d->be->ops;
+    if (d->max_per_conn == 0)
+        return moed_seterr(err, errlen, MOED_E_UNSUPPORTED,
+                           "doorbell channels name registered buffers, and registration is off "
+                           "(server.max_registered_buffers is 0)");
+    if (d->max_chans == 0)
+        return moed_seterr(err, errlen, MOED_E_UNSUPPORTED,
+                           "doorbell channels are off: engine.max_channels is 0");
+    if (!ops->chan_open || !ops->chan_close || !ops->chan_quiet || !ops->device_uuid)
+        return moed_seterr(err, errlen, MOED_E_UNSUPPORTED,
+                           "doorbell channels need the cuda backend (backend %s has none)",
+                           ops->name);
+    const struct desc_conn *t = conn_table(d, c, 0);
+    for (uint32_t i = 0; i < rq->n_bufs; i++) {
+        int k = find(t, rq->buf_ids[i]);
+        if (k < 0)
+            return moed_seterr(err, errlen, MOED_E_INVAL,
+                               "buf_ids[%u]: buffer id %u is not registered on this connection",
+                               i, rq->buf_ids[i]);
+        ch->bufs[i] = t->bufs[k];
+    }
+    uint8_t uuid[MOED_PROTO_UUID_BYTES];
+    int mps = 0;
+    int rc = ops->device_uuid(d->be, uuid, &mps);
+    if (rc < 0)
+        return moed_seterr(err, errlen, rc, "backend %s: the GPU's UUID is not known", ops->name);
+    if (memcmp(uuid, rq->uuid, sizeof uuid) != 0) {
+        char a[33], b[33];
+        hex16(rq->uuid, a);
+        hex16(uuid, b);
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "the client's kernels run on GPU %s, not on this daemon's GPU %s "
+                           "(channels from another GPU are not supported)",
+                           a, b);
+    }
+    if (!mps)
+        return moed_seterr(err, errlen, MOED_E_UNSUPPORTED,
+                           "the client's GPU is moed's GPU and MPS is off: the client's kernels "
+                           "cannot run while moed's persistent kernel is resident; start MPS "
+                           "(docs/ZERO_COPY.md)");
+    return 0;
+}
+
+int moed_desc_chan_open(struct moed_desc *d, struct moed_conn *c,
+                        const struct moed_chan_open_req *rq, struct moed_chan_open_rep *rep,
+                        const void **kernel, char *err, size_t errlen)
+{
+    struct desc_chan *ch = calloc(1, sizeof *ch);
+    int rc = ch ? 0 : moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory for a channel");
+    if (rc == 0)
+        rc = chan_check(d, c, rq, ch, err, errlen);
+    struct moed_chan_buf bufs[MOED_PROTO_CHAN_BUFS];
+    struct moed_chan_info info = {0};
+    for (uint32_t i = 0; rc == 0 && i < rq->n_bufs; i++) {
+        const struct desc_buf *b = ch->bufs[i];
+        bufs[i] = (struct moed_chan_buf){(uint8_t *)b->map->mem.ptr + b->off, b->size};
+    }
+    if (rc == 0)
+        rc = d->be->ops->chan_open(d->be, bufs, rq->n_bufs, &info, err, errlen);
+    if (rc < 0) {
+        free(ch);
+        d->st.chan_refused++;
+        return rc;
+    }
+    while (d->next_chan_id == 0 || chan_find(d, d->next_chan_id))
+        d->next_chan_id++;
+    ch->id = d->next_chan_id++;
+    ch->index = info.index;
+    ch->n_bufs = rq->n_bufs;
+    ch->conn = c;
+    for (uint32_t i = 0; i < ch->n_bufs; i++)
+        ch->bufs[i]->refs++;
+    ch->next = d->chans;
+    d->chans = ch;
+    d->st.chans_open++;
+    if (info.kernel_bytes == 0 || info.kernel_bytes > MOED_PROTO_MAX_CHAN_KERNEL) {
+        /* a build without the client kernel: nothing a client could call */
+        chan_drain(d, ch);
+        d->st.chan_refused++;
+        return moed_seterr(err, errlen, MOED_E_BACKEND,
+                           "backend %s: the client kernel's fatbin is %" PRIu64
+                           " bytes (1..%u expected)",
+                           d->be->ops->name, info.kernel_bytes, MOED_PROTO_MAX_CHAN_KERNEL);
+    }
+    d->st.chan_opens++;
+    *rep = (struct moed_chan_open_rep){.chan_id = ch->id, .slots = MOE_GPU_CHAN_SLOTS,
+                                       .key = info.key, .size = info.size,
+                                       .abi_version = MOE_GPU_ABI_VERSION,
+                                       .kernel_bytes = (uint32_t)info.kernel_bytes};
+    memcpy(rep->handle, info.handle, sizeof rep->handle);
+    *kernel = info.kernel;
+    LOG_D("channels: channel %u open (entry %u, %u buffers)", ch->id, ch->index, ch->n_bufs);
+    return 0;
+}
+
+int moed_desc_chan_close(struct moed_desc *d, struct moed_conn *c, uint32_t chan_id, char *err,
+                         size_t errlen)
+{
+    struct desc_chan *ch = chan_find(d, chan_id);
+    if (!ch || ch->conn != c)
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "unknown channel %u (not open on this connection)", chan_id);
+    chan_drain(d, ch);
+    return 0;
+}
+
+uint32_t moed_desc_chan_rows(const struct moed_desc *d, struct moed_desc_chan_row *out,
+                             uint32_t max)
+{
+    uint32_t n = 0;
+    const struct desc_chan *lists[2] = {d ? d->chans : NULL, d ? d->draining : NULL};
+    for (int i = 0; i < 2; i++)
+        for (const struct desc_chan *ch = lists[i]; ch && n < max; ch = ch->next, n++) {
+            out[n] = (struct moed_desc_chan_row){ch->id, ch->index, ch->n_bufs, i == 1, {0}};
+            chan_stats(d, ch, &out[n].st);
+        }
+    return n;
 }
 
 /* ---- the descriptor request source (reqio.h) ---- */

@@ -15,6 +15,18 @@
  * may still touch its buffers keeps its references forever (the mapping is
  * left to process exit, as pinned buffers are).
  *
+ * Doorbell channels (PROTOCOL.md section 10) belong here too: CHAN_OPEN
+ * names up to MOED_PROTO_CHAN_BUFS registrations of its connection; once the
+ * checks pass (registration and channels on, a backend with chan ops, every
+ * id registered here, the client's GPU this daemon's GPU under MPS) the
+ * backend's chan_open takes a table entry and the channel holds a reference
+ * on each registration, which then cannot be unregistered (MOED_E_BUSY)
+ * while the channel is open. CHAN_CLOSE, or the connection's close, closes
+ * the channel at the backend (chan_close, not waiting) and moves it to the
+ * draining list; moed_desc_chan_reap, polled by the engine from a timer
+ * while anything drains, frees each channel the backend reports quiet and
+ * drops its references (the registrations and mappings then go as usual).
+ *
  * Loop thread only.
  */
 #ifndef MOED_DESC_H
@@ -36,11 +48,25 @@ struct moed_desc_stats {
     uint64_t registers;      /* REGISTER_BUF accepted since start */
     uint64_t refused;        /* REGISTER_BUF / FORWARD_DESC refused */
     uint64_t requests;       /* FORWARD_DESC taken */
+    /* doorbell channels */
+    uint64_t chans_open, chans_draining; /* now */
+    uint64_t chan_opens, chan_refused;   /* CHAN_OPEN accepted / refused since start */
+    /* descriptors served / refused and their kernel ns, every channel since
+     * start (the backend's counters; those of reaped channels kept) */
+    uint64_t db_served, db_refused, db_kernel_ns;
 };
 
-/* max_per_conn: server.max_registered_buffers (0: registration off). */
-int moed_desc_open(struct moed_backend *be, uint32_t max_per_conn, uint32_t hidden,
-                   uint32_t top_k, struct moed_desc **out);
+/* One live channel (moed_desc_chan_rows). */
+struct moed_desc_chan_row {
+    uint32_t id, index, n_bufs;
+    int draining;                /* closed, the backend not yet quiet */
+    struct moed_chan_stats st;   /* the backend's counters (zero without chan_stats) */
+};
+
+/* max_per_conn: server.max_registered_buffers (0: registration off);
+ * max_chans: engine.max_channels (0: channels off). */
+int moed_desc_open(struct moed_backend *be, uint32_t max_per_conn, uint32_t max_chans,
+                   uint32_t hidden, uint32_t top_k, struct moed_desc **out);
 /* The backend is about to close: what is still mapped (abandoned batches
  * only, after a drain) is left to process exit from here on. */
 void moed_desc_detach(struct moed_desc *d);
@@ -65,5 +91,23 @@ int moed_desc_request(struct moed_desc *d, struct moed_conn *c, uint64_t request
                       size_t errlen);
 
 void moed_desc_get_stats(const struct moed_desc *d, struct moed_desc_stats *out);
+
+/* CHAN_OPEN of connection c (decoded): 0 with the reply head in *rep and
+ * *kernel at its rep->kernel_bytes bytes of fatbin (static), or a negative
+ * code with a message (nothing taken). */
+int moed_desc_chan_open(struct moed_desc *d, struct moed_conn *c,
+                        const struct moed_chan_open_req *rq, struct moed_chan_open_rep *rep,
+                        const void **kernel, char *err, size_t errlen);
+/* CHAN_CLOSE: channel chan_id of connection c starts draining; 0, or
+ * MOED_E_INVAL for a channel that is not open on c. */
+int moed_desc_chan_close(struct moed_desc *d, struct moed_conn *c, uint32_t chan_id, char *err,
+                         size_t errlen);
+/* Poll the draining channels (backend chan_quiet, never waiting): free the
+ * quiet ones. Returns how many still drain (0: the caller stops polling). */
+uint32_t moed_desc_chan_reap(struct moed_desc *d);
+/* The live channels, open then draining, into out[0..max); returns how many
+ * were written. */
+uint32_t moed_desc_chan_rows(const struct moed_desc *d, struct moed_desc_chan_row *out,
+                             uint32_t max);
 
 #endif

@@ -170,7 +170,34 @@ int moed_engine_attach(struct moed_engine *e, char *err, size_t errlen)
                                      HEALTH_POLL_MS));
         uv_unref((uv_handle_t *)&e->health_timer); /* never keeps the loop alive alone */
     }
+    if (e->be->ops->chan_quiet && MOED_UV_CHECK(uv_timer_init(e->loop, &e->chan_timer)) == 0) {
+        e->chan_timer.data = e;
+        e->chan_timer_on = 1;
+        uv_unref((uv_handle_t *)&e->chan_timer);
+    }
     return 0;
+}
+
+/* Reap the draining channels the backend reports quiet; stop once none is
+ * left. */
+static void on_chan_timer(uv_timer_t *t)
+{
+    struct moed_engine *e = t->data;
+    if (moed_desc_chan_reap(e->desc) == 0 && e->chan_timer_running) {
+        MOED_UV_CHECK(uv_timer_stop(&e->chan_timer));
+        e->chan_timer_running = 0;
+    }
+}
+
+/* A channel may have started draining: reap what is quiet now, poll the
+ * rest from the timer. */
+static void chan_reap_kick(struct moed_engine *e)
+{
+    if (moed_desc_chan_reap(e->desc) == 0 || !e->chan_timer_on || e->chan_timer_running)
+        return;
+    if (MOED_UV_CHECK(uv_timer_start(&e->chan_timer, on_chan_timer, CHAN_REAP_POLL_MS,
+                                     CHAN_REAP_POLL_MS)) == 0)
+        e->chan_timer_running = 1;
 }
 
 /* Poll the backend's health while idle: a stalled kernel or a sticky device
@@ -518,6 +545,28 @@ static void eng_conn_closed(void *ctx, struct moed_conn *c)
 {
     struct moed_engine *e = ctx;
     moed_desc_conn_closed(e->desc, c);
+    chan_reap_kick(e);
+}
+
+static int eng_chan_open(void *ctx, struct moed_conn *c, const struct moed_chan_open_req *rq,
+                         struct moed_chan_open_rep *rep, const void **kernel, char *err,
+                         size_t errlen)
+{
+    struct moed_engine *e = ctx;
+    int rc = taking(e, err, errlen);
+    if (rc == 0)
+        rc = moed_desc_chan_open(e->desc, c, rq, rep, kernel, err, errlen);
+    chan_reap_kick(e); /* one that failed after the backend took it drains */
+    return rc;
+}
+
+static int eng_chan_close(void *ctx, struct moed_conn *c, uint32_t chan_id, char *err,
+                          size_t errlen)
+{
+    struct moed_engine *e = ctx;
+    int rc = moed_desc_chan_close(e->desc, c, chan_id, err, errlen);
+    chan_reap_kick(e);
+    return rc;
 }
 
 static void eng_hello(void *ctx, struct moed_hello_rep *rep)
@@ -571,6 +620,8 @@ static const struct moed_server_ops engine_ops = {
     .register_buf = eng_register_buf,
     .unregister_buf = eng_unregister_buf,
     .forward_desc = eng_forward_desc,
+    .chan_open = eng_chan_open,
+    .chan_close = eng_chan_close,
     .conn_closed = eng_conn_closed,
 };
 

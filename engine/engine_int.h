@@ -78,6 +78,10 @@ struct moed_engine {
      * device error) with no batch to report it */
     uv_timer_t health_timer;
     int health_timer_on;
+    /* doorbell channels closed and not yet quiet: polled every
+     * CHAN_REAP_POLL_MS while any drains (moed_desc_chan_reap) */
+    uv_timer_t chan_timer;
+    int chan_timer_on, chan_timer_running;
     int attached;             /* moed_engine_attach ran: handles to close */
     int closes_pending;       /* handles still to close before freeing */
     uint64_t hb_last, hb_changed_ns;
@@ -85,6 +89,7 @@ struct moed_engine {
 };
 
 #define HEALTH_POLL_MS 250
+#define CHAN_REAP_POLL_MS 1
 #define STATUS_CACHE_MS 100 /* a STATUS frame body is at most this old (same counters) */
 
 static inline uint64_t now_ns(void) { return uv_hrtime(); }

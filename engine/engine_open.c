@@ -19,6 +19,7 @@ static int open_backend(struct moed_engine *e, const struct moed_cfg *cfg,
         .max_tokens = cfg->max_tokens,
         .batch_deadline_ms = cfg->batch_deadline_ms,
         .idle_exit_ms = cfg->idle_exit_ms,
+        .max_channels = cfg->max_channels,
     };
     enum moed_cfg_backend kind = cfg->backend;
     if (kind == MOED_CFG_BACKEND_AUTO)
@@ -123,8 +124,8 @@ int moed_engine_open(uv_loop_t *loop, struct moed_model *model, const struct moe
     rc = open_pool(e, cfg, err, errlen);
     if (rc < 0)
         goto fail_backend;
-    if (moed_desc_open(e->be, cfg->max_registered_buffers, e->dims->hidden, e->dims->top_k,
-                       &e->desc) < 0) {
+    if (moed_desc_open(e->be, cfg->max_registered_buffers, cfg->max_channels, e->dims->hidden,
+                       e->dims->top_k, &e->desc) < 0) {
         rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
         moed_bufpool_close(e->pool);
         goto fail_backend;
@@ -251,6 +252,20 @@ struct moed_stats *moed_engine_stats(struct moed_engine *e)
         e->stats.zc_registers = ds.registers;
         e->stats.zc_refused = ds.refused;
         e->stats.zc_requests = ds.requests;
+        e->stats.ch_open = ds.chans_open;
+        e->stats.ch_draining = ds.chans_draining;
+        e->stats.ch_opens = ds.chan_opens;
+        e->stats.ch_refused = ds.chan_refused;
+        e->stats.db_served = ds.db_served;
+        e->stats.db_refused = ds.db_refused;
+        e->stats.db_kernel_ns = ds.db_kernel_ns;
+        struct moed_desc_chan_row rows[MOED_STATS_MAX_CHANS];
+        uint32_t n = moed_desc_chan_rows(e->desc, rows, MOED_STATS_MAX_CHANS);
+        for (uint32_t i = 0; i < n; i++)
+            e->stats.chans[i] = (struct moed_stats_chan){
+                rows[i].id, rows[i].index, rows[i].n_bufs, (uint32_t)rows[i].draining,
+                rows[i].st.served, rows[i].st.refused, rows[i].st.kernel_ns, rows[i].st.last};
+        e->stats.n_chans = n;
     }
     if (e->be && e->be->ops->heartbeat) {
         uint64_t hb = e->be->ops->heartbeat(e->be), t = now_ns();
@@ -304,6 +319,7 @@ void moed_engine_close(struct moed_engine *e)
      * queued and calls done for each batch; run their completions here so
      * every request is answered. */
     moed_bufpool_release_pinned(e->pool);
+    moed_desc_chan_reap(e->desc); /* what is quiet already goes while the backend can say so */
     moed_desc_detach(e->desc);
     moed_backend_close(e->be);
     e->be = NULL;
@@ -332,6 +348,10 @@ void moed_engine_close(struct moed_engine *e)
     if (e->health_timer_on) {
         e->closes_pending++;
         uv_close((uv_handle_t *)&e->health_timer, on_async_closed);
+    }
+    if (e->chan_timer_on) {
+        e->closes_pending++;
+        uv_close((uv_handle_t *)&e->chan_timer, on_async_closed);
     }
     uv_close((uv_handle_t *)&e->async, on_async_closed);
 }

@@ -15,7 +15,18 @@
  *       POSIX shared memory object, mapped whole, so that REGISTER_BUF and
  *       FORWARD_DESC run end to end (mapping, ranges, refcounts, closing on
  *       disconnect) without a GPU. Without it the CPU backend refuses
- *       REGISTER_BUF (it cannot open CUDA IPC handles).
+ *       REGISTER_BUF (it cannot open CUDA IPC handles);
+ *   MOED_TEST_CPU_NO_MPS  with MOED_TEST_CPU_SHM_IPC, that "GPU" is not under
+ *       MPS (a client on it cannot get a doorbell channel);
+ *   MOED_TEST_CPU_CHANNELS  the CPU backend has fake doorbell channel ops
+ *       (backend.h chan_*): entries of a table of engine.max_channels that
+ *       serve nothing, report quiet 3 polls after chan_close and count each
+ *       chan_quiet poll as a descriptor served (1 us of kernel time), so that
+ *       the daemon's channel lifetime (CHAN_OPEN's checks, the references on
+ *       registrations, UNREGISTER_BUF refused while a channel names the
+ *       buffer, draining and reaping on CHAN_CLOSE and disconnect, /status)
+ *       runs without a GPU. Without it CHAN_OPEN is MOED_E_UNSUPPORTED on
+ *       the CPU backend.
  * The CUDA backend's test and bench hooks are backend_cuda_hooks.h.
  */
 #ifndef MOED_TEST_HOOKS_H
@@ -27,6 +38,8 @@
 #define MOED_TEST_CPU_HOST_ALLOC "MOED_TEST_CPU_HOST_ALLOC"
 #define MOED_TEST_CPU_KERNEL_TIME "MOED_TEST_CPU_KERNEL_TIME"
 #define MOED_TEST_CPU_SHM_IPC "MOED_TEST_CPU_SHM_IPC"
+#define MOED_TEST_CPU_NO_MPS "MOED_TEST_CPU_NO_MPS"
+#define MOED_TEST_CPU_CHANNELS "MOED_TEST_CPU_CHANNELS"
 #define MOED_TEST_CPU_UUID "moed-cpu-test-id" /* 16 bytes, no NUL */
 
 static inline int moed_test_switch(const char *name)

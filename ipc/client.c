@@ -194,7 +194,10 @@ static uint64_t reply_bound(const struct moedc *c, uint16_t type)
     case MOED_MSG_FORWARD_DESC | MOED_PROTO_REPLY:
         return 8;
     case MOED_MSG_UNREGISTER_BUF | MOED_PROTO_REPLY:
+    case MOED_MSG_CHAN_CLOSE | MOED_PROTO_REPLY:
         return 0;
+    case MOED_MSG_CHAN_OPEN | MOED_PROTO_REPLY:
+        return sizeof(struct moed_chan_open_rep) + MOED_PROTO_MAX_CHAN_KERNEL;
     case MOED_MSG_HELLO | MOED_PROTO_REPLY:
         return MOED_HELLO_V1_BYTES + 4 + 4 * MOED_PROTO_MAX_LAYERS;
     case MOED_MSG_FORWARD | MOED_PROTO_REPLY:

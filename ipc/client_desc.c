@@ -6,8 +6,7 @@
 #include <inttypes.h>
 #include <string.h>
 
-/* HELLO first if needed; the daemon must have chosen version 2. */
-static int v2_ready(struct moedc *c, char *err, size_t errlen)
+int moedc__v2_ready(struct moedc *c, const char *what, char *err, size_t errlen)
 {
     int rc = moedc__usable(c, 1, err, errlen);
     if (rc)
@@ -20,15 +19,15 @@ static int v2_ready(struct moedc *c, char *err, size_t errlen)
     }
     if (c->version < 2)
         return moed_seterr(err, errlen, MOED_E_UNSUPPORTED,
-                           "the daemon speaks protocol version %u; registered buffers need 2",
-                           (unsigned)c->version);
+                           "the daemon speaks protocol version %u; %s need 2",
+                           (unsigned)c->version, what);
     return 0;
 }
 
 int moedc_register_buf(struct moedc *c, const uint8_t handle[64], uint64_t offset, uint64_t size,
                        const uint8_t uuid[16], uint32_t *buf_id, char *err, size_t errlen)
 {
-    int rc = v2_ready(c, err, errlen);
+    int rc = moedc__v2_ready(c, "registered buffers", err, errlen);
     if (rc)
         return rc;
     uint8_t p[sizeof(struct moed_register_req)];
@@ -50,21 +49,28 @@ int moedc_register_buf(struct moedc *c, const uint8_t handle[64], uint64_t offse
     return 0;
 }
 
-int moedc_unregister_buf(struct moedc *c, uint32_t buf_id, char *err, size_t errlen)
+int moedc__id_call(struct moedc *c, uint16_t type, uint32_t id, const char *what,
+                   const char *name, char *err, size_t errlen)
 {
-    int rc = v2_ready(c, err, errlen);
+    int rc = moedc__v2_ready(c, what, err, errlen);
     if (rc)
         return rc;
-    uint8_t p[sizeof(struct moed_register_rep)];
-    le_put32(p, buf_id);
+    uint8_t p[8];
+    le_put32(p, id);
     le_put32(p + 4, 0);
     struct moed_frame_hdr h;
-    rc = moedc__call(c, MOED_MSG_UNREGISTER_BUF, p, sizeof p, &h, err, errlen);
+    rc = moedc__call(c, type, p, sizeof p, &h, err, errlen);
     if (rc == 0 && h.payload_len != 0) {
         c->broken = 1;
-        return moed_seterr(err, errlen, MOED_E_PROTO, "UNREGISTER_BUF reply is not empty");
+        return moed_seterr(err, errlen, MOED_E_PROTO, "%s reply is not empty", name);
     }
     return rc;
+}
+
+int moedc_unregister_buf(struct moedc *c, uint32_t buf_id, char *err, size_t errlen)
+{
+    return moedc__id_call(c, MOED_MSG_UNREGISTER_BUF, buf_id, "registered buffers",
+                          "UNREGISTER_BUF", err, errlen);
 }
 
 static void put_ref(uint8_t *p, const struct moedc_bufref *r)
@@ -81,7 +87,7 @@ int moedc_forward_desc(struct moedc *c, uint32_t layer, uint32_t n_tokens, uint3
 {
     if (!x || !ids || !w || !y)
         return moed_seterr(err, errlen, MOED_E_INVAL, "moedc_forward_desc: a NULL buffer ref");
-    int rc = v2_ready(c, err, errlen);
+    int rc = moedc__v2_ready(c, "registered buffers", err, errlen);
     if (rc)
         return rc;
     uint8_t p[sizeof(struct moed_forward_desc_req)];

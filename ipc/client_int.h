@@ -1,6 +1,7 @@
 /* client_int.h - what the client library's files share (private to ipc/):
  * client.c (connection, I/O, HELLO, FORWARD, STATUS, PING) and
- * client_desc.c (version 2: registered buffers, FORWARD_DESC). */
+ * client_desc.c (version 2: registered buffers, FORWARD_DESC) and
+ * client_chan.c (version 2: doorbell channels). */
 #ifndef MOED_CLIENT_INT_H
 #define MOED_CLIENT_INT_H
 
@@ -32,5 +33,12 @@ int moedc__usable(struct moedc *c, int blocking, char *err, size_t errlen);
  * c->rbuf); the daemon's ERROR comes back as its code. */
 int moedc__call(struct moedc *c, uint16_t type, const void *payload, size_t len,
                 struct moed_frame_hdr *h, char *err, size_t errlen);
+/* Blocking-call checks, then HELLO first if needed; the daemon must have
+ * chosen version 2 (else MOED_E_UNSUPPORTED: "<what> need 2"). */
+int moedc__v2_ready(struct moedc *c, const char *what, char *err, size_t errlen);
+/* A version-2 request whose payload is (id u32, u32 0) and whose reply is
+ * empty (UNREGISTER_BUF, CHAN_CLOSE; `name` for the messages). */
+int moedc__id_call(struct moedc *c, uint16_t type, uint32_t id, const char *what,
+                   const char *name, char *err, size_t errlen);
 
 #endif

@@ -176,6 +176,74 @@ MOEDC_API int moedc_forward_desc(struct moedc *c, uint32_t layer, uint32_t n_tok
                                  const struct moedc_bufref *ids, const struct moedc_bufref *w,
                                  const struct moedc_bufref *y, char *err, size_t errlen);
 
+/* --- GPU doorbell channels (protocol version 2, PROTOCOL.md section 10) ---
+ * A channel lets the client's own kernels, on its CUDA stream and inside a
+ * CUDA graph, submit layers over its registered buffers to moed's
+ * persistent kernel through device memory, with no host round trip.
+ * moedc_chan_open names 1..16 buffers registered on this connection (the
+ * descriptors then name them by index 0..n-1) and the 16-byte UUID of the
+ * GPU the client's kernels run on (moed's GPU, under MPS); *out gets the
+ * channel's id, descriptor key, the CUDA IPC handle of its memory and a
+ * malloc'd copy of the client kernel's fatbin (cuModuleLoadData; entry
+ * moed_chan_call): give it back with moedc_chan_info_free. The buffers it
+ * names cannot be unregistered while it is open. Blocking; HELLO first if
+ * needed. The channel ends with moedc_chan_close or the connection. */
+struct moedc_chan_info {
+    uint32_t chan_id;        /* > 0: names the channel in moedc_chan_close */
+    uint32_t slots;          /* descriptors in flight at most */
+    uint64_t key;            /* every descriptor carries it */
+    uint8_t handle[64];      /* cudaIpcMemHandle_t of the channel's memory */
+    uint64_t size;           /* bytes of the channel at the handle's offset 0 */
+    uint32_t abi_version;    /* the kernel ABI the daemon speaks */
+    void *kernel;            /* the client kernel's fatbin (malloc'd) */
+    size_t kernel_bytes;
+};
+MOEDC_API int moedc_chan_open(struct moedc *c, const uint32_t *buf_ids, uint32_t n,
+                              const uint8_t uuid[16], struct moedc_chan_info *out, char *err,
+                              size_t errlen);
+MOEDC_API int moedc_chan_close(struct moedc *c, uint32_t chan_id, char *err, size_t errlen);
+/* Free what moedc_chan_open gave (the fatbin copy); NULL is fine. */
+MOEDC_API void moedc_chan_info_free(struct moedc_chan_info *info);
+
+/* The GPU side, in the client's process: moedc_chan_attach maps the
+ * channel into the CUDA context current on the calling thread (the client
+ * GPU's; cuIpcOpenMemHandle with lazy peer access) and loads the client
+ * kernel from info->kernel (info may be freed afterwards). The CUDA driver
+ * comes from libcuda.so.1 through dlopen (this library links no CUDA):
+ * without a driver, a GPU or a current context the calls answer
+ * MOED_E_UNSUPPORTED saying which; a handle or kernel that will not open,
+ * MOED_E_IO; a daemon of another channel ABI, MOED_E_VERSION. */
+struct moedc_chan; /* opaque: a channel mapped on the client's GPU */
+MOEDC_API int moedc_chan_attach(const struct moedc_chan_info *info, struct moedc_chan **out,
+                                char *err, size_t errlen);
+/* Unload the kernel and unmap the channel (after its last call completed;
+ * CHAN_CLOSE is separate). NULL is fine. */
+MOEDC_API void moedc_chan_detach(struct moedc_chan *ch);
+
+/* A range of one of the channel's buffers: buf is its index in
+ * moedc_chan_open's buf_ids, offset bytes from the registered range's
+ * start. */
+struct moedc_chanref {
+    uint32_t buf;
+    uint64_t offset;
+};
+/* Enqueue one MoE layer on `stream` (a CUstream; NULL: the legacy default
+ * stream) through the channel: x bf16 [T, H], ids int32 [T, k], w fp32
+ * [T, k] read and y bf16 [T, H] written in place once the stream reaches
+ * the launch; flags are the FORWARD flags (0x1 routed-only, 0x2 empty
+ * slots). Legal inside CUDA graph capture (one kernel node). Errors on the
+ * GPU side go to err_dev, 8 bytes of device memory the caller zeroed: the
+ * first failing call's status word (seq << 8 | MOE_GPU_CHAN_E_*,
+ * ipc/PROTOCOL.md 10.4; a wait over timeout_ns: MOE_GPU_CHAN_E_TIMEOUT) is
+ * kept there. Returns 0 once enqueued, or MOED_E_INVAL / MOED_E_BACKEND
+ * (the launch failed). Calls on one channel must be serialized (one
+ * stream). */
+MOEDC_API int moedc_chan_call(struct moedc_chan *ch, void *stream, uint32_t layer,
+                              uint32_t n_tokens, uint32_t flags, const struct moedc_chanref *x,
+                              const struct moedc_chanref *ids, const struct moedc_chanref *w,
+                              const struct moedc_chanref *y, void *err_dev, uint64_t timeout_ns,
+                              char *err, size_t errlen);
+
 #ifdef __cplusplus
 }
 #endif

@@ -213,6 +213,29 @@ struct moed_chan_close_req {
 };
 _Static_assert(sizeof(struct moed_chan_close_req) == 8, "channel close request");
 
+/* The client kernel's fatbin in a CHAN_OPEN reply is at most this many
+ * bytes (a client refuses a longer one). */
+#define MOED_PROTO_MAX_CHAN_KERNEL (16u << 20)
+
+/* Decode and check a CHAN_OPEN payload (pure): length 88, flags 0, n_bufs in
+ * [1, MOED_PROTO_CHAN_BUFS], buf_ids[0..n_bufs) non-zero and the rest 0.
+ * Whether the ids are registered is the daemon's to check. MOED_E_INVAL with
+ * a message. */
+int moed_chan_open_decode(const uint8_t *payload, uint64_t len, struct moed_chan_open_req *out,
+                          char *err, size_t errlen);
+/* Decode and check a CHAN_CLOSE payload (pure): length 8, reserved 0.
+ * MOED_E_INVAL with a message. */
+int moed_chan_close_decode(const uint8_t *payload, uint64_t len, struct moed_chan_close_req *out,
+                           char *err, size_t errlen);
+/* Write a CHAN_OPEN reply head (96 bytes, little-endian). */
+void moed_chan_open_rep_encode(uint8_t out[sizeof(struct moed_chan_open_rep)],
+                               const struct moed_chan_open_rep *r);
+/* Decode a CHAN_OPEN reply payload (pure, the client's side): the head,
+ * then exactly kernel_bytes (1..MOED_PROTO_MAX_CHAN_KERNEL) bytes, chan_id
+ * > 0, slots > 0, size > 0. MOED_E_PROTO with a message otherwise. */
+int moed_chan_open_rep_decode(const uint8_t *payload, uint64_t len,
+                              struct moed_chan_open_rep *out, char *err, size_t errlen);
+
 /* STATUS: empty request; reply payload is the status JSON (UTF-8).
  * PING: request payload up to 64 bytes, echoed in the reply. */
 #define MOED_PROTO_MAX_PING 64

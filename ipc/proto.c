@@ -36,6 +36,8 @@ static int type_known(uint16_t type)
     case MOED_MSG_REGISTER_BUF:
     case MOED_MSG_UNREGISTER_BUF:
     case MOED_MSG_FORWARD_DESC:
+    case MOED_MSG_CHAN_OPEN:
+    case MOED_MSG_CHAN_CLOSE:
         return 1;
     case MOED_MSG_ERROR:
         return reply;
@@ -319,6 +321,102 @@ int moed_forward_desc_decode(const uint8_t *payload, uint64_t len, uint32_t top_
                                "%s: offset %" PRIu64 " is not a multiple of %u", names[i],
                                refs[i]->offset, align[i]);
     }
+    return 0;
+}
+
+int moed_chan_open_decode(const uint8_t *payload, uint64_t len, struct moed_chan_open_req *out,
+                          char *err, size_t errlen)
+{
+    if (len != sizeof(struct moed_chan_open_req))
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "CHAN_OPEN payload is %" PRIu64 " bytes; expected %zu", len,
+                           sizeof(struct moed_chan_open_req));
+    struct moed_chan_open_req r;
+    memcpy(r.uuid, payload, sizeof r.uuid);
+    r.n_bufs = le_get32(payload + 16);
+    r.flags = le_get32(payload + 20);
+    for (uint32_t i = 0; i < MOED_PROTO_CHAN_BUFS; i++)
+        r.buf_ids[i] = le_get32(payload + 24 + 4 * i);
+    *out = r;
+    if (r.flags != 0)
+        return moed_seterr(err, errlen, MOED_E_INVAL, "CHAN_OPEN flags 0x%" PRIx32 " are not 0",
+                           r.flags);
+    if (r.n_bufs < 1 || r.n_bufs > MOED_PROTO_CHAN_BUFS)
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "CHAN_OPEN n_bufs %" PRIu32 " is out of range [1, %d]", r.n_bufs,
+                           MOED_PROTO_CHAN_BUFS);
+    for (uint32_t i = 0; i < MOED_PROTO_CHAN_BUFS; i++) {
+        if (i < r.n_bufs && r.buf_ids[i] == 0)
+            return moed_seterr(err, errlen, MOED_E_INVAL,
+                               "CHAN_OPEN buf_ids[%" PRIu32 "] is 0 (the first n_bufs %" PRIu32
+                               " ids must name registered buffers)",
+                               i, r.n_bufs);
+        if (i >= r.n_bufs && r.buf_ids[i] != 0)
+            return moed_seterr(err, errlen, MOED_E_INVAL,
+                               "CHAN_OPEN buf_ids[%" PRIu32 "] is %" PRIu32 " past n_bufs %" PRIu32
+                               " (unused ids must be 0)",
+                               i, r.buf_ids[i], r.n_bufs);
+    }
+    return 0;
+}
+
+int moed_chan_close_decode(const uint8_t *payload, uint64_t len, struct moed_chan_close_req *out,
+                           char *err, size_t errlen)
+{
+    if (len != sizeof(struct moed_chan_close_req))
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "CHAN_CLOSE payload is %" PRIu64 " bytes; expected %zu (channel id, "
+                           "reserved 0)",
+                           len, sizeof(struct moed_chan_close_req));
+    *out = (struct moed_chan_close_req){le_get32(payload), le_get32(payload + 4)};
+    if (out->reserved != 0)
+        return moed_seterr(err, errlen, MOED_E_INVAL, "CHAN_CLOSE reserved is %" PRIu32 ", not 0",
+                           out->reserved);
+    return 0;
+}
+
+void moed_chan_open_rep_encode(uint8_t out[sizeof(struct moed_chan_open_rep)],
+                               const struct moed_chan_open_rep *r)
+{
+    le_put32(out, r->chan_id);
+    le_put32(out + 4, r->slots);
+    le_put64(out + 8, r->key);
+    memcpy(out + 16, r->handle, sizeof r->handle);
+    le_put64(out + 80, r->size);
+    le_put32(out + 88, r->abi_version);
+    le_put32(out + 92, r->kernel_bytes);
+}
+
+int moed_chan_open_rep_decode(const uint8_t *payload, uint64_t len,
+                              struct moed_chan_open_rep *out, char *err, size_t errlen)
+{
+    const uint64_t head = sizeof(struct moed_chan_open_rep);
+    if (len < head)
+        return moed_seterr(err, errlen, MOED_E_PROTO,
+                           "CHAN_OPEN reply is %" PRIu64 " bytes, shorter than its %" PRIu64
+                           "-byte head",
+                           len, head);
+    struct moed_chan_open_rep r = {
+        .chan_id = le_get32(payload),
+        .slots = le_get32(payload + 4),
+        .key = le_get64(payload + 8),
+        .size = le_get64(payload + 80),
+        .abi_version = le_get32(payload + 88),
+        .kernel_bytes = le_get32(payload + 92),
+    };
+    memcpy(r.handle, payload + 16, sizeof r.handle);
+    *out = r;
+    if (r.kernel_bytes < 1 || r.kernel_bytes > MOED_PROTO_MAX_CHAN_KERNEL ||
+        len != head + r.kernel_bytes)
+        return moed_seterr(err, errlen, MOED_E_PROTO,
+                           "CHAN_OPEN reply is %" PRIu64 " bytes for kernel_bytes %" PRIu32
+                           " (expected %" PRIu64 " + kernel_bytes, kernel_bytes in [1, %u])",
+                           len, r.kernel_bytes, head, MOED_PROTO_MAX_CHAN_KERNEL);
+    if (r.chan_id == 0 || r.slots == 0 || r.size == 0)
+        return moed_seterr(err, errlen, MOED_E_PROTO,
+                           "CHAN_OPEN reply: chan_id %" PRIu32 ", slots %" PRIu32 ", size %" PRIu64
+                           " (each must be > 0)",
+                           r.chan_id, r.slots, r.size);
     return 0;
 }
 

@@ -127,6 +127,16 @@ struct moed_server_ops {
     int (*forward_desc)(void *ctx, struct moed_conn *c, uint64_t request_id,
                         const uint8_t *payload, uint64_t len, const struct moed_req_times *t,
                         char *err, size_t errlen);
+    /* CHAN_OPEN, decoded and checked (moed_chan_open_decode): 0 with the
+     * reply head in *rep and *kernel pointing at its rep->kernel_bytes bytes
+     * of fatbin (valid during the call; the server copies them into the
+     * reply), or a negative code with a message. */
+    int (*chan_open)(void *ctx, struct moed_conn *c, const struct moed_chan_open_req *rq,
+                     struct moed_chan_open_rep *rep, const void **kernel, char *err,
+                     size_t errlen);
+    /* CHAN_CLOSE (decoded): 0 (the server replies) or a negative code. */
+    int (*chan_close)(void *ctx, struct moed_conn *c, uint32_t chan_id, char *err,
+                      size_t errlen);
     /* The connection closed (called once, when it is marked closing; its
      * requests may still be out): everything it registered is to go. */
     void (*conn_closed)(void *ctx, struct moed_conn *c);

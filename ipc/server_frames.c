@@ -73,7 +73,35 @@ static void handle_hello(struct moed_conn *c, const struct moed_frame_hdr *h, co
     conn_send(c, MOED_MSG_HELLO, h->request_id, buf, len);
 }
 
-/* REGISTER_BUF, UNREGISTER_BUF, FORWARD_DESC: version-2 frames only; a
+/* CHAN_OPEN's reply: the head, then the client kernel's fatbin. */
+static int chan_open(struct moed_conn *c, const struct moed_frame_hdr *h, const uint8_t *p,
+                     char *msg, size_t msglen)
+{
+    struct moed_server *srv = c->srv;
+    struct moed_chan_open_req rq;
+    struct moed_chan_open_rep rep;
+    const void *kernel = NULL;
+    int rc = moed_chan_open_decode(p, h->payload_len, &rq, msg, msglen);
+    if (rc == 0)
+        rc = srv->ops->chan_open(srv->ctx, c, &rq, &rep, &kernel, msg, msglen);
+    if (rc < 0)
+        return rc;
+    size_t n = sizeof rep + rep.kernel_bytes;
+    uint8_t *buf = malloc(n);
+    if (!buf) {
+        /* the channel is open: it goes with the connection */
+        conn_close(c, 0);
+        return 0;
+    }
+    moed_chan_open_rep_encode(buf, &rep);
+    memcpy(buf + sizeof rep, kernel, rep.kernel_bytes);
+    conn_send(c, MOED_MSG_CHAN_OPEN, h->request_id, buf, n);
+    free(buf);
+    return 0;
+}
+
+/* REGISTER_BUF, UNREGISTER_BUF, FORWARD_DESC, CHAN_OPEN, CHAN_CLOSE:
+ * version-2 frames only; a
  * version-1 frame of these types is answered MOED_E_UNSUPPORTED as version 1
  * always did (the connection stays). */
 static void handle_v2(struct moed_conn *c, const struct moed_frame_hdr *h, const uint8_t *p)
@@ -85,13 +113,15 @@ static void handle_v2(struct moed_conn *c, const struct moed_frame_hdr *h, const
     int rc = 0;
     if (h->version < moed_type_min_version(h->type)) {
         snprintf(msg, sizeof msg,
-                 "message type %u (registered buffers) needs protocol version 2 frames; this "
-                 "one is version %u",
+                 "message type %u (registered buffers, channels) needs protocol version 2 "
+                 "frames; this one is version %u",
                  h->type, h->version);
         rc = MOED_E_UNSUPPORTED;
     } else if ((h->type == MOED_MSG_REGISTER_BUF && !ops->register_buf) ||
                (h->type == MOED_MSG_UNREGISTER_BUF && !ops->unregister_buf) ||
-               (h->type == MOED_MSG_FORWARD_DESC && !ops->forward_desc)) {
+               (h->type == MOED_MSG_FORWARD_DESC && !ops->forward_desc) ||
+               (h->type == MOED_MSG_CHAN_OPEN && !ops->chan_open) ||
+               (h->type == MOED_MSG_CHAN_CLOSE && !ops->chan_close)) {
         snprintf(msg, sizeof msg, "message type %u is not served by this daemon", h->type);
         rc = MOED_E_UNSUPPORTED;
     } else if (h->type == MOED_MSG_REGISTER_BUF) {
@@ -117,6 +147,15 @@ static void handle_v2(struct moed_conn *c, const struct moed_frame_hdr *h, const
         }
         if (rc == 0)
             conn_send(c, MOED_MSG_UNREGISTER_BUF, h->request_id, NULL, 0);
+    } else if (h->type == MOED_MSG_CHAN_OPEN) {
+        rc = chan_open(c, h, p, msg, sizeof msg);
+    } else if (h->type == MOED_MSG_CHAN_CLOSE) {
+        struct moed_chan_close_req rq;
+        rc = moed_chan_close_decode(p, h->payload_len, &rq, msg, sizeof msg);
+        if (rc == 0)
+            rc = ops->chan_close(srv->ctx, c, rq.chan_id, msg, sizeof msg);
+        if (rc == 0)
+            conn_send(c, MOED_MSG_CHAN_CLOSE, h->request_id, NULL, 0);
     } else {
         c->pending++;
         struct moed_req_times t = {.rx_ns = c->rx_ns, .complete_ns = uv_hrtime()};
@@ -177,6 +216,8 @@ static int handle_frame(struct moed_conn *c, const struct moed_frame_hdr *h, con
     case MOED_MSG_REGISTER_BUF:
     case MOED_MSG_UNREGISTER_BUF:
     case MOED_MSG_FORWARD_DESC:
+    case MOED_MSG_CHAN_OPEN:
+    case MOED_MSG_CHAN_CLOSE:
         handle_v2(c, h, p);
         return 0;
     default:

@@ -23,6 +23,7 @@
  *   bucket 63     : us > 2^(62/3) (~1.66 s; overflow)
  * Upper bounds are inclusive so they map directly onto Prometheus `le`. */
 #define MOED_LAT_BUCKETS 64
+#define MOED_STATS_MAX_CHANS 64 /* channels /status lists (MOE_GPU_MAX_CHANS) */
 
 /* Where a FORWARD request's time goes, stage by stage, so that the latency
  * the socket path adds on top of the backend can be read on any backend.
@@ -117,6 +118,15 @@ struct moed_stats {
     /* registered client buffers (protocol version 2; engine/desc.h) */
     uint64_t zc_registered, zc_mappings, zc_mapped_bytes, zc_registers, zc_refused,
         zc_requests;
+    /* doorbell channels (engine/desc.h): open / draining now, CHAN_OPEN
+     * accepted / refused since start, descriptors served / refused and their
+     * kernel ns since start; the live channels, open then draining */
+    uint64_t ch_open, ch_draining, ch_opens, ch_refused, db_served, db_refused, db_kernel_ns;
+    struct moed_stats_chan {
+        uint32_t id, index, n_bufs, draining;
+        uint64_t served, refused, kernel_ns, last;
+    } chans[MOED_STATS_MAX_CHANS];
+    uint32_t n_chans;
     /* GPU persistent-kernel heartbeat (0 without a GPU) */
     uint64_t heartbeat;
     uint64_t heartbeat_age_ms;

@@ -22,6 +22,8 @@
 
 #include <cjson/cJSON.h>
 
+#include "status_int.h"
+
 /* Buckets per octave; see the MOED_LAT_BUCKETS comment in stats.h. */
 #define LAT_PER_OCTAVE 3
 
@@ -208,7 +210,7 @@ static int have_kernel(const struct moed_stats *s)
 
 /* cJSON numbers are doubles: exact for counts up to 2^53, which no counter
  * here reaches in practice. */
-static int jnum(cJSON *obj, const char *key, double v)
+int moed_status_jnum(cJSON *obj, const char *key, double v)
 {
     return cJSON_AddNumberToObject(obj, key, v) ? 0 : -1;
 }
@@ -408,13 +410,7 @@ static int json_body(cJSON *root, const struct moed_stats *s, uint64_t now_ns)
         jnum(hb, "spare_bytes", (double)s->spare_bytes))
         return -1;
 
-    cJSON *zc = cJSON_AddObjectToObject(root, "registered_buffers");
-    if (!zc || jnum(zc, "registered", (double)s->zc_registered) ||
-        jnum(zc, "mappings", (double)s->zc_mappings) ||
-        jnum(zc, "mapped_bytes", (double)s->zc_mapped_bytes) ||
-        jnum(zc, "registers", (double)s->zc_registers) ||
-        jnum(zc, "refused", (double)s->zc_refused) ||
-        jnum(zc, "descriptor_requests", (double)s->zc_requests))
+    if (moed_status_json_zero_copy(root, s))
         return -1;
 
     if (json_experts(root, s))
@@ -507,7 +503,7 @@ static void sb_label(struct moed_sbuf *b, const char *v)
     }
 }
 
-static void sb_head(struct moed_sbuf *b, const char *name, const char *type, const char *help)
+void moed_status_sb_head(struct moed_sbuf *b, const char *name, const char *type, const char *help)
 {
     moed_sb_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
 }
@@ -522,15 +518,15 @@ static void sb_double(struct moed_sbuf *b, double v)
         moed_sb_printf(b, "%.9g", v);
 }
 
-static void prom_u64(struct moed_sbuf *b, const char *name, const char *type, const char *help,
-                     uint64_t v)
+void moed_status_prom_u64(struct moed_sbuf *b, const char *name, const char *type,
+                          const char *help, uint64_t v)
 {
     sb_head(b, name, type, help);
     moed_sb_printf(b, "%s %" PRIu64 "\n", name, v);
 }
 
-static void prom_dbl(struct moed_sbuf *b, const char *name, const char *type, const char *help,
-                     double v)
+void moed_status_prom_dbl(struct moed_sbuf *b, const char *name, const char *type,
+                          const char *help, double v)
 {
     sb_head(b, name, type, help);
     moed_sb_printf(b, "%s ", name);
@@ -730,18 +726,7 @@ char *moed_status_prometheus(const struct moed_stats *s, uint64_t now_ns)
              "Pinned buffers allocated from the backend since start.", s->pinned_allocs);
     prom_u64(&b, "moed_buffer_spare_bytes", "gauge",
              "Ordinary memory kept as spare buffers for reuse.", s->spare_bytes);
-    prom_u64(&b, "moed_registered_buffers", "gauge",
-             "Client GPU buffers registered now (all connections).", s->zc_registered);
-    prom_u64(&b, "moed_registered_mappings", "gauge",
-             "Client allocations mapped into the daemon now.", s->zc_mappings);
-    prom_u64(&b, "moed_registered_mapped_bytes", "gauge",
-             "Bytes of those allocations.", s->zc_mapped_bytes);
-    prom_u64(&b, "moed_registered_buffers_total", "counter",
-             "REGISTER_BUF requests accepted since start.", s->zc_registers);
-    prom_u64(&b, "moed_registered_refused_total", "counter",
-             "REGISTER_BUF and FORWARD_DESC requests refused by their checks.", s->zc_refused);
-    prom_u64(&b, "moed_descriptor_requests_total", "counter",
-             "FORWARD_DESC requests taken since start.", s->zc_requests);
+    moed_status_prom_zero_copy(&b, s);
 
     prom_experts(&b, s);
 

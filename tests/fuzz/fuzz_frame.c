@@ -1,6 +1,8 @@
-/* fuzz_frame.c - libFuzzer target over the wire parser (moed_frame_parse) and
- * FORWARD validation (moed_forward_validate), the two functions that see
- * untrusted bytes from every client.
+/* fuzz_frame.c - libFuzzer target over the wire parser (moed_frame_parse),
+ * FORWARD validation (moed_forward_validate) and the version-2 payload
+ * decoders (registration, FORWARD_DESC, channels), the functions that see
+ * untrusted bytes from every client (and, for the CHAN_OPEN reply, from the
+ * daemon).
  *
  * Input layout: byte 0 picks the model limits used for validation, the rest
  * is a byte stream fed to the parser the way the server does: frame after
@@ -107,6 +109,40 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                         dr.x.offset % 16 || dr.y.offset % 16 || dr.ids.offset % 4 ||
                         dr.w.offset % 4 || !dr.x.buf_id || !dr.y.buf_id))
             abort();
+        /* the channel decoders on the same bytes: the daemon's two and the
+         * client's reply decoder */
+        struct moed_chan_open_req co;
+        err[0] = 0;
+        rc = moed_chan_open_decode(payload, n, &co, err, sizeof err);
+        if (rc != 0 && (rc != MOED_E_INVAL || err[0] == 0))
+            abort();
+        if (rc == 0) {
+            if (n != sizeof co || co.flags || co.n_bufs < 1 || co.n_bufs > MOED_PROTO_CHAN_BUFS)
+                abort();
+            for (uint32_t i = 0; i < MOED_PROTO_CHAN_BUFS; i++)
+                if ((i < co.n_bufs) != (co.buf_ids[i] != 0))
+                    abort();
+        }
+        struct moed_chan_close_req cc;
+        err[0] = 0;
+        rc = moed_chan_close_decode(payload, n, &cc, err, sizeof err);
+        if (rc != 0 && (rc != MOED_E_INVAL || err[0] == 0))
+            abort();
+        if (rc == 0 && (n != sizeof cc || cc.reserved))
+            abort();
+        struct moed_chan_open_rep cr;
+        err[0] = 0;
+        rc = moed_chan_open_rep_decode(payload, n, &cr, err, sizeof err);
+        if (rc != 0 && (rc != MOED_E_PROTO || err[0] == 0))
+            abort();
+        if (rc == 0) {
+            if (n != sizeof cr + cr.kernel_bytes || !cr.chan_id || !cr.slots || !cr.size)
+                abort();
+            uint8_t re2[sizeof cr];
+            moed_chan_open_rep_encode(re2, &cr);
+            if (memcmp(re2, payload, sizeof cr) != 0)
+                abort();
+        }
         free(payload);
         p += MOED_PROTO_HDR_SIZE + n;
         left -= MOED_PROTO_HDR_SIZE + n;

@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.join(ROOT, "ipc", "python"))  # the tree's client, no
 
 import moed_client as mc  # noqa: E402
 
+import chan_frames as cf  # noqa: E402
 import daemon_util as du  # noqa: E402
 
 
@@ -41,10 +42,16 @@ def test_frame_constants_match_moed_proto_h():
     assert d["MAX_ERRMSG"] == mc.MAX_ERRMSG
     assert d["MAX_PING"] == mc.MAX_PING
     msgs = c_enum(proto, "MOED_MSG_")
-    assert len(msgs) >= 7, msgs
+    assert len(msgs) >= 9, msgs
     for name, v in msgs.items():
-        assert getattr(mc, "MSG_" + name) == v, name
+        # CHAN_OPEN / CHAN_CLOSE: the client package gains them with its
+        # channel calls; until then the tests' copy (chan_frames) stands in
+        py = getattr(mc, "MSG_" + name, None)
+        if py is None and name.startswith("CHAN_"):
+            py = getattr(cf, "MSG_" + name)
+        assert py == v, name
         assert getattr(du, "MSG_" + name, v) == v, name
+        assert getattr(cf, "MSG_" + name, v) == v, name
 
 
 def test_error_codes_match_moed_err():
@@ -83,3 +90,32 @@ def test_frame_versions_match_moed_type_min_version():
     for t in range(0, 40):
         for reply in (0, mc.REPLY):
             assert mc.frame_version(t | reply) == (2 if 16 <= t <= 31 else 1), t
+
+
+def struct_size(text, name):
+    """The size a _Static_assert in the header gives struct `name`."""
+    m = re.search(r"_Static_assert\(sizeof\(struct %s\) == (\d+)" % name, text)
+    assert m, name
+    return int(m.group(1))
+
+
+def test_channel_constants_match_the_headers():
+    """The channel payloads (ipc/moed_proto.h) and the channel's layout
+    (kernels/moe_gpu_abi.h) as the tests' raw frames (chan_frames) pack
+    them, and the type's frame version (2)."""
+    proto = read("ipc/moed_proto.h")
+    abi = read("kernels/moe_gpu_abi.h")
+    d = c_defines(proto, "MOED_PROTO_")
+    assert d["CHAN_BUFS"] == cf.CHAN_BUFS == c_defines(abi, "MOE_GPU_")["CHAN_BUFS"]
+    m = re.search(r"#define MOED_PROTO_MAX_CHAN_KERNEL \((\d+)u << (\d+)\)", proto)
+    assert int(m.group(1)) << int(m.group(2)) == cf.MAX_CHAN_KERNEL
+    assert struct_size(proto, "moed_chan_open_req") == cf.OPEN_REQ_BYTES == \
+        len(cf.open_payload(b"u" * 16, [1]))
+    assert struct_size(proto, "moed_chan_open_rep") == cf.OPEN_REP_BYTES == cf.OPEN_REP.size
+    assert struct_size(proto, "moed_chan_close_req") == cf.CLOSE_REQ_BYTES == \
+        len(cf.close_payload(1))
+    g = c_defines(abi, "MOE_GPU_")
+    assert g["CHAN_SLOTS"] == cf.CHAN_SLOTS
+    assert g["MAX_CHANS"] == 64
+    for t in (cf.MSG_CHAN_OPEN, cf.MSG_CHAN_CLOSE):
+        assert mc.frame_version(t) == mc.frame_version(t | mc.REPLY) == 2

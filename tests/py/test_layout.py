@@ -1,6 +1,8 @@
 """The layering the tree's folders promise (README, Layout), checked on the
 sources: ipc/ (protocol, server, client library) is the bottom of the
-daemon and includes nothing from engine/, config/, status/ or daemon/; the
+daemon and includes nothing from engine/, config/, status/ or daemon/ (of
+kernels/ only the host-device contract moe_gpu_abi.h, which includes
+nothing of the tree); the
 engine never includes the protocol header (the server owns the framing);
 moectl links neither libuv's server nor CUDA (client library + libmoedref)."""
 import glob
@@ -28,7 +30,11 @@ def sources(folder):
 
 
 def test_ipc_includes_only_ipc_and_common():
-    allowed = headers_of("ipc") | headers_of("common")
+    # and the host-device contract, a leaf header (stddef, stdint): the
+    # client library launches the doorbell kernel with its layouts
+    allowed = headers_of("ipc") | headers_of("common") | {"moe_gpu_abi.h"}
+    with open(os.path.join(ROOT, "kernels", "moe_gpu_abi.h"), encoding="utf-8") as f:
+        assert not re.findall(r'^\s*#\s*include\s+"', f.read(), re.M)
     above = headers_of("engine") | headers_of("config") | headers_of("status") | headers_of("daemon")
     assert "server.h" in allowed and "stats.h" in above and "config.h" in above
     bad = [(os.path.relpath(p, ROOT), h) for p in sources("ipc") for h in includes(p)

@@ -505,6 +505,46 @@ START_TEST(test_connect_backlog_full)
 }
 END_TEST
 
+/* The GPU side of a channel (client_gpu.c) where it can run without a GPU:
+ * its argument checks, and, for a plausible channel, MOED_E_UNSUPPORTED
+ * with the reason: this process has no current CUDA context (or no driver,
+ * or no GPU), so the driver is never asked to open the handle. */
+START_TEST(test_chan_gpu_errors)
+{
+    char err[MOED_ERRLEN];
+    struct moedc_chan *ch = (struct moedc_chan *)&err; /* must be cleared */
+    static const char fatbin[] = "not a fatbin";
+    struct moedc_chan_info info = {.chan_id = 1, .slots = 8, .key = 5, .size = 960,
+                                   .abi_version = 2, .kernel = (void *)fatbin,
+                                   .kernel_bytes = sizeof fatbin};
+    ck_assert_int_eq(moedc_chan_attach(NULL, &ch, err, sizeof err), MOED_E_INVAL);
+    ck_assert_ptr_null(ch);
+    info.abi_version = 1;
+    ck_assert_int_eq(moedc_chan_attach(&info, &ch, err, sizeof err), MOED_E_VERSION);
+    ck_assert_str_eq(err, "the daemon's channel ABI is version 1; this library speaks 2");
+    info.abi_version = 2;
+    info.size = 959;
+    ck_assert_int_eq(moedc_chan_attach(&info, &ch, err, sizeof err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "moedc_chan_attach: not an open channel's info (kernel 13 bytes, "
+                          "size 959, slots 8)");
+    info.size = 960;
+    int rc = moedc_chan_attach(&info, &ch, err, sizeof err);
+    ck_assert_int_eq(rc, MOED_E_UNSUPPORTED);
+    ck_assert_ptr_null(ch);
+    ck_assert_msg(strncmp(err, "moedc_chan_attach: ", 19) == 0 &&
+                      (strstr(err, "libcuda.so.1") || strstr(err, "cuInit") ||
+                       strstr(err, "no current CUDA context")),
+                  "%s", err);
+    struct moedc_chanref r = {0, 0};
+    uint64_t dev = 0;
+    ck_assert_int_eq(moedc_chan_call(NULL, NULL, 0, 1, 0, &r, &r, &r, &r, &dev, 1000, err,
+                                     sizeof err),
+                     MOED_E_INVAL);
+    ck_assert_str_eq(err, "moedc_chan_call: the channel, the four refs and err_dev are required");
+    moedc_chan_detach(NULL);
+}
+END_TEST
+
 static Suite *client_suite(void)
 {
     Suite *s = suite_create("client");
@@ -519,6 +559,7 @@ static Suite *client_suite(void)
     tcase_add_test(tc, test_refused_error_after_epipe);
     tcase_add_test(tc, test_connect_errors);
     tcase_add_test(tc, test_connect_backlog_full);
+    tcase_add_test(tc, test_chan_gpu_errors);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -1,5 +1,6 @@
-/* test_proto.c - the frame parser, encoder and FORWARD validation against the
- * byte layout written out by hand from ipc/PROTOCOL.md. */
+/* test_proto.c - the frame parser, encoder, FORWARD validation and the
+ * channel payloads against the byte layout written out by hand from
+ * ipc/PROTOCOL.md. */
 #include <check.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -90,6 +91,17 @@ START_TEST(test_parse_header_errors)
     ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_PARSE_COMPLETE);
     hand_header(b, 1, MOED_MSG_UNREGISTER_BUF, 0, 0, 7, 0);
     ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_PARSE_COMPLETE);
+    /* the channel types (19, 20) parse in either version; 21 is unknown */
+    for (uint16_t t = MOED_MSG_CHAN_OPEN; t <= MOED_MSG_CHAN_CLOSE; t++) {
+        hand_header(b, 2, t, 0, 0, 7, 0);
+        ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_PARSE_COMPLETE);
+        hand_header(b, 1, t | MOED_PROTO_REPLY, 0, 0, 7, 0);
+        ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_PARSE_COMPLETE);
+        ck_assert_uint_eq(moed_type_min_version(t), 2);
+        ck_assert_uint_eq(moed_type_min_version(t | MOED_PROTO_REPLY), 2);
+    }
+    hand_header(b, 2, 21, 0, 0, 7, 0);
+    ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_E_TYPE);
 
     hand_header(b, 1, MOED_MSG_PING, 1, 0, 7, 0);
     ck_assert_int_eq(moed_frame_parse(b, 32, MAXP, &h), MOED_E_PROTO);
@@ -366,6 +378,129 @@ START_TEST(test_hello_parse)
 }
 END_TEST
 
+/* CHAN_OPEN / CHAN_CLOSE payloads written from PROTOCOL.md section 10, and
+ * the reply head a client decodes. */
+static void chan_req(uint8_t b[88], uint32_t n_bufs, uint32_t flags)
+{
+    memset(b, 0, 88);
+    memcpy(b, "0123456789abcdef", 16);
+    put32(b + 16, n_bufs);
+    put32(b + 20, flags);
+    for (uint32_t i = 0; i < n_bufs && i < 16; i++)
+        put32(b + 24 + 4 * i, 100 + i);
+}
+
+START_TEST(test_chan_open_decode)
+{
+    uint8_t b[89];
+    struct moed_chan_open_req r;
+    char err[256];
+    chan_req(b, 3, 0);
+    ck_assert_int_eq(moed_chan_open_decode(b, 88, &r, err, sizeof err), 0);
+    ck_assert_int_eq(memcmp(r.uuid, "0123456789abcdef", 16), 0);
+    ck_assert_uint_eq(r.n_bufs, 3);
+    ck_assert_uint_eq(r.buf_ids[0], 100);
+    ck_assert_uint_eq(r.buf_ids[2], 102);
+    ck_assert_uint_eq(r.buf_ids[3], 0);
+    chan_req(b, 16, 0);
+    ck_assert_int_eq(moed_chan_open_decode(b, 88, &r, err, sizeof err), 0);
+    ck_assert_uint_eq(r.buf_ids[15], 115);
+
+    ck_assert_int_eq(moed_chan_open_decode(b, 87, &r, err, sizeof err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "CHAN_OPEN payload is 87 bytes; expected 88");
+    ck_assert_int_eq(moed_chan_open_decode(b, 89, &r, err, sizeof err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "CHAN_OPEN payload is 89 bytes; expected 88");
+    ck_assert_int_eq(moed_chan_open_decode(b, 0, &r, err, sizeof err), MOED_E_INVAL);
+    chan_req(b, 0, 0);
+    ck_assert_int_eq(moed_chan_open_decode(b, 88, &r, err, sizeof err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "CHAN_OPEN n_bufs 0 is out of range [1, 16]");
+    chan_req(b, 17, 0);
+    ck_assert_int_eq(moed_chan_open_decode(b, 88, &r, err, sizeof err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "CHAN_OPEN n_bufs 17 is out of range [1, 16]");
+    chan_req(b, 0xffffffffu, 0);
+    ck_assert_int_eq(moed_chan_open_decode(b, 88, &r, err, sizeof err), MOED_E_INVAL);
+    chan_req(b, 2, 1);
+    ck_assert_int_eq(moed_chan_open_decode(b, 88, &r, err, sizeof err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "CHAN_OPEN flags 0x1 are not 0");
+    chan_req(b, 2, 0x80000000u);
+    ck_assert_int_eq(moed_chan_open_decode(b, 88, &r, err, sizeof err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "CHAN_OPEN flags 0x80000000 are not 0");
+    chan_req(b, 2, 0);
+    put32(b + 24 + 4 * 15, 9); /* the last unused id */
+    ck_assert_int_eq(moed_chan_open_decode(b, 88, &r, err, sizeof err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "CHAN_OPEN buf_ids[15] is 9 past n_bufs 2 (unused ids must be 0)");
+    chan_req(b, 2, 0);
+    put32(b + 24 + 4 * 2, 1); /* the first unused id */
+    ck_assert_int_eq(moed_chan_open_decode(b, 88, &r, err, sizeof err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "CHAN_OPEN buf_ids[2] is 1 past n_bufs 2 (unused ids must be 0)");
+    chan_req(b, 2, 0);
+    put32(b + 24 + 4 * 1, 0); /* a used id 0 */
+    ck_assert_int_eq(moed_chan_open_decode(b, 88, &r, err, sizeof err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "CHAN_OPEN buf_ids[1] is 0 (the first n_bufs 2 ids must name "
+                          "registered buffers)");
+    /* the byte-wise decoder does not care about alignment */
+    chan_req(b + 1, 1, 0);
+    ck_assert_int_eq(moed_chan_open_decode(b + 1, 88, &r, err, sizeof err), 0);
+    ck_assert_uint_eq(r.buf_ids[0], 100);
+}
+END_TEST
+
+START_TEST(test_chan_close_decode)
+{
+    uint8_t b[9] = {0};
+    struct moed_chan_close_req r;
+    char err[256];
+    put32(b, 7);
+    ck_assert_int_eq(moed_chan_close_decode(b, 8, &r, err, sizeof err), 0);
+    ck_assert_uint_eq(r.chan_id, 7);
+    ck_assert_int_eq(moed_chan_close_decode(b, 7, &r, err, sizeof err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "CHAN_CLOSE payload is 7 bytes; expected 8 (channel id, reserved 0)");
+    ck_assert_int_eq(moed_chan_close_decode(b, 9, &r, err, sizeof err), MOED_E_INVAL);
+    put32(b + 4, 2);
+    ck_assert_int_eq(moed_chan_close_decode(b, 8, &r, err, sizeof err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "CHAN_CLOSE reserved is 2, not 0");
+}
+END_TEST
+
+START_TEST(test_chan_open_reply)
+{
+    uint8_t b[96 + 5];
+    struct moed_chan_open_rep in = {.chan_id = 3, .slots = 8, .key = 0x1122334455667788ull,
+                                    .size = 960, .abi_version = 2, .kernel_bytes = 5}, out;
+    for (int i = 0; i < 64; i++)
+        in.handle[i] = (uint8_t)(i + 1);
+    moed_chan_open_rep_encode(b, &in);
+    memcpy(b + 96, "FATBN", 5);
+    /* the layout by hand: chan_id, slots, key, handle, size, abi, kernel_bytes */
+    ck_assert_uint_eq(b[0], 3);
+    ck_assert_uint_eq(b[4], 8);
+    ck_assert_uint_eq(b[8], 0x88);
+    ck_assert_uint_eq(b[15], 0x11);
+    ck_assert_uint_eq(b[16], 1);
+    ck_assert_uint_eq(b[79], 64);
+    ck_assert_uint_eq(b[80], 960 & 0xff);
+    ck_assert_uint_eq(b[81], 960 >> 8);
+    ck_assert_uint_eq(b[88], 2);
+    ck_assert_uint_eq(b[92], 5);
+    char err[256];
+    ck_assert_int_eq(moed_chan_open_rep_decode(b, sizeof b, &out, err, sizeof err), 0);
+    ck_assert_int_eq(memcmp(&in, &out, sizeof in), 0);
+    ck_assert_int_eq(moed_chan_open_rep_decode(b, sizeof b - 1, &out, err, sizeof err),
+                     MOED_E_PROTO);
+    ck_assert_str_eq(err, "CHAN_OPEN reply is 100 bytes for kernel_bytes 5 (expected 96 + "
+                          "kernel_bytes, kernel_bytes in [1, 16777216])");
+    ck_assert_int_eq(moed_chan_open_rep_decode(b, 95, &out, err, sizeof err), MOED_E_PROTO);
+    ck_assert_str_eq(err, "CHAN_OPEN reply is 95 bytes, shorter than its 96-byte head");
+    put32(b + 92, 0); /* no kernel */
+    ck_assert_int_eq(moed_chan_open_rep_decode(b, 96, &out, err, sizeof err), MOED_E_PROTO);
+    put32(b + 92, 5);
+    put32(b, 0); /* chan_id 0 */
+    ck_assert_int_eq(moed_chan_open_rep_decode(b, sizeof b, &out, err, sizeof err),
+                     MOED_E_PROTO);
+    ck_assert_str_eq(err, "CHAN_OPEN reply: chan_id 0, slots 8, size 960 (each must be > 0)");
+}
+END_TEST
+
 START_TEST(test_unaligned)
 {
     uint8_t raw[64 + 1];
@@ -388,6 +523,9 @@ static Suite *proto_suite(void)
     tcase_add_test(tc, test_validate);
     tcase_add_test(tc, test_unaligned);
     tcase_add_test(tc, test_hello_parse);
+    tcase_add_test(tc, test_chan_open_decode);
+    tcase_add_test(tc, test_chan_close_decode);
+    tcase_add_test(tc, test_chan_open_reply);
     suite_add_tcase(s, tc);
     return s;
 }
