@@ -165,12 +165,12 @@ const struct cfg_key cfg_keys[] = {
      FIELD(idle_exit_ms),
      .doc = "Idle milliseconds after which the persistent kernel exits, to be relaunched "
             "by the next batch; 0: never."},
-    {.path = "engine.max_channels", .type = T_UINT, .min = 0, .max = 64, .def = "8",
+    {.path = "engine.max_channels", .type = T_UINT, .min = 0, .max = 16, .def = "8",
      FIELD(max_channels),
      .doc = "GPU doorbell channels (ipc/PROTOCOL.md section 10: a client's kernel, in a CUDA "
             "graph, submits layers through device memory the persistent kernel polls) open "
             "at once, over all connections; a closed channel counts until the kernel has let "
-            "go of it. At most 64 (the kernel's table). CUDA backend only; 0 turns channels "
+            "go of it. At most 16 (the kernel's table). CUDA backend only; 0 turns channels "
             "off (CHAN_OPEN is answered MOED_E_UNSUPPORTED)."},
     {.path = "engine.drain_stall_ms", .type = T_UINT, .min = 1, .max = 600000, .def = "10000",
      FIELD(drain_stall_ms),

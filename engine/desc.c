@@ -11,7 +11,7 @@
 #include "moed_log.h"
 
 _Static_assert(MOED_PROTO_CHAN_BUFS == MOE_GPU_CHAN_BUFS, "a channel's buffers: wire = kernel");
-_Static_assert(MOE_GPU_MAX_CHANS == 64, "engine.max_channels' bound (config_keys.c) is the "
+_Static_assert(MOE_GPU_MAX_CHANS == 16, "engine.max_channels' bound (config_keys.c) is the "
                                         "kernel's table size");
 
 /* One mapped client allocation (backend ipc_open), shared by every

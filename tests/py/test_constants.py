@@ -116,6 +116,9 @@ def test_channel_constants_match_the_headers():
         len(cf.close_payload(1))
     g = c_defines(abi, "MOE_GPU_")
     assert g["CHAN_SLOTS"] == cf.CHAN_SLOTS
-    assert g["MAX_CHANS"] == 64
+    # engine.max_channels' bound in the config table is the kernel's table size
+    keys = open(os.path.join(ROOT, "config", "config_keys.c")).read()
+    m = re.search(r'"engine\.max_channels".*?\.max = (\d+)', keys, re.S)
+    assert m and int(m.group(1)) == g["MAX_CHANS"] == 16
     for t in (cf.MSG_CHAN_OPEN, cf.MSG_CHAN_CLOSE):
         assert mc.frame_version(t) == mc.frame_version(t | mc.REPLY) == 2
