@@ -4,8 +4,11 @@
 #   LOGDIR=dir         bench.csv, e2e log and bench.png go there (default $BUILD/bench-logs)
 #   BENCH_E2E=0        skip the daemon end-to-end step
 #   BENCH_SWEEP=0      skip the latency sweep over T = 1..512 (sweep.csv, sweep.png)
+#   BENCH_ZC=0         skip the three client paths (inline, descriptor, doorbell) under MPS
+#   BENCH_ZC_*         bench/zero_copy.py's own settings (models, T list, iterations)
 #   BENCH_DS_TOKENS, BENCH_QWEN_TOKENS, BENCH_SWEEP_TOKENS, BENCH_SWEEP_ITERS: the T lists
 set -u
+. "$(dirname "$0")/mps.sh"
 BUILD=${BUILD:-build}
 LOGDIR=${LOGDIR:-$BUILD/bench-logs}
 mkdir -p "$LOGDIR"
@@ -77,6 +80,19 @@ JSON
     kill -TERM $pid 2>/dev/null
     wait $pid 2>/dev/null
     rm -rf "$tmp"
+fi
+
+# The three client paths side by side (bench/zero_copy.py: inline socket,
+# REGISTER + FORWARD_DESC, doorbell in a CUDA graph; qwen3-30b-a3b and
+# deepseek-v3 shapes, T = 1..256), a torch client on moed's GPU under MPS
+# (started and stopped here); the markdown table goes to $LOGDIR/zero_copy.md
+if [ "${BENCH_ZC:-1}" = 1 ] && [ -x "$BUILD/moed" ] && command -v nvidia-cuda-mps-control >/dev/null &&
+        python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+    mps_start
+    PYTHONPATH="$PWD/ipc/python${PYTHONPATH:+:$PYTHONPATH}" MOED_BUILD="$BUILD" \
+        timeout "${BENCH_ZC_TIMEOUT:-900}" python3 bench/zero_copy.py 2>&1 | tee "$LOGDIR/zero_copy.md"
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+    mps_stop
 fi
 
 if python3 -c 'import matplotlib' 2>/dev/null; then
