@@ -114,7 +114,7 @@ def test_graph_of_layers_equals_inline_and_reference(daemon):
         layers = [info.moe_layers[i % len(info.moe_layers)] for i in range(6)]
         for t in (1, 5, 16):
             x0, ids, w = batch(info, t, t, "cuda")
-            ids_l = [ids.roll(i, 1) for i in range(len(layers))]  # other experts per layer
+            ids_l = [ids.roll(i, 1) for i in range(len(layers))]  # other id / weight pairs
             s.fused_experts(x0, w, ids_l[0], layers[0])  # eager warm-up (and module load)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
@@ -276,14 +276,14 @@ def bad_descriptors(s):
     ]
 
 
-def run_bad_descriptors(daemon, c):
+def run_bad_descriptors(daemon, c, timeout_s=mcc.DEFAULT_CALL_TIMEOUT_S):
     """Every bad descriptor on one channel, each followed by a good call on a
     second channel (another client): the bad one gets its status in err (and
     y stays untouched), the other channel keeps answering correctly."""
     with mcc.DoorbellSession(mc.Client(daemon.sock_path, timeout=du.wait_s(120)),
-                             max_tokens=8) as s, \
+                             max_tokens=8, timeout_s=timeout_s) as s, \
             mcc.DoorbellSession(mc.Client(daemon.sock_path, timeout=du.wait_s(120)),
-                                max_tokens=8) as other:
+                                max_tokens=8, timeout_s=timeout_s) as other:
         info = s.info
         x, ids, w = batch(info, 2, 11, "cuda")
         layer = info.moe_layers[0]
@@ -345,7 +345,7 @@ def test_malformed_descriptors_under_memcheck(tmp_path_factory):
     try:
         with du.Daemon(tmp, cfg, start_timeout=300) as d:
             with mc.Client(d.sock_path, timeout=du.wait_s(120)) as c:
-                n = run_bad_descriptors(d, c)
+                n = run_bad_descriptors(d, c, timeout_s=du.wait_s(100))
             assert d.stop(timeout=120) == 0, d.log()[-4000:]
     finally:
         du.MOED = real

@@ -206,18 +206,44 @@ def test_status_names_and_channel_error():
         _chan.check_flags(4)
 
 
-def test_ctypes_launch_block_points_at_its_arguments():
-    """The argument array cuLaunchKernel gets: chan, the descriptor by value,
-    err, timeout (needs libcuda.so.1, no GPU call is made)."""
+def test_launch_block_points_at_its_arguments():
+    """What cuLaunchKernel gets (a stand-in records it; no driver needed):
+    grid 1, block 32, no shared memory, the stream, and an argument array
+    pointing at chan, the descriptor by value (96 bytes), err and the timeout;
+    a later call rewrites the same block in place."""
+    from moed_client import _cudrv
+    seen = []
+
+    def launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        p = [params[i] for i in range(4)]
+        seen.append((fn.value, (gx, gy, gz, bx, by, bz, smem), stream, extra,
+                     ctypes.c_uint64.from_address(p[0]).value, ctypes.string_at(p[1], 96),
+                     ctypes.c_uint64.from_address(p[2]).value,
+                     ctypes.c_uint64.from_address(p[3]).value))
+        return 0
+    la = _cudrv.ChanLaunch(0x1234, 0xC0FFEE00, 0xE0000008, 5 * 10**9, launch=launch)
+    _chan.pack_desc(la.desc, 3, 2, 77, 0, ((0, 0),) * 4)
+    la.launch(0x5000, 0)
+    _chan.pack_desc(la.desc, 4, 9, 78, 2, ((1, 16),) * 4)
+    la.launch(None, 0)
+    (f0, g0, s0, e0, c0, d0, r0, t0), (f1, g1, s1, _, c1, d1, r1, t1) = seen
+    assert f0 == f1 == 0x1234 and g0 == g1 == (1, 1, 1, 32, 1, 1, 0) and e0 is None
+    assert (s0, s1) == (0x5000, None)
+    assert c0 == c1 == 0xC0FFEE00 and r0 == r1 == 0xE0000008 and t0 == t1 == 5 * 10**9
+    assert (u32(d0, 0), u32(d0, 4), u64(d0, 16)) == (3, 2, 77)
+    assert (u32(d1, 0), u32(d1, 4), u64(d1, 16), u32(d1, 24), u32(d1, 32), u64(d1, 40)) == \
+        (4, 9, 78, 2, 1, 16)
+
+
+def test_driver_error_names_the_call():
+    """A failing driver call is MoedError 'backend' naming the call and the
+    CUresult (needs libcuda.so.1: skipped without it)."""
     from moed_client import _cudrv
     try:
         _cudrv.lib()
     except mc.MoedError as e:
+        assert e.name == "backend" and "libcuda.so.1" in e.message
         pytest.skip("no usable CUDA driver here: %s" % e.message)
-    la = _cudrv.ChanLaunch(0x1234, 0xC0FFEE00, 0xE0000008, 5 * 10**9)
-    _chan.pack_desc(la.desc, 3, 2, 77, 0, ((0, 0),) * 4)
-    p = [la.params[i] for i in range(4)]
-    assert ctypes.c_uint64.from_address(p[0]).value == 0xC0FFEE00
-    assert ctypes.string_at(p[1], 96) == bytes(la.desc) and u64(bytes(la.desc), 16) == 77
-    assert ctypes.c_uint64.from_address(p[2]).value == 0xE0000008
-    assert ctypes.c_uint64.from_address(p[3]).value == 5 * 10**9
+    with pytest.raises(mc.MoedError, match=r"cuModuleLoadData: CUDA_ERROR_\w+") as e:
+        _cudrv.module_load(b"not a fatbin")
+    assert e.value.name == "backend"

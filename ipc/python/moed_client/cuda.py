@@ -275,14 +275,16 @@ class Channel:
                             self.device.index)
 
     def error_word(self):
-        """The err word (0: every call so far answered OK); synchronizes."""
-        return int(self.err.item())
+        """The err word (0: every call so far answered OK); waits for the
+        device first (the calls may run on any stream)."""
+        _torch().cuda.synchronize(self.device)
+        return int(self.err.item()) & 0xFFFFFFFFFFFFFFFF
 
     def check(self, reset=True):
         """Raise ChannelError (a MoedError naming the MOE_GPU_CHAN_E_* status
         and the seq of the first call not answered OK since the last reset)
         if there was one; reset: zero the err word first (on the current
-        stream). Waits for the calls enqueued so far (reads err)."""
+        stream). Waits for the device (the calls enqueued so far)."""
         word = self.error_word()
         if word:
             if reset:
