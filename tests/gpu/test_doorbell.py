@@ -12,27 +12,17 @@ always find room next to moed's resident kernel.
   MOED_TEST_REPLAYS (10000): calls of test_replays_each_answered_once
 """
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "py"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import daemon_util as du  # noqa: E402
-
-torch = pytest.importorskip("torch")
-np = pytest.importorskip("numpy")
-
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device visible to torch", allow_module_level=True)
-if os.environ.get("MOED_TEST_MPS") != "1":
-    pytest.skip("needs MPS (scripts/run-gpu-tests.sh starts it)", allow_module_level=True)
+from gpu_util import du, torch, np, batch, status  # noqa: E402
 
 import moed_client as mc  # noqa: E402
 import moed_client.cuda as mcc  # noqa: E402
@@ -56,12 +46,6 @@ def daemon(tmp_path_factory):
         assert d.stop() == 0, d.log()[-4000:]
 
 
-def status(daemon):
-    url = "http://127.0.0.1:%d/status" % daemon.http_port()
-    with urllib.request.urlopen(url, timeout=du.wait_s(5)) as r:
-        return json.loads(r.read().decode())
-
-
 def chan_status(daemon):
     """/status channels: open, draining, doorbell_requests, doorbell_refused
     (since start, all channels), list (per channel)."""
@@ -79,15 +63,6 @@ def wait_idle(daemon):
             return st
         assert time.monotonic() < deadline, (rb, db)
         time.sleep(0.02)
-
-
-def batch(info, t, seed, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, info.hidden, generator=g).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(info.n_experts, generator=g)[:info.top_k]
-                       for _ in range(t)]).to(torch.int32)
-    w = torch.rand(t, info.top_k, generator=g)
-    return x.to(device), ids.to(device), w.to(device)
 
 
 def bits(t):
