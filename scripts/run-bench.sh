@@ -2,6 +2,7 @@
 # `make bench`: the GPU benchmark table (bench/NOTES.md says what it measures).
 #   BUILD=build-cuda   build dir with bench/bench_moe (CUDA=1)
 #   LOGDIR=dir         bench.csv, e2e log and bench.png go there (default $BUILD/bench-logs)
+#   BENCH_TABLE=0      skip the kernel table (bench_moe on both shapes, bench.csv)
 #   BENCH_E2E=0        skip the daemon end-to-end step
 #   BENCH_SWEEP=0      skip the latency sweep over T = 1..512 (sweep.csv, sweep.png)
 #   BENCH_ZC=0         skip the three client paths (inline, descriptor, doorbell) under MPS
@@ -28,10 +29,12 @@ echo "# $(date -u +%Y-%m-%dT%H:%MZ) commit $commit"
 export BENCH_CSV="$LOGDIR/bench.csv"
 rm -f "$BENCH_CSV"
 rc=0
-timeout "${BENCH_TIMEOUT:-600}" "$B" --preset deepseek-v3 --layers 4 \
-    --tokens "${BENCH_DS_TOKENS:-1,4,8,16,32,64,128,256}" || rc=1
-timeout "${BENCH_TIMEOUT:-300}" "$B" --preset qwen3-30b-a3b --layers 24 \
-    --tokens "${BENCH_QWEN_TOKENS:-1,4,8,16,32,64,128,256}" || rc=1
+if [ "${BENCH_TABLE:-1}" = 1 ]; then
+    timeout "${BENCH_TIMEOUT:-600}" "$B" --preset deepseek-v3 --layers 4 \
+        --tokens "${BENCH_DS_TOKENS:-1,4,8,16,32,64,128,256}" || rc=1
+    timeout "${BENCH_TIMEOUT:-300}" "$B" --preset qwen3-30b-a3b --layers 24 \
+        --tokens "${BENCH_QWEN_TOKENS:-1,4,8,16,32,64,128,256}" || rc=1
+fi
 
 # Latency against T from 1 to 512 (kernel and end to end, no baselines), so
 # that no batch size falls in a hole between the table's points:
