@@ -202,6 +202,8 @@ def test_killed_clients_mid_graph_leave_nothing(daemon):
             p.stdout.close()
         done += k
         wait_idle(daemon)
+        print("killed %d of %d clients mid-graph; device free %d MiB"
+              % (done, n, torch.cuda.mem_get_info()[0] >> 20), flush=True)
         if free0 is None and done >= 2 * par:  # after the allocators' warm-up
             free0 = torch.cuda.mem_get_info()[0]
     assert daemon.alive()
