@@ -235,6 +235,18 @@ def test_launch_block_points_at_its_arguments():
         (4, 9, 78, 2, 1, 16)
 
 
+def test_ipc_handle_by_value_holds_every_byte():
+    """The 64-byte handle as the by-value struct cuIpcOpenMemHandle gets: all
+    64 bytes, NULs included (a c_char array would stop at the first NUL)."""
+    from moed_client import _cudrv
+    raw = bytes([0, 7, 0, 0]) + bytes(range(1, 61))
+    h = _cudrv.ipc_handle(raw)
+    assert ctypes.sizeof(h) == 64 and bytes(memoryview(h)) == raw
+    assert ctypes.string_at(ctypes.addressof(h), 64) == raw
+    with pytest.raises(mc.MoedError):
+        _cudrv.ipc_handle(raw[:63])
+
+
 def test_driver_error_names_the_call():
     """A failing driver call is MoedError 'backend' naming the call and the
     CUresult (needs libcuda.so.1: skipped without it)."""

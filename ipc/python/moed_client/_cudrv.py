@@ -20,7 +20,15 @@ _lib = None
 
 
 class CUipcMemHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
+
+
+def ipc_handle(handle):
+    """A CUipcMemHandle (passed by value) holding the 64 bytes of handle."""
+    handle = bytes(handle)
+    if len(handle) != 64:
+        raise MoedError(-12, "an IPC handle is 64 bytes, got %d" % len(handle))
+    return CUipcMemHandle.from_buffer_copy(handle)
 
 
 def lib():
@@ -87,8 +95,7 @@ def ensure_context(device_index):
 def ipc_open(handle):
     """Map another process's allocation by its 64-byte IPC handle: its device
     address in this process."""
-    h = CUipcMemHandle()
-    ctypes.memmove(h.reserved, bytes(handle), 64)
+    h = ipc_handle(handle)
     p = ctypes.c_uint64()
     check(lib().cuIpcOpenMemHandle_v2(ctypes.byref(p), h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
           "cuIpcOpenMemHandle")
