@@ -33,7 +33,7 @@ SMS_FREE = int(os.environ.get("MOED_TEST_SMS_FREE", "64"))
 
 def doorbell_config(tmp, models, **over):
     return du.base_config(str(tmp), models, status__port=du.free_port(), engine__backend="cuda",
-                          engine__sms_free=SMS_FREE, engine__max_channels=32,
+                          engine__sms_free=SMS_FREE, engine__max_channels=16,
                           server__max_clients=200, **over)
 
 
