@@ -259,3 +259,49 @@ def test_driver_error_names_the_call():
     with pytest.raises(mc.MoedError, match=r"cuModuleLoadData: CUDA_ERROR_\w+") as e:
         _cudrv.module_load(b"not a fatbin")
     assert e.value.name == "backend"
+
+
+# ---- against the real daemon: the CPU backend's fake channels ----------------
+
+def test_chan_open_against_the_daemon(tmp_path_factory):
+    """Client.chan_open / chan_close through the real socket against the CPU
+    backend's fake channel ops (MOED_TEST_CPU_CHANNELS, engine/test_hooks.h):
+    the reply decodes (id, slots, key, size, ABI, the fake "fatbin"), a
+    daemon refusal is a typed error, and a buffer named by an open channel
+    cannot be unregistered until it is closed."""
+    import daemon_util as du
+    from test_daemon_desc import Shm
+    if du.TEST_BACKEND != "cpu":
+        pytest.skip("CPU backend test switch (GPU: tests/gpu/test_doorbell.py)")
+    tmp = tmp_path_factory.mktemp("chan-py")
+    cfg = du.base_config(str(tmp), du.models_dir(tmp_path_factory), status__port=du.free_port(),
+                         engine__max_channels=1)
+    uuid = b"moed-cpu-test-id"  # MOED_TEST_CPU_UUID
+    shm = Shm(1 << 16)
+    try:
+        with du.Daemon(tmp, cfg, env={"MOED_TEST_CPU_SHM_IPC": "1",
+                                      "MOED_TEST_CPU_CHANNELS": "1"}) as d, \
+                mc.Client(d.sock_path, timeout=du.wait_s(30)) as c:
+            b1 = c.register_buf(shm.handle, 0, 4096, uuid)
+            b2 = c.register_buf(shm.handle, 4096, 4096, uuid)
+            ci = c.chan_open([b1, b2], uuid)
+            assert ci.chan_id > 0 and ci.slots == mc.CHAN_SLOTS and ci.key != 0
+            assert ci.size == mc.CHAN_STRUCT_BYTES and ci.abi_version == mc.GPU_ABI_VERSION
+            assert ci.kernel == b"moed-cpu-test-kernel"  # backend_cpu.c's stand-in
+            for call, name in ((lambda: c.unregister_buf(b1), "busy"),
+                               (lambda: c.chan_open([b2], uuid), "busy"),  # max_channels 1
+                               (lambda: c.chan_open([b2], b"\1" * 16), "inval"),
+                               (lambda: c.chan_open([b2 + 7], uuid), "inval")):
+                with pytest.raises(mc.MoedError) as e:
+                    call()
+                assert e.value.name == name and e.value.request_id, e.value
+            c.chan_close(ci.chan_id)
+            with pytest.raises(mc.MoedError) as e:
+                c.chan_close(ci.chan_id)
+            assert e.value.name == "inval"
+            c.unregister_buf(b1)
+            c.unregister_buf(b2)
+            assert c.ping() >= 0
+            assert d.stop() == 0, d.log()[-4000:]
+    finally:
+        shm.close()
