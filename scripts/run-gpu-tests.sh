@@ -132,17 +132,21 @@ fi # GPU_TESTS_ONLY
 
 # 6. zero-copy: registered buffers + FORWARD by descriptor, and 7. the GPU
 #    doorbell in CUDA graphs (tests/gpu/test_doorbell.py: graph = inline bit
-#    for bit, 10,000 replays, 100 killed clients, bad descriptors, memcheck),
-#    torch clients on the daemon's GPU under MPS (started here, stopped after)
+#    for bit, 10,000 replays, 100 killed clients, bad descriptors, memcheck;
+#    test_doorbell_model.py: a transformers model served through the plugins'
+#    doorbell path), torch clients on the daemon's GPU under MPS (started
+#    here, stopped after)
 if python3 -c 'import torch, numpy, pytest; assert torch.cuda.is_available()' 2>/dev/null &&
         command -v nvidia-cuda-mps-control >/dev/null; then
     mps_start
-    for t in zero-copy:test_zero_copy.py doorbell:test_doorbell.py; do
+    for t in zero-copy:test_zero_copy.py doorbell:test_doorbell.py,test_doorbell_model.py; do
         name=${t%%:*}
+        files=$(echo "${t#*:}" | tr , '\n' | sed 's|^|tests/gpu/|')
         [ -z "${GPU_TESTS_ONLY:-}" ] || [ "$GPU_TESTS_ONLY" = "$name" ] || continue
+        # shellcheck disable=SC2086
         PYTHONPATH="$PWD/ipc/python${PYTHONPATH:+:$PYTHONPATH}" MOED_BUILD="$BUILD" MOED_TEST_MPS=1 \
-            LOGDIR="$LOGDIR" timeout 900 python3 -m pytest -q -s -p no:cacheprovider \
-            "tests/gpu/${t#*:}" > "$LOGDIR/pytest-$name.log" 2>&1
+            LOGDIR="$LOGDIR" timeout 1200 python3 -m pytest -q -s -p no:cacheprovider \
+            -W ignore::FutureWarning $files > "$LOGDIR/pytest-$name.log" 2>&1
         rc=$?
         step "$name under MPS (torch)" "$([ $rc = 0 ] && echo PASS || echo FAIL)" \
             "$(tail -1 "$LOGDIR/pytest-$name.log")"
