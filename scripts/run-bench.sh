@@ -2,10 +2,14 @@
 # `make bench`: the GPU benchmark table (bench/NOTES.md says what it measures).
 #   BUILD=build-cuda   build dir with bench/bench_moe (CUDA=1)
 #   LOGDIR=dir         bench.csv, e2e log and bench.png go there (default $BUILD/bench-logs)
+#   BENCH_TABLE=0      skip the kernel table (bench_moe on both shapes, bench.csv)
 #   BENCH_E2E=0        skip the daemon end-to-end step
 #   BENCH_SWEEP=0      skip the latency sweep over T = 1..512 (sweep.csv, sweep.png)
+#   BENCH_ZC=0         skip the three client paths (inline, descriptor, doorbell) under MPS
+#   BENCH_ZC_*         bench/zero_copy.py's own settings (models, T list, iterations)
 #   BENCH_DS_TOKENS, BENCH_QWEN_TOKENS, BENCH_SWEEP_TOKENS, BENCH_SWEEP_ITERS: the T lists
 set -u
+. "$(dirname "$0")/mps.sh"
 BUILD=${BUILD:-build}
 LOGDIR=${LOGDIR:-$BUILD/bench-logs}
 mkdir -p "$LOGDIR"
@@ -25,10 +29,12 @@ echo "# $(date -u +%Y-%m-%dT%H:%MZ) commit $commit"
 export BENCH_CSV="$LOGDIR/bench.csv"
 rm -f "$BENCH_CSV"
 rc=0
-timeout "${BENCH_TIMEOUT:-600}" "$B" --preset deepseek-v3 --layers 4 \
-    --tokens "${BENCH_DS_TOKENS:-1,4,8,16,32,64,128,256}" || rc=1
-timeout "${BENCH_TIMEOUT:-300}" "$B" --preset qwen3-30b-a3b --layers 24 \
-    --tokens "${BENCH_QWEN_TOKENS:-1,4,8,16,32,64,128,256}" || rc=1
+if [ "${BENCH_TABLE:-1}" = 1 ]; then
+    timeout "${BENCH_TIMEOUT:-600}" "$B" --preset deepseek-v3 --layers 4 \
+        --tokens "${BENCH_DS_TOKENS:-1,4,8,16,32,64,128,256}" || rc=1
+    timeout "${BENCH_TIMEOUT:-300}" "$B" --preset qwen3-30b-a3b --layers 24 \
+        --tokens "${BENCH_QWEN_TOKENS:-1,4,8,16,32,64,128,256}" || rc=1
+fi
 
 # Latency against T from 1 to 512 (kernel and end to end, no baselines), so
 # that no batch size falls in a hole between the table's points:
@@ -77,6 +83,19 @@ JSON
     kill -TERM $pid 2>/dev/null
     wait $pid 2>/dev/null
     rm -rf "$tmp"
+fi
+
+# The three client paths side by side (bench/zero_copy.py: inline socket,
+# REGISTER + FORWARD_DESC, doorbell in a CUDA graph; qwen3-30b-a3b and
+# deepseek-v3 shapes, T = 1..256), a torch client on moed's GPU under MPS
+# (started and stopped here); the markdown table goes to $LOGDIR/zero_copy.md
+if [ "${BENCH_ZC:-1}" = 1 ] && [ -x "$BUILD/moed" ] && command -v nvidia-cuda-mps-control >/dev/null &&
+        python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+    mps_start
+    PYTHONPATH="$PWD/ipc/python${PYTHONPATH:+:$PYTHONPATH}" MOED_BUILD="$BUILD" \
+        timeout "${BENCH_ZC_TIMEOUT:-900}" python3 bench/zero_copy.py 2>&1 | tee "$LOGDIR/zero_copy.md"
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+    mps_stop
 fi
 
 if python3 -c 'import matplotlib' 2>/dev/null; then

@@ -5,8 +5,9 @@
 #   BUILD=build-cuda  build dir with moed, moectl and tests/gpu_* (CUDA=1)
 #   LOGDIR=dir        where the logs go (default $BUILD/gpu-logs)
 #   GPU_TESTS_QUICK=1 skip the deepseek-v3 shape (needs ~16 GB host memory)
-#   GPU_TESTS_ONLY=zero-copy  run step 6 alone
+#   GPU_TESTS_ONLY=zero-copy|doorbell  run step 6 or 7 alone (under MPS)
 set -u
+. "$(dirname "$0")/mps.sh"
 BUILD=${BUILD:-build}
 LOGDIR=${LOGDIR:-$BUILD/gpu-logs}
 mkdir -p "$LOGDIR"
@@ -22,7 +23,7 @@ step() { # name status detail
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv \
     > "$LOGDIR/nvidia-smi.txt" 2>&1 || true
 
-if [ "${GPU_TESTS_ONLY:-}" != zero-copy ]; then
+if [ -z "${GPU_TESTS_ONLY:-}" ]; then
 # 1. correctness, determinism, stream, idle exit, cycles, deadline
 T=$BUILD/tests/gpu_test_moe_gpu
 args=()
@@ -129,26 +130,30 @@ else
 fi
 fi # GPU_TESTS_ONLY
 
-# 6. zero-copy: registered buffers + FORWARD by descriptor, a torch client on
-#    the daemon's GPU under MPS (started here, stopped at the end)
+# 6. zero-copy: registered buffers + FORWARD by descriptor, and 7. the GPU
+#    doorbell in CUDA graphs (tests/gpu/test_doorbell.py: graph = inline bit
+#    for bit, 10,000 replays, 100 killed clients, bad descriptors, memcheck;
+#    test_doorbell_model.py: a transformers model served through the plugins'
+#    doorbell path), torch clients on the daemon's GPU under MPS (started
+#    here, stopped after)
 if python3 -c 'import torch, numpy, pytest; assert torch.cuda.is_available()' 2>/dev/null &&
         command -v nvidia-cuda-mps-control >/dev/null; then
-    mps=$(mktemp -d)
-    export CUDA_MPS_PIPE_DIRECTORY="$mps/pipe" CUDA_MPS_LOG_DIRECTORY="$mps/log"
-    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    nvidia-cuda-mps-control -d
-    PYTHONPATH="$PWD/ipc/python${PYTHONPATH:+:$PYTHONPATH}" MOED_BUILD="$BUILD" MOED_TEST_MPS=1 \
-        timeout 900 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_zero_copy.py \
-        > "$LOGDIR/pytest-zero-copy.log" 2>&1
-    rc=$?
-    echo quit | nvidia-cuda-mps-control
-    cp -r "$CUDA_MPS_LOG_DIRECTORY" "$LOGDIR/mps-log" 2>/dev/null || true
-    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-    rm -rf "$mps"
-    step "zero-copy under MPS (torch)" "$([ $rc = 0 ] && echo PASS || echo FAIL)" \
-        "$(tail -1 "$LOGDIR/pytest-zero-copy.log")"
+    mps_start
+    for t in zero-copy:test_zero_copy.py doorbell:test_doorbell.py,test_doorbell_model.py; do
+        name=${t%%:*}
+        files=$(echo "${t#*:}" | tr , '\n' | sed 's|^|tests/gpu/|')
+        [ -z "${GPU_TESTS_ONLY:-}" ] || [ "$GPU_TESTS_ONLY" = "$name" ] || continue
+        # shellcheck disable=SC2086
+        PYTHONPATH="$PWD/ipc/python${PYTHONPATH:+:$PYTHONPATH}" MOED_BUILD="$BUILD" MOED_TEST_MPS=1 \
+            LOGDIR="$LOGDIR" timeout 1200 python3 -m pytest -q -s -p no:cacheprovider \
+            -W ignore::FutureWarning $files > "$LOGDIR/pytest-$name.log" 2>&1
+        rc=$?
+        step "$name under MPS (torch)" "$([ $rc = 0 ] && echo PASS || echo FAIL)" \
+            "$(tail -1 "$LOGDIR/pytest-$name.log")"
+    done
+    mps_stop "$LOGDIR/mps-log"
 else
-    step "zero-copy under MPS (torch)" SKIP "torch with CUDA, numpy, pytest or MPS missing"
+    step "zero-copy, doorbell under MPS (torch)" SKIP "torch with CUDA, numpy, pytest or MPS missing"
 fi
 
 echo

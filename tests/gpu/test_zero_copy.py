@@ -16,17 +16,9 @@ import time
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "py"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import daemon_util as du  # noqa: E402
-
-torch = pytest.importorskip("torch")
-np = pytest.importorskip("numpy")
-
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device visible to torch", allow_module_level=True)
-if os.environ.get("MOED_TEST_MPS") != "1":
-    pytest.skip("needs MPS (scripts/run-gpu-tests.sh starts it)", allow_module_level=True)
+from gpu_util import du, torch, np, batch, status as full_status  # noqa: E402
 
 import moed_client as mc  # noqa: E402
 import moed_client.cuda as mcc  # noqa: E402
@@ -46,11 +38,7 @@ def daemon(tmp_path_factory):
 
 
 def status(daemon):
-    import json
-    import urllib.request
-    url = "http://127.0.0.1:%d/status" % daemon.http_port()
-    with urllib.request.urlopen(url, timeout=du.wait_s(5)) as r:
-        return json.loads(r.read().decode())["registered_buffers"]
+    return full_status(daemon)["registered_buffers"]
 
 
 def wait_status(daemon, **want):
@@ -61,15 +49,6 @@ def wait_status(daemon, **want):
             return st
         assert time.monotonic() < deadline, (st, want)
         time.sleep(0.02)
-
-
-def batch(info, t, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, info.hidden, generator=g).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(info.n_experts, generator=g)[:info.top_k]
-                       for _ in range(t)]).to(torch.int32)
-    w = torch.rand(t, info.top_k, generator=g)
-    return x, ids, w
 
 
 def test_descriptor_path_equals_inline_bit_for_bit(daemon):

@@ -44,12 +44,7 @@ def test_frame_constants_match_moed_proto_h():
     msgs = c_enum(proto, "MOED_MSG_")
     assert len(msgs) >= 9, msgs
     for name, v in msgs.items():
-        # CHAN_OPEN / CHAN_CLOSE: the client package gains them with its
-        # channel calls; until then the tests' copy (chan_frames) stands in
-        py = getattr(mc, "MSG_" + name, None)
-        if py is None and name.startswith("CHAN_"):
-            py = getattr(cf, "MSG_" + name)
-        assert py == v, name
+        assert getattr(mc, "MSG_" + name) == v, name
         assert getattr(du, "MSG_" + name, v) == v, name
         assert getattr(cf, "MSG_" + name, v) == v, name
 
@@ -122,3 +117,29 @@ def test_channel_constants_match_the_headers():
     assert m and int(m.group(1)) == g["MAX_CHANS"] == 16
     for t in (cf.MSG_CHAN_OPEN, cf.MSG_CHAN_CLOSE):
         assert mc.frame_version(t) == mc.frame_version(t | mc.REPLY) == 2
+
+
+def test_doorbell_constants_match_the_headers():
+    """The channel constants of the Python client (moed_client, _chan) against
+    ipc/moed_proto.h and kernels/moe_gpu_abi.h: counts, the ABI version, the
+    FORWARD-like flags, every MOE_GPU_CHAN_E_* status code and its name, and
+    the descriptor's and the channel's byte layout (its _Static_asserts)."""
+    from moed_client import _chan
+    proto, abi = read("ipc/moed_proto.h"), read("kernels/moe_gpu_abi.h")
+    assert c_defines(proto, "MOED_PROTO_")["CHAN_BUFS"] == mc.CHAN_BUFS
+    g = c_defines(abi, "MOE_GPU_")
+    assert g["CHAN_SLOTS"] == mc.CHAN_SLOTS and g["CHAN_BUFS"] == mc.CHAN_BUFS
+    assert g["ABI_VERSION"] == mc.GPU_ABI_VERSION
+    assert g["CHAN_ROUTED_ONLY"] == _chan.CHAN_ROUTED_ONLY == mc.FORWARD_ROUTED_ONLY
+    assert g["CHAN_EMPTY_SLOTS"] == _chan.CHAN_EMPTY_SLOTS == mc.FORWARD_EMPTY_SLOTS
+    codes = c_enum(abi, "MOE_GPU_CHAN_")
+    assert len(codes) >= 12, codes
+    assert {v: ("OK" if k == "OK" else k[2:]) for k, v in codes.items()} == _chan.CHAN_STATUS
+    assert codes["E_TIMEOUT"] == _chan.CHAN_E_TIMEOUT
+    assert "sizeof(struct moe_gpu_chan_desc) == 96" in abi and _chan.DESC.size == 96
+    for field, off in (("seq", 8), ("key", 16), ("flags", 24), ("x", 32), ("y", 80)):
+        assert "offsetof(struct moe_gpu_chan_desc, %s) == %d" % (field, off) in abi, field
+    assert "offsetof(struct moe_gpu_chan, done) == 64" in abi
+    assert "offsetof(struct moe_gpu_chan, status) == 128" in abi
+    assert _chan.CHAN_HEAD.size == 128 + 8 * mc.CHAN_SLOTS
+    assert mc.CHAN_STRUCT_BYTES == 128 + 8 * mc.CHAN_SLOTS + 96 * mc.CHAN_SLOTS

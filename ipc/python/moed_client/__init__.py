@@ -43,8 +43,8 @@ import threading
 import time
 
 __all__ = [
-    "Client", "MoedError", "Hello", "fused_experts", "encode_frame", "decode_header",
-    "encode_forward", "ERROR_NAMES", "DEFAULT_SOCKET", "__version__",
+    "Client", "MoedError", "Hello", "ChanInfo", "fused_experts", "encode_frame",
+    "decode_header", "encode_forward", "ERROR_NAMES", "DEFAULT_SOCKET", "__version__",
 ]
 
 __version__ = "0.1.0"  # the daemon's version it was released with (Makefile VERSION)
@@ -73,6 +73,15 @@ MSG_ERROR = 5
 MSG_REGISTER_BUF = 16
 MSG_UNREGISTER_BUF = 17
 MSG_FORWARD_DESC = 18
+MSG_CHAN_OPEN = 19
+MSG_CHAN_CLOSE = 20
+
+# GPU doorbell channels (PROTOCOL.md section 10, kernels/moe_gpu_abi.h)
+CHAN_BUFS = 16             # registered buffers a channel names (MOED_PROTO_CHAN_BUFS)
+CHAN_SLOTS = 8             # descriptors in flight per channel (MOE_GPU_CHAN_SLOTS)
+GPU_ABI_VERSION = 2        # MOE_GPU_ABI_VERSION the channel layout below follows
+CHAN_STRUCT_BYTES = 128 + 8 * CHAN_SLOTS + 96 * CHAN_SLOTS  # sizeof(struct moe_gpu_chan)
+MAX_CHAN_KERNEL_BYTES = 16 << 20  # the client kernel's fatbin in a CHAN_OPEN reply, at most
 
 DEFAULT_SOCKET = "/tmp/moed.sock"
 
@@ -90,7 +99,13 @@ _REG_REQ = struct.Struct("<64sQQ16s")
 _REG_REP = struct.Struct("<II")
 # FORWARD_DESC: the FORWARD head, then (buf_id u32, reserved u32, offset u64) for x, ids, w, y
 _DESC_REQ = struct.Struct("<IIII" + "IIQ" * 4)
+# CHAN_OPEN: uuid 16s, n_bufs u32, flags u32, buf_ids u32[16]; reply head: chan_id u32,
+# slots u32, key u64, handle 64s, size u64, abi_version u32, kernel_bytes u32 (then the fatbin)
+_CHAN_OPEN_REQ = struct.Struct("<16sII%dI" % CHAN_BUFS)
+_CHAN_OPEN_REP = struct.Struct("<IIQ64sQII")
+_CHAN_CLOSE_REQ = struct.Struct("<II")
 assert _REG_REQ.size == 96 and _DESC_REQ.size == 80
+assert _CHAN_OPEN_REQ.size == 88 and _CHAN_OPEN_REP.size == 96
 assert _HDR.size == HDR_SIZE and _HELLO_REP.size == 64 and _HELLO_REQ.size == 8
 
 # MOED_E_* codes (common/moed_err.h) -> stable names (common/moed_err.c).
@@ -125,6 +140,25 @@ class MoedError(Exception):
         super().__init__("moed error %d (%s)%s: %s" % (
             self.code, self.name,
             "" if request_id is None else " for request %d" % request_id, message))
+
+
+class ChanInfo:
+    """The CHAN_OPEN reply: chan_id (CHAN_CLOSE names it), slots (descriptors
+    in flight), key (every descriptor carries it), handle (64-byte CUDA IPC
+    handle of the channel's allocation), size (bytes of struct moe_gpu_chan at
+    its start), abi_version (MOE_GPU_ABI_VERSION) and kernel (the client
+    kernel's fatbin bytes, entry moed_chan_call)."""
+
+    __slots__ = ("chan_id", "slots", "key", "handle", "size", "abi_version", "kernel")
+
+    def __init__(self, **kw):
+        for k in self.__slots__:
+            setattr(self, k, kw[k])
+
+    def __repr__(self):
+        return "ChanInfo(chan_id=%d, slots=%d, key=0x%x, size=%d, abi_version=%d, " \
+            "kernel=%d bytes)" % (self.chan_id, self.slots, self.key, self.size,
+                                  self.abi_version, len(self.kernel))
 
 
 class Hello:
@@ -317,8 +351,10 @@ class Client:
             return 8 + MAX_ERRMSG
         if mtype in (MSG_REGISTER_BUF | REPLY, MSG_FORWARD_DESC | REPLY):
             return 8
-        if mtype == MSG_UNREGISTER_BUF | REPLY:
+        if mtype in (MSG_UNREGISTER_BUF | REPLY, MSG_CHAN_CLOSE | REPLY):
             return 0
+        if mtype == MSG_CHAN_OPEN | REPLY:
+            return _CHAN_OPEN_REP.size + MAX_CHAN_KERNEL_BYTES
         return None
 
     def _read_frame(self):
@@ -469,6 +505,45 @@ class Client:
             y[0], 0, y[1]))
         if len(rep) != 8 or _FWD_REP.unpack(rep)[0] != n_tokens:
             self._fail(E_PROTO, "FORWARD_DESC reply does not echo T=%d" % n_tokens)
+
+    def chan_open(self, buf_ids, uuid):
+        """CHAN_OPEN: a GPU doorbell channel whose descriptors name the
+        registered buffers `buf_ids` (1..16 ids of this connection; a
+        descriptor's buffer i is buf_ids[i]) for kernels on the GPU with the
+        16-byte `uuid`. Returns a ChanInfo. Most callers want
+        moed_client.cuda.Channel, which also maps and drives the channel."""
+        self._v2()
+        buf_ids, uuid = [int(b) for b in buf_ids], bytes(uuid)
+        if not 1 <= len(buf_ids) <= CHAN_BUFS or len(uuid) != 16 or \
+                any(not 0 < b < 1 << 32 for b in buf_ids):
+            raise MoedError(E_INVAL, "chan_open needs 1..%d buffer ids (non-zero u32) and a "
+                            "16-byte uuid (got %d ids, %d bytes)"
+                            % (CHAN_BUFS, len(buf_ids), len(uuid)))
+        rep = self._call(MSG_CHAN_OPEN, _CHAN_OPEN_REQ.pack(
+            uuid, len(buf_ids), 0, *(buf_ids + [0] * (CHAN_BUFS - len(buf_ids)))))
+        if len(rep) < _CHAN_OPEN_REP.size:
+            self._fail(E_PROTO, "CHAN_OPEN reply is %d bytes, shorter than its head" % len(rep))
+        cid, slots, key, handle, size, abi, kbytes = _CHAN_OPEN_REP.unpack_from(rep)
+        for bad, why in ((cid == 0, "chan_id 0"),
+                         (kbytes == 0 or len(rep) != _CHAN_OPEN_REP.size + kbytes,
+                          "a %d-byte fatbin in %d bytes" % (kbytes, len(rep) - 96)),
+                         (slots != CHAN_SLOTS, "slots %d, expected %d" % (slots, CHAN_SLOTS)),
+                         (size < CHAN_STRUCT_BYTES, "size %d, under %d"
+                          % (size, CHAN_STRUCT_BYTES))):
+            if bad:
+                self._fail(E_PROTO, "malformed CHAN_OPEN reply: " + why)
+        if abi != GPU_ABI_VERSION:  # the daemon is fine; this client cannot drive it
+            self.chan_close(cid)
+            raise MoedError(E_VERSION, "the daemon's channel ABI is version %d; this client "
+                            "knows %d" % (abi, GPU_ABI_VERSION))
+        return ChanInfo(chan_id=cid, slots=slots, key=key, handle=handle, size=size,
+                        abi_version=abi, kernel=rep[_CHAN_OPEN_REP.size:])
+
+    def chan_close(self, chan_id):
+        """CHAN_CLOSE: the channel ends (its buffers can be unregistered
+        again); a call rung after this is not answered."""
+        self._v2()
+        self._call(MSG_CHAN_CLOSE, _CHAN_CLOSE_REQ.pack(chan_id, 0))
 
     def _encode_forward(self, layer, hidden_states, topk_ids, topk_weights, flags=0):
         if self.info is None:

@@ -2,7 +2,7 @@
 # Python 3.9+ with no annotations, so that it imports without typing extras).
 # Arrays are numpy arrays, torch tensors or (hidden states) bytes-like
 # objects; the result of forward() has the kind of its hidden_states.
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 __version__: str
 DEFAULT_SOCKET: str
@@ -61,7 +61,24 @@ class Client:
                      topk_weights: Any, *, routed_only: bool = ...,
                      empty_slots: bool = ...) -> None: ...
     def recv(self) -> Tuple[int, Any]: ...
+    def register_buf(self, handle: bytes, offset: int, size: int, uuid: bytes) -> int: ...
+    def unregister_buf(self, buf_id: int) -> None: ...
+    def forward_desc(self, layer: int, n_tokens: int, x: Tuple[int, int], ids: Tuple[int, int],
+                     w: Tuple[int, int], y: Tuple[int, int],
+                     top_k: Optional[int] = ...) -> None: ...
+    def chan_open(self, buf_ids: Sequence[int], uuid: bytes) -> "ChanInfo": ...
+    def chan_close(self, chan_id: int) -> None: ...
 
 def fused_experts(hidden_states: Any, topk_weights: Any, topk_ids: Any, layer: int,
                   client: Optional[Client] = ..., *, routed_only: bool = ...,
                   empty_slots: bool = ...) -> Any: ...
+
+class ChanInfo:
+    chan_id: int
+    slots: int
+    key: int
+    handle: bytes
+    size: int
+    abi_version: int
+    kernel: bytes
+    def __init__(self, **kw: Any) -> None: ...

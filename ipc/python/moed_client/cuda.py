@@ -14,12 +14,27 @@ socket. No host copy of the hidden states, no socket payload per layer.
 The daemon must run on the same GPU (the CUDA backend; under MPS when another
 process's kernels share it: docs/ZERO_COPY.md). The socket round trip waits
 on the host, so this call is not legal inside CUDA graph capture (it raises
-there); the GPU doorbell is the path for graphs.
+there); the GPU doorbell is the path for graphs:
+
+    s = mcc.DoorbellSession(moed_client.Client(), max_tokens=64)
+    y = s.fused_experts(x, topk_weights, topk_ids, layer=3)   # capturable
+    s.check()                                 # after the graph ran: any refused call
+
+A ``DoorbellSession`` registers the same kind of arena, opens a doorbell
+channel over it (CHAN_OPEN: a small ring in moed's device memory, mapped
+here through CUDA IPC) and runs each layer as a one-thread kernel on the
+caller's stream that rings moed's persistent kernel and spins until it has
+answered; ``Channel`` is the layer under it, for callers that manage their
+own registered tensors. The driver calls go through ctypes on libcuda.so.1
+(moed_client._cudrv); torch is imported only here.
 """
 
 import uuid as _uuid
 
 from . import Client, MoedError, E_INVAL
+from . import _cudrv
+from ._chan import (ChannelError, RangeTable, CHAN_HEAD, pack_desc, call_flags,  # noqa: F401
+                    check_flags, status_name)
 
 E_UNSUPPORTED = -17
 ALIGN = 16
@@ -69,40 +84,79 @@ def ipc_range(tensor):
     return handle, off, tensor.numel() * tensor.element_size()
 
 
+def _align(n):
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class _Arena:
+    """One device buffer of max_tokens rows of x bf16 [T, H] | ids int32 [T, k]
+    | w fp32 [T, k] | y bf16 [T, H] (each 16-aligned), with full-size views of
+    the four; rows(T) slices them (views: no allocation)."""
+
+    def __init__(self, info, device, max_tokens):
+        torch = _torch()
+        H, k, T = info.hidden, info.top_k, max_tokens
+        self.off_x = 0
+        self.off_ids = _align(2 * T * H)
+        self.off_w = _align(self.off_ids + 4 * T * k)
+        self.off_y = _align(self.off_w + 4 * T * k)
+        self.mem = torch.zeros(_align(self.off_y + 2 * T * H), dtype=torch.uint8, device=device)
+
+        def view(off, n, dtype, shape):
+            return self.mem[off:off + n].view(dtype).view(shape)
+        self.x = view(self.off_x, 2 * T * H, torch.bfloat16, (T, H))
+        self.ids = view(self.off_ids, 4 * T * k, torch.int32, (T, k))
+        self.w = view(self.off_w, 4 * T * k, torch.float32, (T, k))
+        self.y = view(self.off_y, 2 * T * H, torch.bfloat16, (T, H))
+
+    def fill(self, hidden_states, topk_weights, topk_ids, info, max_tokens):
+        """Copy the inputs into the first T rows (on the current stream);
+        returns the (x, ids, w, y) views of those rows."""
+        T, H = hidden_states.shape
+        k = info.top_k
+        if T < 1 or T > max_tokens or H != info.hidden or \
+                tuple(topk_ids.shape) != (T, k) or tuple(topk_weights.shape) != (T, k):
+            raise ValueError("shapes: hidden_states [1 <= T <= %d, %d], topk [T, %d]; got %s, "
+                             "%s, %s" % (max_tokens, info.hidden, k, tuple(hidden_states.shape),
+                                         tuple(topk_ids.shape), tuple(topk_weights.shape)))
+        x, ids, w, y = self.x[:T], self.ids[:T], self.w[:T], self.y[:T]
+        x.copy_(hidden_states)
+        ids.copy_(topk_ids)
+        w.copy_(topk_weights)
+        return x, ids, w, y
+
+
+def _v2_info(client):
+    info = client.hello()
+    if info.version < 2:
+        raise MoedError(E_UNSUPPORTED, "the daemon speaks protocol version %d; the CUDA "
+                        "path needs 2" % info.version)
+    return info
+
+
+def _device(device):
+    torch = _torch()
+    return torch.device("cuda", torch.cuda.current_device() if device is None
+                        else torch.device(device).index or 0)
+
+
 class CudaSession:
     """One registered buffer of max_tokens rows of x | ids | w | y on the
     caller's GPU, and the client connection that registered it."""
 
     def __init__(self, client=None, device=None, max_tokens=None):
-        torch = _torch()
         self.client = client if client is not None else Client()
-        info = self.client.hello()
-        if info.version < 2:
-            raise MoedError(E_UNSUPPORTED, "the daemon speaks protocol version %d; the CUDA "
-                            "path needs 2" % info.version)
-        self.info = info
-        self.device = torch.device("cuda", torch.cuda.current_device() if device is None
-                                   else torch.device(device).index or 0)
+        self.info = info = _v2_info(self.client)
+        self.device = _device(device)
         self.max_tokens = min(max_tokens or info.max_tokens, info.max_tokens)
-        H, k, T = info.hidden, info.top_k, self.max_tokens
-
-        def a(n):
-            return (n + ALIGN - 1) // ALIGN * ALIGN
-        self.off_x = 0
-        self.off_ids = a(2 * T * H)
-        self.off_w = a(self.off_ids + 4 * T * k)
-        self.off_y = a(self.off_w + 4 * T * k)
-        total = a(self.off_y + 2 * T * H)
-        self.mem = torch.zeros(total, dtype=torch.uint8, device=self.device)
+        self.arena = a = _Arena(info, self.device, self.max_tokens)
+        self.mem, self.off_x, self.off_ids, self.off_w, self.off_y = \
+            a.mem, a.off_x, a.off_ids, a.off_w, a.off_y
         handle, off, size = ipc_range(self.mem)
         if off % ALIGN:
             raise MoedError(E_INVAL, "the buffer starts %d bytes into its allocation, not "
                             "16-aligned" % off)
         self.buf_id = self.client.register_buf(handle, off, size, device_uuid(self.device))
-
-    def _view(self, off, n, dtype, shape):
-        return self.mem[off:off + n * _torch().tensor([], dtype=dtype).element_size()] \
-            .view(dtype).view(shape)
 
     def fused_experts(self, hidden_states, topk_weights, topk_ids, layer):
         """One MoE layer by descriptor; returns y [T, H] in hidden_states'
@@ -111,19 +165,8 @@ class CudaSession:
         if torch.cuda.is_current_stream_capturing():
             raise MoedError(E_UNSUPPORTED, "the socket descriptor path waits on the host and "
                             "cannot be captured in a CUDA graph; use the doorbell")
-        T, H = hidden_states.shape
-        k = self.info.top_k
-        if T < 1 or T > self.max_tokens or H != self.info.hidden or \
-                tuple(topk_ids.shape) != (T, k) or tuple(topk_weights.shape) != (T, k):
-            raise ValueError("shapes: hidden_states [T<=%d, %d], topk [T, %d]"
-                             % (self.max_tokens, self.info.hidden, k))
-        x = self._view(self.off_x, T * H, torch.bfloat16, (T, H))
-        ids = self._view(self.off_ids, T * k, torch.int32, (T, k))
-        w = self._view(self.off_w, T * k, torch.float32, (T, k))
-        y = self._view(self.off_y, T * H, torch.bfloat16, (T, H))
-        x.copy_(hidden_states)
-        ids.copy_(topk_ids)
-        w.copy_(topk_weights)
+        T = hidden_states.shape[0]
+        y = self.arena.fill(hidden_states, topk_weights, topk_ids, self.info, self.max_tokens)[3]
         torch.cuda.current_stream(self.device).synchronize()  # the daemon reads them next
         b = self.buf_id
         self.client.forward_desc(layer, T, (b, self.off_x), (b, self.off_ids),
@@ -137,6 +180,207 @@ class CudaSession:
             finally:
                 self.client.close()
                 self.client = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# --- the GPU doorbell ---------------------------------------------------------
+
+DEFAULT_CALL_TIMEOUT_S = 10.0  # a call with no answer in this long records E_TIMEOUT
+
+
+class Channel:
+    """A doorbell channel over registered CUDA tensors.
+
+    Channel(client, tensors) registers each tensor's bytes (ipc_range,
+    REGISTER_BUF; buffer i of the channel is tensors[i]), opens the channel
+    (CHAN_OPEN), maps its ring (cuIpcOpenMemHandle), loads the client kernel
+    the daemon sent (cuModuleLoadData) and keeps an 8-byte err word on the
+    tensors' GPU. The tensors are kept alive until close().
+
+    call(x, ids, w, y, layer) enqueues one MoE layer on the current torch
+    stream: x bf16 [T, H], ids int32 [T, k], w fp32 [T, k], y bf16 [T, H]
+    (written by moed), each contiguous and inside one of the registered
+    tensors. It launches one small kernel that rings moed and spins until
+    moed has answered, so it can be captured in a CUDA graph and replayed; it
+    neither synchronizes nor allocates. Calls on one channel must be
+    serialized (one stream at a time). A call moed refuses (its descriptor
+    failed moed's checks) or that got no answer within timeout_s leaves y
+    unwritten and its status word in err; check() raises it.
+
+    The client that opened the channel must stay connected: when its
+    connection closes, moed closes the channel and its registrations.
+    """
+
+    def __init__(self, client, tensors, timeout_s=DEFAULT_CALL_TIMEOUT_S):
+        torch = _torch()
+        self.client, self.tensors = client, list(tensors)
+        self.info = _v2_info(client)
+        self.chan_id, self.buf_ids, self._chan, self._mod = 0, [], 0, None
+        if not self.tensors or any(not t.is_cuda for t in self.tensors) or \
+                len({t.device for t in self.tensors}) != 1:
+            raise MoedError(E_INVAL, "a channel needs 1..16 CUDA tensors on one GPU")
+        self.device = _device(self.tensors[0].device)
+        try:
+            uuid = device_uuid(self.device)
+            self.table = RangeTable([(t.data_ptr(), t.numel() * t.element_size())
+                                     for t in self.tensors])
+            for t in self.tensors:
+                self.buf_ids.append(client.register_buf(*ipc_range(t), uuid))
+            ci = client.chan_open(self.buf_ids, uuid)
+            self.chan_id, self.key, self.slots = ci.chan_id, ci.key, ci.slots
+            with torch.cuda.device(self.device):
+                _cudrv.ensure_context(self.device.index)
+                self._chan = _cudrv.ipc_open(ci.handle)
+                self._mod, fn = _cudrv.module_load(ci.kernel)
+                self.err = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self._launch = _cudrv.ChanLaunch(fn, self._chan, self.err.data_ptr(),
+                                             int(timeout_s * 1e9) if timeout_s else 0)
+        except BaseException:
+            self.close()
+            raise
+
+    def ref(self, t, what="tensor"):
+        """(table index, offset) of tensor t's bytes (host only)."""
+        return self.table.find(t.data_ptr(), t.numel() * t.element_size(), what)
+
+    def call(self, x, ids, w, y, layer, flags=0):
+        """Enqueue one MoE layer on the current stream (see the class)."""
+        torch = _torch()
+        T, H = x.shape
+        k = self.info.top_k
+        if x.dtype != torch.bfloat16 or y.dtype != torch.bfloat16 or \
+                ids.dtype != torch.int32 or w.dtype != torch.float32 or \
+                tuple(y.shape) != (T, H) or tuple(ids.shape) != (T, k) or \
+                tuple(w.shape) != (T, k) or not all(
+                    t.is_contiguous() for t in (x, ids, w, y)):
+            raise ValueError("call needs contiguous x, y bf16 [T, H] and ids int32, w fp32 "
+                             "[T, %d]" % k)
+        check_flags(flags)
+        pack_desc(self._launch.desc, layer, T, self.key, flags,
+                  (self.ref(x, "x"), self.ref(ids, "ids"), self.ref(w, "w"), self.ref(y, "y")))
+        self._launch.launch(torch.cuda.current_stream(self.device).cuda_stream,
+                            self.device.index)
+
+    def call_desc(self, layer, n_tokens, refs, flags=0, key=None):
+        """Enqueue a descriptor as given: refs = ((index, offset) of x, ids,
+        w, y), no host checks (tests: a bad descriptor from the GPU)."""
+        pack_desc(self._launch.desc, layer, n_tokens, self.key if key is None else key, flags,
+                  refs)
+        self._launch.launch(_torch().cuda.current_stream(self.device).cuda_stream,
+                            self.device.index)
+
+    def error_word(self):
+        """The err word (0: every call so far answered OK); waits for the
+        device first (the calls may run on any stream)."""
+        _torch().cuda.synchronize(self.device)
+        return int(self.err.item()) & 0xFFFFFFFFFFFFFFFF
+
+    def check(self, reset=True):
+        """Raise ChannelError (a MoedError naming the MOE_GPU_CHAN_E_* status
+        and the seq of the first call not answered OK since the last reset)
+        if there was one; reset: zero the err word first (on the current
+        stream). Waits for the device (the calls enqueued so far)."""
+        word = self.error_word()
+        if word:
+            if reset:
+                self.err.zero_()
+            raise ChannelError(word, self.chan_id)
+
+    def ring(self):
+        """(bell, done, status words) of the channel as moed's memory holds
+        them now (a synchronous device read; for tests and tools)."""
+        f = CHAN_HEAD.unpack(_cudrv.read_device(self._chan, CHAN_HEAD.size))
+        return f[0], f[1], list(f[2:])
+
+    def close(self):
+        """Wait for the device (no call of this channel may still run), close
+        the channel and unregister its buffers, then unmap and unload. Safe to
+        call twice and after a failed open."""
+        torch = _torch()
+        errs = []
+
+        def attempt(fn, *a):
+            try:
+                fn(*a)
+            except Exception as e:  # noqa: BLE001 (every step runs; the first error is raised)
+                errs.append(e)
+        if self._chan or self._mod:
+            attempt(torch.cuda.synchronize, self.device)
+        if self.chan_id and self.client._sock is not None:
+            attempt(self.client.chan_close, self.chan_id)
+        self.chan_id = 0
+        if self._chan:
+            attempt(_cudrv.ipc_close, self._chan)
+            self._chan = 0
+        if self._mod:
+            attempt(_cudrv.module_unload, self._mod)
+            self._mod = None
+        while self.buf_ids:
+            b = self.buf_ids.pop()
+            if self.client._sock is not None:
+                attempt(self.client.unregister_buf, b)
+        self.tensors = []
+        if errs:
+            raise errs[0]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class DoorbellSession:
+    """The doorbell behind a framework's fused-experts call: one registered
+    arena of max_tokens rows of x | ids | w | y on the caller's GPU and a
+    Channel over it.
+
+    fused_experts(hidden_states, topk_weights, topk_ids, layer) copies the
+    inputs into the arena, rings moed and returns a new tensor (a copy of y,
+    in hidden_states' dtype) on the caller's device; all of it is enqueued
+    on the current stream, so it can be captured in a CUDA graph. A refused
+    call leaves its output as the arena's last y: check() after the step
+    (or the graph's replay) raises it. close() closes the channel and the
+    client."""
+
+    def __init__(self, client=None, max_tokens=None, device=None,
+                 timeout_s=DEFAULT_CALL_TIMEOUT_S):
+        self.client = client if client is not None else Client()
+        self.channel = None
+        try:
+            self.info = info = _v2_info(self.client)
+            self.device = _device(device)
+            self.max_tokens = min(max_tokens or info.max_tokens, info.max_tokens)
+            self.arena = _Arena(info, self.device, self.max_tokens)
+            self.channel = Channel(self.client, [self.arena.mem], timeout_s)
+        except BaseException:
+            self.client.close()
+            raise
+
+    def fused_experts(self, hidden_states, topk_weights, topk_ids, layer, *,
+                      routed_only=False, empty_slots=False):
+        """One MoE layer through the doorbell; y [T, H] (a new tensor)."""
+        x, ids, w, y = self.arena.fill(hidden_states, topk_weights, topk_ids, self.info,
+                                       self.max_tokens)
+        self.channel.call(x, ids, w, y, layer, call_flags(routed_only, empty_slots))
+        return y.to(hidden_states.dtype, copy=True)
+
+    def check(self, reset=True):
+        """Channel.check(): raise the first refused or timed-out call."""
+        self.channel.check(reset)
+
+    def close(self):
+        try:
+            if self.channel is not None:
+                self.channel.close()
+                self.channel = None
+        finally:
+            self.client.close()
 
     def __enter__(self):
         return self

@@ -1,0 +1,17 @@
+# scripts/mps.sh - sourced by scripts/run-gpu-tests.sh and scripts/run-bench.sh:
+# start the CUDA MPS control daemon in a temporary pipe/log directory (both
+# moed and the test's or bench's torch clients run under it) and stop it.
+#   mps_start        exports CUDA_MPS_PIPE_DIRECTORY / CUDA_MPS_LOG_DIRECTORY
+#   mps_stop [dir]   quits MPS, copies its log to dir (if given), unsets them
+mps_start() {
+    MPS_TMP=$(mktemp -d)
+    export CUDA_MPS_PIPE_DIRECTORY="$MPS_TMP/pipe" CUDA_MPS_LOG_DIRECTORY="$MPS_TMP/log"
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d
+}
+mps_stop() {
+    echo quit | nvidia-cuda-mps-control
+    [ -n "${1:-}" ] && { cp -r "$CUDA_MPS_LOG_DIRECTORY" "$1" 2>/dev/null || true; }
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    rm -rf "$MPS_TMP"
+}
