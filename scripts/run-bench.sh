@@ -7,6 +7,7 @@
 #   BENCH_SWEEP=0      skip the latency sweep over T = 1..512 (sweep.csv, sweep.png)
 #   BENCH_ZC=0         skip the three client paths (inline, descriptor, doorbell) under MPS
 #   BENCH_ZC_*         bench/zero_copy.py's own settings (models, T list, iterations)
+#   BENCH_MPS=0        skip bench/mps_share.py (moed's SM share under MPS); BENCH_MPS_* its settings
 #   BENCH_DS_TOKENS, BENCH_QWEN_TOKENS, BENCH_SWEEP_TOKENS, BENCH_SWEEP_ITERS: the T lists
 set -u
 . "$(dirname "$0")/mps.sh"
@@ -95,6 +96,13 @@ if [ "${BENCH_ZC:-1}" = 1 ] && [ -x "$BUILD/moed" ] && command -v nvidia-cuda-mp
     PYTHONPATH="$PWD/ipc/python${PYTHONPATH:+:$PYTHONPATH}" MOED_BUILD="$BUILD" \
         timeout "${BENCH_ZC_TIMEOUT:-900}" python3 bench/zero_copy.py 2>&1 | tee "$LOGDIR/zero_copy.md"
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+    # moed's kernel time and the engine's step time against moed's SM share
+    # (bench/mps_share.py; BENCH_MPS=0 skips it)
+    if [ "${BENCH_MPS:-1}" = 1 ]; then
+        PYTHONPATH="$PWD/ipc/python${PYTHONPATH:+:$PYTHONPATH}" MOED_BUILD="$BUILD" \
+            timeout "${BENCH_MPS_TIMEOUT:-600}" python3 bench/mps_share.py 2>&1 | tee "$LOGDIR/mps_share.md"
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+    fi
     mps_stop
 fi
 
