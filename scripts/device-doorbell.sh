@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The doorbell path on the GPU machine in one short call (after
+# `BUILD=build-cuda scripts/device-gpu.sh prepare` here; carry build-cuda and
+# .device): the one-process channel test, then under MPS the torch doorbell
+# tests named by DB_TESTS (a pytest -k expression), the three-path table
+# (BENCH_ZC_* settings, default qwen3 only) and the SM-share table
+# (BENCH_MPS_*). Logs in $OUT; a line per stage with its exit status.
+set -u
+cd "$(dirname "$0")/.."
+export LD_LIBRARY_PATH="$PWD/.device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+nccl=$(ls /usr/local/cuda/lib64/libnccl.so.2 2>/dev/null ||
+       python3 -c 'import nvidia.nccl, os; print(os.path.join(nvidia.nccl.__path__[0], "lib", "libnccl.so.2"))' 2>/dev/null || true)
+[ -n "$nccl" ] && [ -e "$nccl" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$(dirname "$nccl")"
+BUILD=${BUILD:-build-cuda}
+OUT=${OUT:-$BUILD/gpu-logs}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/ipc/python" MOED_BUILD="$BUILD" MOED_TEST_MPS=1 MOED_TEST_BACKEND=cuda
+T0=$(date +%s)
+el() { echo $(( $(date +%s) - T0 )); }
+timeout 60 "$BUILD/tests/gpu_test_chan_gpu" > "$OUT/chan.log" 2>&1
+echo "== chan (C, one process) rc=$? at $(el) s: $(tail -1 "$OUT/chan.log")"
+. scripts/mps.sh
+mps_start
+if [ -n "${DB_TESTS:-}" ]; then
+    timeout "${DB_TIMEOUT:-120}" python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_doorbell.py \
+        tests/gpu/test_doorbell_model.py -k "$DB_TESTS" > "$OUT/doorbell.log" 2>&1
+    echo "== doorbell tests rc=$? at $(el) s: $(tail -1 "$OUT/doorbell.log")"
+fi
+if [ "${BENCH_ZC:-1}" = 1 ]; then
+    BENCH_ZC_MODELS=${BENCH_ZC_MODELS:-qwen3-30b-a3b} timeout "${BENCH_ZC_TIMEOUT:-120}" \
+        python3 bench/zero_copy.py > "$OUT/zero_copy.md" 2>&1
+    echo "== zero_copy bench rc=$? at $(el) s"
+fi
+if [ "${BENCH_MPS:-1}" = 1 ]; then
+    timeout "${BENCH_MPS_TIMEOUT:-120}" python3 bench/mps_share.py > "$OUT/mps_share.md" 2>&1
+    echo "== mps_share bench rc=$? at $(el) s"
+fi
+mps_stop "$OUT/mps-log"
+echo "== end at $(el) s"
