@@ -139,17 +139,20 @@ fi # GPU_TESTS_ONLY
 if python3 -c 'import torch, numpy, pytest; assert torch.cuda.is_available()' 2>/dev/null &&
         command -v nvidia-cuda-mps-control >/dev/null; then
     mps_start
-    for t in zero-copy:test_zero_copy.py doorbell:test_doorbell.py,test_doorbell_model.py; do
+    # each file in its own pytest process with its own limit (GPU_TEST_PY_TIMEOUT, s),
+    # verbose (a test that hangs shows where); SIGINT first, so that the fixtures
+    # stop their daemons, and no moed of a file outlives it
+    export PYTHONPATH="$PWD/ipc/python${PYTHONPATH:+:$PYTHONPATH}" MOED_BUILD="$BUILD" MOED_TEST_MPS=1 LOGDIR
+    for t in zero-copy:test_zero_copy.py doorbell:test_doorbell.py doorbell-model:test_doorbell_model.py; do
         name=${t%%:*}
-        files=$(echo "${t#*:}" | tr , '\n' | sed 's|^|tests/gpu/|')
-        [ -z "${GPU_TESTS_ONLY:-}" ] || [ "$GPU_TESTS_ONLY" = "$name" ] || continue
-        # shellcheck disable=SC2086
-        PYTHONPATH="$PWD/ipc/python${PYTHONPATH:+:$PYTHONPATH}" MOED_BUILD="$BUILD" MOED_TEST_MPS=1 \
-            LOGDIR="$LOGDIR" timeout 1200 python3 -m pytest -q -s -p no:cacheprovider \
-            -W ignore::FutureWarning $files > "$LOGDIR/pytest-$name.log" 2>&1
+        [ -z "${GPU_TESTS_ONLY:-}" ] || [ "$GPU_TESTS_ONLY" = "${name%%-*}" ] || continue
+        timeout -s INT -k 20 "${GPU_TEST_PY_TIMEOUT:-600}" python3 -m pytest -v -s -rs -p no:cacheprovider \
+            -W ignore::FutureWarning "tests/gpu/${t#*:}" > "$LOGDIR/pytest-$name.log" 2>&1
         rc=$?
+        pkill -f "$BUILD/moed --config" 2>/dev/null && sleep 1
+        grep -E '(PASSED|FAILED|SKIPPED|ERROR)' "$LOGDIR/pytest-$name.log" | grep '::' | sed 's/^/    /'
         step "$name under MPS (torch)" "$([ $rc = 0 ] && echo PASS || echo FAIL)" \
-            "$(tail -1 "$LOGDIR/pytest-$name.log")"
+            "rc $rc: $(tail -1 "$LOGDIR/pytest-$name.log")"
     done
     mps_stop "$LOGDIR/mps-log"
 else

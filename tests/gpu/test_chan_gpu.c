@@ -493,6 +493,27 @@ int main(void)
         int r3 = be->ops->chan_open(be, bufs, 1, &i3, err, sizeof err);
         result(r2 == 0 && r3 == MOED_E_BUSY, "a second channel opens; a third: %s (%s)",
                moed_strerror(r3), err);
+        if (r2 == 0) { /* the second channel serves, its y in its second buffer */
+            struct client c2 = {moed_backend_cuda_chan_ptr(be, i2.index), i2.key, c.err, c.stream};
+            struct io io;
+            io_alloc(&io, 8, H, k);
+            io_fill(&io, E, R_UNIFORM, 808);
+            run_batch(be, &wt, &io, 5);
+            arena_put(&a, &io);
+            struct moe_gpu_chan_desc d = desc_for(&a, &c2, 5, 8, 0);
+            d.y = (struct moe_gpu_chan_ref){1, 0, 0};
+            call(&c2, &d);
+            call(&c2, &d);
+            unsigned long long e = take_err(&c2);
+            uint16_t *got = malloc((size_t)8 * H * 2);
+            cudaMemcpy(got, a.y2, (size_t)8 * H * 2, cudaMemcpyDeviceToHost);
+            result(e == 0 && !memcmp(got, io.y, (size_t)8 * H * 2) &&
+                       chan_word(&c2, offsetof(struct moe_gpu_chan, done)) == 2,
+                   "channel %u (the second entry): 2 calls, y in its second buffer = the host "
+                   "ring's (err 0x%llx)", i2.index, e);
+            free(got);
+            io_free(&io);
+        }
         be->ops->chan_close(be, info.index);
         int quiet = 0;
         for (int i = 0; i < 100000 && !quiet; i++) {
