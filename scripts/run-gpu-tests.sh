@@ -149,7 +149,7 @@ if python3 -c 'import torch, numpy, pytest; assert torch.cuda.is_available()' 2>
         timeout -s INT -k 20 "${GPU_TEST_PY_TIMEOUT:-600}" python3 -m pytest -v -s -rs -p no:cacheprovider \
             -W ignore::FutureWarning "tests/gpu/${t#*:}" > "$LOGDIR/pytest-$name.log" 2>&1
         rc=$?
-        pkill -f "$BUILD/moed --config" 2>/dev/null && sleep 1
+        pkill -x moed 2>/dev/null && sleep 1 # the daemon by its name (a pattern would match this shell)
         grep -E '(PASSED|FAILED|SKIPPED|ERROR)' "$LOGDIR/pytest-$name.log" | grep '::' | sed 's/^/    /'
         step "$name under MPS (torch)" "$([ $rc = 0 ] && echo PASS || echo FAIL)" \
             "rc $rc: $(tail -1 "$LOGDIR/pytest-$name.log")"

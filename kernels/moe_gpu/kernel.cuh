@@ -252,6 +252,13 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
         gen_seen = ~0ull;
         rr = 0;
         last_host = false;
+        /* no channel until the first poll reads the table (shared memory
+         * starts undefined, and that poll loads its bells before it sees
+         * the table); the dispatcher thread is the only reader */
+        for (unsigned c = 0; c < MOE_GPU_MAX_CHANS; c++) {
+            s_chan[c] = NULL;
+            s_seen[c] = 0;
+        }
     }
     /* batch n is the n-th this launch runs, whatever its source */
     for (unsigned long long n = 1;; n++) {
