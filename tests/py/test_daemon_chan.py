@@ -410,3 +410,26 @@ def test_shutdown_with_channels_open_and_draining(tmp_path_factory, shm):
         assert keep["chan_id"] != gone["chan_id"]
         assert d.stop() == 0, d.log()[-4000:]
         a.close()
+
+
+def test_idle_timeout_spares_an_open_channel(tmp_path_factory, shm):
+    """server.idle_timeout_ms: a connection whose channel is open is not
+    idle (its client submits on the GPU, with no socket traffic): it stays
+    open, channel and all, well past the timeout; once the channel is
+    closed the connection idles out as any other. (Before the fix the
+    daemon closed it after idle_timeout_ms, and the channel with it.)"""
+    idle_ms = int(du.wait_s(0.3) * 1000)
+    with start(tmp_path_factory, "chan-idle", ENV, server__idle_timeout_ms=idle_ms,
+               server__max_registered_buffers=LIMIT, engine__max_channels=MAX_CHANS) as d:
+        a = cf.Raw(d)
+        bid = a.register(shm.handle, 0, 4096, UUID)
+        r = a.chan_open(UUID, [bid])
+        time.sleep(4 * idle_ms / 1000)
+        ch, rb = status(d)
+        assert ch["open"] == 1 and rb["registered"] == 1, (ch, rb, d.log()[-2000:])
+        a.ping()
+        a.chan_close(r["chan_id"])
+        a.s.settimeout(du.wait_s(5))
+        du.expect_error(a.s, du.E["timeout"], "idle for %d ms (server.idle_timeout_ms)" % idle_ms)
+        du.expect_closed(a.s)
+        assert d.stop() == 0, d.log()[-4000:]
