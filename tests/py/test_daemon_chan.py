@@ -105,6 +105,18 @@ def wait_idle(daemon):
         time.sleep(0.02)
 
 
+def let_go_and_serving(daemon, shm):
+    """Nothing open, draining or registered, the object no longer mapped in
+    the daemon (/proc/PID/maps), and the daemon still serving."""
+    wait_idle(daemon)
+    with open("/proc/%d/maps" % daemon.pid) as f:
+        assert shm.shm.name not in f.read()
+    assert daemon.alive()
+    a = cf.Raw(daemon)
+    a.ping()
+    a.close()
+
+
 def test_chan_open_and_close_check_every_input(daemon, dims, shm, cases):
     """Each bad CHAN_OPEN / CHAN_CLOSE gets its code and message, takes
     nothing, and leaves the connection and another client's traffic as they
@@ -283,13 +295,7 @@ def test_killed_client_leaves_no_channel_and_no_mapping(daemon, shm):
             p.send_signal(signal.SIGKILL)
             p.wait()
             p.stdout.close()
-    wait_idle(daemon)
-    with open("/proc/%d/maps" % daemon.pid) as f:
-        assert shm.shm.name not in f.read()
-    assert daemon.alive()
-    a = cf.Raw(daemon)
-    a.ping()
-    a.close()
+    let_go_and_serving(daemon, shm)
 
 
 QUIET_POLLS = 3  # the fake backend's CPU_CHAN_QUIET_POLLS: its "served" count at reaping
@@ -424,7 +430,7 @@ def test_idle_timeout_spares_an_open_channel(tmp_path_factory, shm):
         a = cf.Raw(d)
         bid = a.register(shm.handle, 0, 4096, UUID)
         r = a.chan_open(UUID, [bid])
-        time.sleep(4 * idle_ms / 1000)
+        time.sleep(3 * idle_ms / 1000)
         ch, rb = status(d)
         assert ch["open"] == 1 and rb["registered"] == 1, (ch, rb, d.log()[-2000:])
         a.ping()
@@ -489,10 +495,4 @@ def test_channel_churn_and_abrupt_disconnects(daemon, shm):
     for t in threads:
         t.join()
     assert not errors, errors
-    wait_idle(daemon)
-    with open("/proc/%d/maps" % daemon.pid) as f:
-        assert shm.shm.name not in f.read()
-    assert daemon.alive()
-    a = cf.Raw(daemon)
-    a.ping()
-    a.close()
+    let_go_and_serving(daemon, shm)
