@@ -86,7 +86,8 @@ const struct cfg_key cfg_keys[] = {
             "disconnects, and the last request using it has completed. 0: registration off."},
     {.path = "server.idle_timeout_ms", .type = T_UINT, .min = 0, .max = 86400000, .def = "0",
      FIELD(idle_timeout_ms),
-     .doc = "A client with nothing in progress (no partial frame, no request unanswered) for "
+     .doc = "A client with nothing in progress (no partial frame, no request unanswered, no "
+            "doorbell channel open: its client submits on the GPU, not on the socket) for "
             "this many milliseconds gets a timeout error and is closed, so idle connections "
             "cannot hold every server.max_clients slot. 0 (the default): never, because an "
             "LLM server keeps one connection per worker open through quiet hours; set it when "

@@ -352,6 +352,7 @@ static void chan_drain(struct moed_desc *d, struct desc_chan *ch)
     *pp = ch->next;
     if (d->be) /* NULL: detached, the backend has closed */
         d->be->ops->chan_close(d->be, ch->index);
+    moed_server_conn_hold(ch->conn, -1);
     ch->conn = NULL;
     ch->next = d->draining;
     d->draining = ch;
@@ -471,6 +472,7 @@ int moed_desc_chan_open(struct moed_desc *d, struct moed_conn *c,
     ch->index = info.index;
     ch->n_bufs = rq->n_bufs;
     ch->conn = c;
+    moed_server_conn_hold(c, 1); /* used on the GPU: the connection is not idle */
     for (uint32_t i = 0; i < ch->n_bufs; i++)
         ch->bufs[i]->refs++;
     ch->next = d->chans;

@@ -589,7 +589,8 @@ void conn_update(struct moed_conn *c)
         m = TIMER_DRAIN;
     else if (c->reading && (c->len > c->off || c->skip > 0))
         m = TIMER_FRAME;
-    else if (c->reading && c->pending == 0 && c->unwritten == 0 && srv->cfg.idle_timeout_ms) {
+    else if (c->reading && c->pending == 0 && c->unwritten == 0 && c->held == 0 &&
+             srv->cfg.idle_timeout_ms) {
         m = TIMER_IDLE;
         ms = srv->cfg.idle_timeout_ms;
     }
@@ -693,6 +694,13 @@ int moed_server_reply_desc(struct moed_conn *c, uint64_t request_id, uint32_t n_
 }
 
 void **moed_server_conn_user(struct moed_conn *c) { return &c->user; }
+
+/* Loop thread; the caller is inside a frame's handling or the close path,
+ * and conn_process / the next write completion re-arm the timer. */
+void moed_server_conn_hold(struct moed_conn *c, int delta)
+{
+    c->held = (uint32_t)((int64_t)c->held + delta);
+}
 
 int moed_server_conn_gone(const struct moed_conn *c) { return c->closing; }
 

@@ -212,6 +212,11 @@ void **moed_server_conn_user(struct moed_conn *c);
 /* Answer a FORWARD the engine took with an ERROR frame. */
 void moed_server_reply_error(struct moed_conn *c, uint64_t request_id, int code, const char *msg);
 
+/* The engine holds (+1) or lets go of (-1) something the client uses
+ * without socket traffic (an open doorbell channel, served on the GPU):
+ * while any is held the connection is not idle (server.idle_timeout_ms). */
+void moed_server_conn_hold(struct moed_conn *c, int delta);
+
 /* 1 if the connection is gone (closed or closing): the engine may drop work. */
 int moed_server_conn_gone(const struct moed_conn *c);
 

@@ -56,6 +56,8 @@ struct moed_conn {
     uint64_t read_start_ns; /* start of the latest read (taken in on_alloc) */
     uint32_t pending;
     uint32_t unwritten;   /* replies queued, their write not completed */
+    uint32_t held;        /* engine resources in use without socket traffic
+                             (open doorbell channels): not idle while > 0 */
     uint64_t wq_cost;     /* memory those hold (alloc_cost of each allocation) */
     int fatal_code;       /* framing error to send once pending == 0 (fatal) */
     uint64_t fatal_rid;

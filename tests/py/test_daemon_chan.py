@@ -105,6 +105,18 @@ def wait_idle(daemon):
         time.sleep(0.02)
 
 
+def let_go_and_serving(daemon, shm):
+    """Nothing open, draining or registered, the object no longer mapped in
+    the daemon (/proc/PID/maps), and the daemon still serving."""
+    wait_idle(daemon)
+    with open("/proc/%d/maps" % daemon.pid) as f:
+        assert shm.shm.name not in f.read()
+    assert daemon.alive()
+    a = cf.Raw(daemon)
+    a.ping()
+    a.close()
+
+
 def test_chan_open_and_close_check_every_input(daemon, dims, shm, cases):
     """Each bad CHAN_OPEN / CHAN_CLOSE gets its code and message, takes
     nothing, and leaves the connection and another client's traffic as they
@@ -283,13 +295,7 @@ def test_killed_client_leaves_no_channel_and_no_mapping(daemon, shm):
             p.send_signal(signal.SIGKILL)
             p.wait()
             p.stdout.close()
-    wait_idle(daemon)
-    with open("/proc/%d/maps" % daemon.pid) as f:
-        assert shm.shm.name not in f.read()
-    assert daemon.alive()
-    a = cf.Raw(daemon)
-    a.ping()
-    a.close()
+    let_go_and_serving(daemon, shm)
 
 
 QUIET_POLLS = 3  # the fake backend's CPU_CHAN_QUIET_POLLS: its "served" count at reaping
@@ -410,3 +416,83 @@ def test_shutdown_with_channels_open_and_draining(tmp_path_factory, shm):
         assert keep["chan_id"] != gone["chan_id"]
         assert d.stop() == 0, d.log()[-4000:]
         a.close()
+
+
+def test_idle_timeout_spares_an_open_channel(tmp_path_factory, shm):
+    """server.idle_timeout_ms: a connection whose channel is open is not
+    idle (its client submits on the GPU, with no socket traffic): it stays
+    open, channel and all, well past the timeout; once the channel is
+    closed the connection idles out as any other. (Before the fix the
+    daemon closed it after idle_timeout_ms, and the channel with it.)"""
+    idle_ms = int(du.wait_s(0.3) * 1000)
+    with start(tmp_path_factory, "chan-idle", ENV, server__idle_timeout_ms=idle_ms,
+               server__max_registered_buffers=LIMIT, engine__max_channels=MAX_CHANS) as d:
+        a = cf.Raw(d)
+        bid = a.register(shm.handle, 0, 4096, UUID)
+        r = a.chan_open(UUID, [bid])
+        time.sleep(3 * idle_ms / 1000)
+        ch, rb = status(d)
+        assert ch["open"] == 1 and rb["registered"] == 1, (ch, rb, d.log()[-2000:])
+        a.ping()
+        a.chan_close(r["chan_id"])
+        a.s.settimeout(du.wait_s(5))
+        du.expect_error(a.s, du.E["timeout"], "idle for %d ms (server.idle_timeout_ms)" % idle_ms)
+        du.expect_closed(a.s)
+        assert d.stop() == 0, d.log()[-4000:]
+
+
+def test_channel_churn_and_abrupt_disconnects(daemon, shm):
+    """Abuse, several clients at once: open channels (busy past the table
+    is fine), close some, drop the socket with others open, send a CHAN_OPEN
+    and hang up without reading the reply, hang up mid-frame, unregister a
+    buffer of a channel just closed (draining: allowed, the channel's
+    reference keeps the mapping). Afterwards nothing is open, draining,
+    registered or mapped, and the daemon serves (under ASan: nothing
+    leaked at its exit, which the fixture checks)."""
+    import random
+    import threading
+    errors = []
+    handle = shm.handle
+
+    def one(seed):
+        rnd = random.Random(seed)
+        for _ in range(12):
+            a = cf.Raw(daemon)
+            try:
+                ids = [a.register(handle, 4096 * rnd.randrange(8), 4096, UUID) for _ in range(2)]
+                how = rnd.randrange(5)
+                if how == 2:  # CHAN_OPEN, then gone before the reply
+                    a.s.sendall(du.frame(cf.MSG_CHAN_OPEN, 7, cf.open_payload(UUID, ids)))
+                    continue
+                if how == 3:  # gone mid-frame
+                    f = du.frame(cf.MSG_CHAN_OPEN, 7, cf.open_payload(UUID, ids))
+                    a.s.sendall(f[:40])
+                    continue
+                t, p = a.call(cf.MSG_CHAN_OPEN, cf.open_payload(UUID, ids))
+                if t != cf.MSG_CHAN_OPEN | du.REPLY:
+                    code, msg = du.parse_error(p)[:2]
+                    assert "channel entries are taken" in msg, (code, msg)
+                    continue
+                r = cf.parse_open_reply(p)
+                if how == 0:
+                    a.chan_close(r["chan_id"])
+                elif how == 4:
+                    a.expect_error(du.MSG_UNREGISTER_BUF, struct.pack("<II", ids[0], 0), "busy",
+                                   "is named by open channel %d" % r["chan_id"])
+                    a.chan_close(r["chan_id"])
+                    t, p = a.unregister(ids[0])
+                    assert t == du.MSG_UNREGISTER_BUF | du.REPLY, du.parse_error(p)
+                a.ping()
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(repr(e))
+                return
+            finally:
+                a.close()
+
+    threads = [threading.Thread(target=one, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    let_go_and_serving(daemon, shm)
