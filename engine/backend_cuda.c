@@ -439,7 +439,7 @@ static void *completion_thread(void *arg)
             }
             pthread_mutex_lock(&cb->mu);
             if (!cb->ph && cb->next_seq == cb->delivered && !cb->closing &&
-                (cb->running || !cb->chans_live))
+                (cb->running || !cb->chans_live || cb->failed))
                 pthread_cond_timedwait(&cb->cv, &cb->mu, &ts);
             pthread_mutex_unlock(&cb->mu);
             last_progress = moed_mono_ns();

@@ -85,6 +85,15 @@ __device__ __forceinline__ void chan_refuse(const struct moe_gpu_params &p, unsi
     struct moe_gpu_chan_stat *cs = &p.chanctl->stat[c];
     st_relaxed_sys(&cs->refused, ld_relaxed_sys(&cs->refused) + 1);
     st_relaxed_sys(&cs->last, moe_gpu_chan_word(seq, status));
+    /* a client ringing bad descriptors back to back must not starve the host
+     * ring (the next round prefers it) nor stop the heartbeat (no batch end
+     * advances it meanwhile) */
+    last_host = false;
+    const unsigned long long now = globaltimer_ns();
+    if (now - s_hb_last > 100000ull) {
+        st_relaxed_sys(&p.ctrl->heartbeat, ld_relaxed_sys(&p.ctrl->heartbeat) + 1);
+        s_hb_last = now;
+    }
 }
 
 /* acquire after relaxed loads (lighter than __threadfence_system's fence.sc) */
