@@ -179,6 +179,22 @@ static int y_poisoned(const struct arena *a, size_t n)
     return ok;
 }
 
+/* A batch of T tokens on `layer` through the host ring first (io->y: the
+ * result a doorbell call must equal), its inputs then put in the arena; the
+ * descriptor of the same batch on channel c. */
+static struct moe_gpu_chan_desc host_then_arena(struct moed_backend *be, struct waiter *wt,
+                                                const struct arena *a, const struct client *c,
+                                                struct io *io, uint32_t T, uint32_t layer,
+                                                const struct moe_shape *p, enum moe_routing r,
+                                                uint64_t seed)
+{
+    io_alloc(io, T, p->H, p->k);
+    io_fill(io, p->E, r, seed);
+    run_batch(be, wt, io, layer);
+    arena_put(a, io);
+    return desc_for(a, c, layer, T, 0);
+}
+
 int main(void)
 {
     if (moe_shapes_resolve())
@@ -392,11 +408,7 @@ int main(void)
             done = chan_word(&c, offsetof(struct moe_gpu_chan, done));
         const uint64_t st = chan_word(&c, offsetof(struct moe_gpu_chan, status) + 8 * (jump % 8));
         struct io io;
-        io_alloc(&io, 4, H, k);
-        io_fill(&io, E, R_UNIFORM, 9);
-        run_batch(be, &wt, &io, 3);
-        arena_put(&a, &io);
-        struct moe_gpu_chan_desc d = desc_for(&a, &c, 3, 4, 0);
+        struct moe_gpu_chan_desc d = host_then_arena(be, &wt, &a, &c, &io, 4, 3, p, R_UNIFORM, 9);
         call(&c, &d);
         unsigned long long e = take_err(&c);
         result(done == jump && st == moe_gpu_chan_word(jump, MOE_GPU_CHAN_E_SEQ) && e == 0 &&
@@ -417,11 +429,8 @@ int main(void)
     /* 6. a CUDA graph of 10 calls replayed 1000 times: each answered once */
     {
         struct io io;
-        io_alloc(&io, 16, H, k);
-        io_fill(&io, E, R_UNIFORM, 4242);
-        run_batch(be, &wt, &io, 5);
-        arena_put(&a, &io);
-        struct moe_gpu_chan_desc d = desc_for(&a, &c, 5, 16, 0);
+        struct moe_gpu_chan_desc d =
+            host_then_arena(be, &wt, &a, &c, &io, 16, 5, p, R_UNIFORM, 4242);
         cudaGraph_t g;
         cudaGraphExec_t ge;
         cudaStreamBeginCapture(c.stream, cudaStreamCaptureModeThreadLocal);
@@ -496,11 +505,8 @@ int main(void)
         if (r2 == 0) { /* the second channel serves, its y in its second buffer */
             struct client c2 = {moed_backend_cuda_chan_ptr(be, i2.index), i2.key, c.err, c.stream};
             struct io io;
-            io_alloc(&io, 8, H, k);
-            io_fill(&io, E, R_UNIFORM, 808);
-            run_batch(be, &wt, &io, 5);
-            arena_put(&a, &io);
-            struct moe_gpu_chan_desc d = desc_for(&a, &c2, 5, 8, 0);
+            struct moe_gpu_chan_desc d =
+                host_then_arena(be, &wt, &a, &c2, &io, 8, 5, p, R_UNIFORM, 808);
             d.y = (struct moe_gpu_chan_ref){1, 0, 0};
             call(&c2, &d);
             call(&c2, &d);

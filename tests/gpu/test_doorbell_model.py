@@ -35,32 +35,6 @@ import test_e2e_transformers as e2e  # noqa: E402  (tests/py, on gpu_util's path
 SMS_FREE = int(os.environ.get("MOED_TEST_SMS_FREE", "64"))
 
 
-class ServedDoorbell:
-    """Every MoE block of `model` answered through `experts`' doorbell path
-    while active (the plugins' call: top-k from the block's router)."""
-
-    def __init__(self, model, experts):
-        self.model, self.experts = model, experts
-
-    def __enter__(self):
-        for L, blk in e2e.moe_blocks(self.model):
-            blk.forward = self._forward(L, blk)
-        return self
-
-    def __exit__(self, *exc):
-        for _, blk in e2e.moe_blocks(self.model):
-            del blk.forward
-
-    def _forward(self, L, blk):
-        def forward(hidden_states):
-            shape = hidden_states.shape
-            x = hidden_states.reshape(-1, shape[-1])
-            _, weights, ids = blk.gate(x)  # the router's top-k (routed scaling applied)
-            y = self.experts._forward_doorbell(L, x, ids, weights, routed_only=False)
-            return y.reshape(shape).to(hidden_states.dtype)
-        return forward
-
-
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_model_served_through_the_doorbell(tmp_path, family):
     torch.manual_seed(7)
@@ -90,7 +64,8 @@ def test_model_served_through_the_doorbell(tmp_path, family):
         ex = pc.Experts(zero_copy_mode="doorbell", sessions={str(dev): sess})
         try:
             assert sess.max_tokens == e2e.MAX_TOKENS < e2e.PROMPT  # prefill goes in chunks
-            with ServedDoorbell(model, ex):
+            with e2e.Served(model, None, call=lambda L, x, ids, w: ex._forward_doorbell(
+                    L, x, ids, w, routed_only=False)):
                 logits, tokens = e2e.prefill_and_decode(model, prompt, follow=ref_tokens)
                 torch.cuda.synchronize()
                 sess.check()
