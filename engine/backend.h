@@ -141,7 +141,8 @@ struct moed_backend_ops {
      * right after chan_quiet answered 1 (before any chan_open could reuse
      * the entry) as the channel's final counts, so they must hold until the
      * entry's next chan_open. Loop thread; none of them waits for the
-     * kernel. */
+     * kernel, except chan_open for an idle stop already under way (the
+     * CUDA backend: microseconds, bounded). */
     int (*chan_open)(struct moed_backend *be, const struct moed_chan_buf *bufs, uint32_t n_bufs,
                      struct moed_chan_info *out, char *err, size_t errlen);
     void (*chan_close)(struct moed_backend *be, uint32_t index);

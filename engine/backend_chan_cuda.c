@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <time.h>
 
 #include "backend_cuda_int.h"
 #include "moed_check_cuda.h"
@@ -170,6 +171,15 @@ int cuda_chan_open(struct moed_backend *be, const struct moed_chan_buf *bufs, ui
     if (put_entry(cb, i, offsetof(struct moe_gpu_chan_ent, active), &on, sizeof on))
         return moed_seterr(err, errlen, MOED_E_BACKEND, "cuda backend: channel table write failed");
     pthread_mutex_lock(&cb->mu);
+    /* An idle stop decided before this channel counted must end first: the
+     * kernel looks at its stop request only when idle, and a client ringing
+     * the new channel could keep it busy past the stop's limit. Stopping an
+     * idle kernel takes microseconds; the wait is bounded all the same. */
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 5;
+    while (cb->stopping && pthread_cond_timedwait(&cb->cv, &cb->mu, &until) == 0) {
+    }
     ch->state = CHAN_OPEN;
     cb->chans_live++;
     publish_gen_locked(cb);

@@ -393,8 +393,10 @@ static void *completion_thread(void *arg)
                              !cb->chans_live &&
                              !cb->closing && cb->idle_exit_ms &&
                              age_ns(now, cb->last_active_ns) > (int64_t)cb->idle_exit_ms * 1000000;
-        if (want_idle_stop)
-            cb->running = 0; /* submits now queue; we stop the kernel below */
+        if (want_idle_stop) {
+            cb->running = 0;  /* submits now queue; we stop the kernel below */
+            cb->stopping = 1; /* and a channel opens only after (cuda_chan_open) */
+        }
         pthread_mutex_unlock(&cb->mu);
 
         if (want_idle_stop) {
@@ -402,6 +404,10 @@ static void *completion_thread(void *arg)
                 why = "the kernel did not stop on request";
             else
                 LOG_D("cuda: GPU %d: kernel exited after %u ms idle", cb->dev, cb->idle_exit_ms);
+            pthread_mutex_lock(&cb->mu);
+            cb->stopping = 0;
+            pthread_cond_broadcast(&cb->cv);
+            pthread_mutex_unlock(&cb->mu);
         }
         /* ---- health: sticky CUDA error, heartbeat ---- */
         if (!why && !failed && now - last_query > 10000000ull) {

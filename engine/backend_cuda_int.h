@@ -101,6 +101,8 @@ struct cuda_backend {
     cudaStream_t side;
     struct cuda_chan *chan;  /* [n_chans] */
     uint32_t chans_live;     /* open or draining: the kernel stays resident */
+    int stopping;            /* an idle stop is under way (the kernel sees a bell only
+                                once relaunched: a channel opens after it) */
     uint64_t chan_gen;       /* last generation released */
 };
 

@@ -251,6 +251,10 @@ struct moe_gpu_chan_ent {
     uint32_t active;   /* host: 1 while open */
     uint32_t pad;
     uint64_t seen;     /* kernel: last seq taken (the host zeroes it at open) */
+    /* kernel: the counters moe_gpu_chan_stat mirrors (kept here so that the
+     * kernel never reads mapped host memory to count; the host zeroes them
+     * at open) */
+    uint64_t served, refused, kernel_ns, pad2;
     struct moe_gpu_reg reg[MOE_GPU_CHAN_BUFS];
 };
 
@@ -391,11 +395,12 @@ MOE_GPU_STATIC_ASSERT(offsetof(struct moe_gpu_chan, bell) == 0 &&
                           sizeof(struct moe_gpu_chan) <= MOE_GPU_CHAN_ALLOC,
                       "chan: bell and done on their own lines, status words, slots");
 MOE_GPU_STATIC_ASSERT(offsetof(struct moe_gpu_chan, slot) % 16 == 0, "chan slots: uint4 loads");
-MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_chan_ent) == 32 + 16 * MOE_GPU_CHAN_BUFS &&
+MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_chan_ent) == 64 + 16 * MOE_GPU_CHAN_BUFS &&
                           offsetof(struct moe_gpu_chan_ent, active) == 16 &&
                           offsetof(struct moe_gpu_chan_ent, seen) == 24 &&
-                          offsetof(struct moe_gpu_chan_ent, reg) == 32,
-                      "chan entry: pointer, key, active, seen, table");
+                          offsetof(struct moe_gpu_chan_ent, served) == 32 &&
+                          offsetof(struct moe_gpu_chan_ent, reg) == 64,
+                      "chan entry: pointer, key, active, seen, counters, table (16-aligned)");
 MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_chan_stat) == 32, "chan stat: four counters");
 MOE_GPU_STATIC_ASSERT(offsetof(struct moe_gpu_chanctl, gen) == 0 &&
                           offsetof(struct moe_gpu_chanctl, ack) == 64 &&
@@ -447,6 +452,7 @@ MOE_GPU_HD MOE_GPU_CONSTEXPR static inline uint64_t moe_gpu_abi_fingerprint(void
         offsetof(struct moe_gpu_chan, slot), sizeof(struct moe_gpu_reg),
         sizeof(struct moe_gpu_chan_ent), offsetof(struct moe_gpu_chan_ent, key),
         offsetof(struct moe_gpu_chan_ent, active), offsetof(struct moe_gpu_chan_ent, seen),
+        offsetof(struct moe_gpu_chan_ent, served),
         offsetof(struct moe_gpu_chan_ent, reg), sizeof(struct moe_gpu_chan_stat),
         sizeof(struct moe_gpu_chanctl), offsetof(struct moe_gpu_chanctl, ack),
         offsetof(struct moe_gpu_chanctl, stat),

@@ -17,6 +17,8 @@ __shared__ __align__(16) struct moe_gpu_reg s_reg[MOE_GPU_CHAN_BUFS]; /* written
 __shared__ unsigned long long s_key;
 __shared__ unsigned s_bad;              /* the status of a doorbell descriptor */
 __shared__ unsigned long long s_hb_last;/* %globaltimer of the last heartbeat */
+__shared__ unsigned long long s_hb;     /* the heartbeat's value (stored, never read back
+                                           over PCIe on the dispatch path) */
 
 __shared__ struct moe_gpu_chan *s_chan[MOE_GPU_MAX_CHANS]; /* the active channels as of
                                                               gen_seen (NULL: none) */
@@ -62,9 +64,15 @@ __device__ __forceinline__ void batch_end(const struct moe_gpu_params &p, unsign
                 st_relaxed_sys(&ch->status[seq % MOE_GPU_CHAN_SLOTS],
                                moe_gpu_chan_word(seq, MOE_GPU_CHAN_OK));
                 st_release_sys(&ch->done, seq);
+                /* the counters in device memory, mirrored by stores only */
+                struct moe_gpu_chan_ent *e = &p.chans[src - 1];
                 struct moe_gpu_chan_stat *cs = &p.chanctl->stat[src - 1];
-                st_relaxed_sys(&cs->served, ld_relaxed_sys(&cs->served) + 1);
-                st_relaxed_sys(&cs->kernel_ns, ld_relaxed_sys(&cs->kernel_ns) + (now - __ldcg(&st->t0)));
+                const unsigned long long served = __ldcg(&e->served) + 1;
+                const unsigned long long kns = __ldcg(&e->kernel_ns) + (now - __ldcg(&st->t0));
+                e->served = served;
+                e->kernel_ns = kns;
+                st_relaxed_sys(&cs->served, served);
+                st_relaxed_sys(&cs->kernel_ns, kns);
                 st_relaxed_sys(&cs->last, moe_gpu_chan_word(seq, MOE_GPU_CHAN_OK));
             }
             st_release_gpu64(&st->done_dev, n);
@@ -83,7 +91,9 @@ __device__ __forceinline__ void chan_refuse(const struct moe_gpu_params &p, unsi
     st_relaxed_sys(&ch->status[seq % MOE_GPU_CHAN_SLOTS], moe_gpu_chan_word(seq, status));
     st_release_sys(&ch->done, seq);
     struct moe_gpu_chan_stat *cs = &p.chanctl->stat[c];
-    st_relaxed_sys(&cs->refused, ld_relaxed_sys(&cs->refused) + 1);
+    const unsigned long long refused = __ldcg(&p.chans[c].refused) + 1;
+    p.chans[c].refused = refused;
+    st_relaxed_sys(&cs->refused, refused);
     st_relaxed_sys(&cs->last, moe_gpu_chan_word(seq, status));
     /* a client ringing bad descriptors back to back must not starve the host
      * ring (the next round prefers it) nor stop the heartbeat (no batch end
@@ -91,7 +101,7 @@ __device__ __forceinline__ void chan_refuse(const struct moe_gpu_params &p, unsi
     last_host = false;
     const unsigned long long now = globaltimer_ns();
     if (now - s_hb_last > 100000ull) {
-        st_relaxed_sys(&p.ctrl->heartbeat, ld_relaxed_sys(&p.ctrl->heartbeat) + 1);
+        st_relaxed_sys(&p.ctrl->heartbeat, ++s_hb);
         s_hb_last = now;
     }
 }
@@ -176,7 +186,7 @@ __device__ __noinline__ int poll_sources(struct moe_gpu_ctrl *ctrl, struct moe_g
             break;
         unsigned long long now = globaltimer_ns();
         if (now - s_hb_last > 100000ull) {
-            st_relaxed_sys(&ctrl->heartbeat, ld_relaxed_sys(&ctrl->heartbeat) + 1);
+            st_relaxed_sys(&ctrl->heartbeat, ++s_hb);
             s_hb_last = now;
         }
         __nanosleep(ns);
@@ -257,6 +267,8 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
     unsigned long long busy_at = globaltimer_ns();
     if (tid == 0) {
         s_hb_last = busy_at;
+        /* once (the dispatcher, CTA 0): it keeps counting across launches */
+        s_hb = blockIdx.x == 0 ? ld_relaxed_sys(&ctrl->heartbeat) : 0;
         hseq = p.start_seq;
         gen_seen = ~0ull;
         rr = 0;
@@ -520,7 +532,7 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
         /* ---- batch end: the last CTA resets the counters and publishes ---- */
         batch_end(p, NE, st, n, s_last);
         if (blockIdx.x == 0 && tid == 0) {
-            st_relaxed_sys(&ctrl->heartbeat, ld_relaxed_sys(&ctrl->heartbeat) + 1);
+            st_relaxed_sys(&ctrl->heartbeat, ++s_hb);
             s_hb_last = globaltimer_ns();
         }
         busy_at = globaltimer_ns();
