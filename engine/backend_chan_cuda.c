@@ -98,6 +98,22 @@ static int put_entry(struct cuda_backend *cb, uint32_t i, size_t off, const void
     return 0;
 }
 
+/* Tell channel i's client that nothing will answer any more: its
+ * `closed` word (the client kernel stops waiting, MOE_GPU_CHAN_E_CLOSED). */
+static void mark_closed(struct cuda_backend *cb, uint32_t i)
+{
+    static const uint64_t one = 1;
+    uint8_t *dst = (uint8_t *)cb->chan[i].mem + offsetof(struct moe_gpu_chan, closed);
+    cudaError_t ce = cudaMemcpyAsync(dst, &one, sizeof one, cudaMemcpyHostToDevice, cb->side);
+    if (ce == cudaSuccess)
+        ce = cudaStreamSynchronize(cb->side);
+    if (ce != cudaSuccess) {
+        (void)cudaGetLastError();
+        LOG_W("cuda: GPU %d: channel %u: cannot mark it closed: %s", cb->dev, i,
+              cudaGetErrorString(ce));
+    }
+}
+
 /* Release a table change; the generation it got (mu held). */
 static uint64_t publish_gen_locked(struct cuda_backend *cb)
 {
@@ -200,6 +216,7 @@ void cuda_chan_close(struct moed_backend *be, uint32_t index)
     struct cuda_backend *cb = (struct cuda_backend *)be;
     if (index >= cb->n_chans || cb->chan[index].state != CHAN_OPEN)
         return;
+    mark_closed(cb, index);
     const uint32_t off = 0;
     int rc = put_entry(cb, index, offsetof(struct moe_gpu_chan_ent, active), &off, sizeof off);
     pthread_mutex_lock(&cb->mu);
@@ -246,4 +263,11 @@ void cuda_chan_deactivate_all(struct cuda_backend *cb)
     for (uint32_t i = 0; i < cb->n_chans; i++)
         if (cb->chan[i].state == CHAN_OPEN)
             cuda_chan_close(&cb->base, i);
+}
+
+void cuda_chan_failed(struct cuda_backend *cb)
+{
+    for (uint32_t i = 0; i < cb->n_chans; i++)
+        if (cb->chan[i].state != CHAN_FREE)
+            mark_closed(cb, i);
 }

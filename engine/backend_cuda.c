@@ -243,6 +243,7 @@ static void fail_all(struct cuda_backend *cb, const char *why)
     p = cb->ph;
     cb->ph = cb->pt = NULL;
     pthread_mutex_unlock(&cb->mu);
+    cuda_chan_failed(cb);
     for (int i = 0; i < n; i++) {
         list[i]->status = MOED_E_BACKEND;
         cb->base.done(cb->base.done_ctx, list[i]);

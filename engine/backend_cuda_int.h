@@ -149,6 +149,9 @@ void cuda_chan_close(struct moed_backend *be, uint32_t index);
 int cuda_chan_quiet(struct moed_backend *be, uint32_t index);
 void cuda_chan_stats(struct moed_backend *be, uint32_t index, struct moed_chan_stats *out);
 void cuda_chan_deactivate_all(struct cuda_backend *cb);
+/* The backend failed: every open or draining channel's client is told
+ * (its `closed` word), so that no call waits out its timeout. */
+void cuda_chan_failed(struct cuda_backend *cb);
 
 /* host_alloc / host_free of the backend ops (backend_place_cuda.c) */
 void *cuda_host_alloc(struct moed_backend *be, size_t bytes);

@@ -42,7 +42,7 @@
 #endif
 
 /* Bump when the meaning of a field changes without a change of layout. */
-#define MOE_GPU_ABI_VERSION 2u
+#define MOE_GPU_ABI_VERSION 3u
 
 /* ---- weight stream geometry (packer <-> kernel) ---- */
 #define MOE_GPU_MR 2            /* 16-row sub-tiles per warp tile (H200 2026-11-29: 4 is
@@ -201,6 +201,8 @@ enum moe_gpu_chan_status {
     MOE_GPU_CHAN_E_KEY = 9,     /* the descriptor's key is not the channel's */
     MOE_GPU_CHAN_E_FLAGS = 10,  /* unknown flag bits */
     MOE_GPU_CHAN_E_TIMEOUT = 11,/* client side only: no answer within the wait limit */
+    MOE_GPU_CHAN_E_CLOSED = 12, /* client side only: the daemon closed the channel (its
+                                   `closed` word) before the call was answered */
 };
 
 /* moe_gpu_chan_desc.flags (the FORWARD flags, ipc/PROTOCOL.md 3.2) */
@@ -228,7 +230,10 @@ struct moe_gpu_chan_desc {
 /* The channel (device memory of the daemon, mapped by the client). */
 struct moe_gpu_chan {
     uint64_t bell;    /* client: highest submitted seq (release) */
-    uint64_t pad0[7];
+    uint64_t closed;  /* host: 1 once the daemon closed the channel (CHAN_CLOSE, the
+                         connection's close, shutdown, a failed backend); a waiting call
+                         then ends with MOE_GPU_CHAN_E_CLOSED instead of its timeout */
+    uint64_t pad0[6];
     uint64_t done;    /* kernel: highest answered seq (release, after status) */
     uint64_t pad1[7];
     uint64_t status[MOE_GPU_CHAN_SLOTS]; /* kernel: seq << 8 | moe_gpu_chan_status of
@@ -387,6 +392,7 @@ MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_chan_desc) == 96 &&
                           sizeof(struct moe_gpu_chan_desc) % 16 == 0,
                       "chan desc: 96 bytes, copied as uint4");
 MOE_GPU_STATIC_ASSERT(offsetof(struct moe_gpu_chan, bell) == 0 &&
+                          offsetof(struct moe_gpu_chan, closed) == 8 &&
                           offsetof(struct moe_gpu_chan, done) == 64 &&
                           offsetof(struct moe_gpu_chan, status) == 128 &&
                           offsetof(struct moe_gpu_chan, slot) == 128 + 8 * MOE_GPU_CHAN_SLOTS &&
@@ -449,6 +455,7 @@ MOE_GPU_HD MOE_GPU_CONSTEXPR static inline uint64_t moe_gpu_abi_fingerprint(void
         offsetof(struct moe_gpu_chan_desc, ids), offsetof(struct moe_gpu_chan_desc, w),
         offsetof(struct moe_gpu_chan_desc, y), sizeof(struct moe_gpu_chan),
         offsetof(struct moe_gpu_chan, done), offsetof(struct moe_gpu_chan, status),
+        offsetof(struct moe_gpu_chan, closed), MOE_GPU_CHAN_E_CLOSED,
         offsetof(struct moe_gpu_chan, slot), sizeof(struct moe_gpu_reg),
         sizeof(struct moe_gpu_chan_ent), offsetof(struct moe_gpu_chan_ent, key),
         offsetof(struct moe_gpu_chan_ent, active), offsetof(struct moe_gpu_chan_ent, seen),

@@ -36,15 +36,20 @@ static __device__ __forceinline__ unsigned long long globaltimer_ns(void)
 
 /* Submit descriptor d (its seq is set here) on channel ch and wait for the
  * answer. On anything but MOE_GPU_CHAN_OK for this seq - a refused
- * descriptor, or no answer within timeout_ns (0: wait forever) - the status
- * word (seq << 8 | code; MOE_GPU_CHAN_E_TIMEOUT for the timeout) goes into
- * *err unless *err already holds an earlier one. */
+ * descriptor, no answer within timeout_ns (0: wait forever), or the daemon
+ * closed the channel - the status word (seq << 8 | code;
+ * MOE_GPU_CHAN_E_TIMEOUT, MOE_GPU_CHAN_E_CLOSED) goes into *err unless *err
+ * already holds an earlier one. */
 extern "C" __global__ void moed_chan_call(struct moe_gpu_chan *ch, struct moe_gpu_chan_desc d,
                                           unsigned long long *err, unsigned long long timeout_ns)
 {
     if (threadIdx.x != 0 || blockIdx.x != 0)
         return;
     const unsigned long long seq = *(volatile uint64_t *)&ch->bell + 1;
+    if (*(volatile uint64_t *)&ch->closed) { /* nothing will answer: do not ring */
+        atomicCAS(err, 0ull, moe_gpu_chan_word(seq, MOE_GPU_CHAN_E_CLOSED));
+        return;
+    }
     d.seq = seq;
     struct moe_gpu_chan_desc *slot = &ch->slot[seq % MOE_GPU_CHAN_SLOTS];
     const uint4 *src = reinterpret_cast<const uint4 *>(&d);
@@ -64,6 +69,10 @@ extern "C" __global__ void moed_chan_call(struct moe_gpu_chan *ch, struct moe_gp
                 return;
             if (word >> 8 != seq) /* answered past seq and overwritten: not ours */
                 word = moe_gpu_chan_word(seq, MOE_GPU_CHAN_E_SEQ);
+            break;
+        }
+        if (*(volatile uint64_t *)&ch->closed) {
+            word = moe_gpu_chan_word(seq, MOE_GPU_CHAN_E_CLOSED);
             break;
         }
         if (timeout_ns && globaltimer_ns() - t0 > timeout_ns) {

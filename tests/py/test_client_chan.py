@@ -39,7 +39,7 @@ def hello_v2(rid):
     return hdr(0x8001, rid, len(rep)) + rep
 
 
-def chan_rep(rid, chan_id=5, slots=8, key=0x1122334455667788, size=960, abi=2, kernel=FATBIN,
+def chan_rep(rid, chan_id=5, slots=8, key=0x1122334455667788, size=960, abi=mc.GPU_ABI_VERSION, kernel=FATBIN,
              kernel_bytes=None):
     head = (chan_id.to_bytes(4, "little") + slots.to_bytes(4, "little") +
             key.to_bytes(8, "little") + bytes(range(100, 164)) + size.to_bytes(8, "little") +
@@ -79,7 +79,7 @@ def test_chan_open_request_and_reply_layout(d2):
     with mc.Client(d2.path, timeout=5) as c:
         ci = c.chan_open([7, 9, 11], UUID)
         assert (ci.chan_id, ci.slots, ci.key, ci.size, ci.abi_version) == \
-            (5, 8, 0x1122334455667788, 960, 2)
+            (5, 8, 0x1122334455667788, 960, mc.GPU_ABI_VERSION)
         assert ci.handle == bytes(range(100, 164)) and ci.kernel == FATBIN
         c.chan_close(ci.chan_id)
         assert c.ping() >= 0
@@ -138,10 +138,10 @@ def test_chan_open_reply_over_the_fatbin_bound_is_refused():
 def test_chan_open_other_abi_is_closed_again():
     """A channel of an ABI this client cannot drive: closed at once, a typed
     error, the connection still usable."""
-    d = v2_daemon(lambda rid: chan_rep(rid, chan_id=3, abi=3))
+    d = v2_daemon(lambda rid: chan_rep(rid, chan_id=3, abi=mc.GPU_ABI_VERSION + 1))
     try:
         with mc.Client(d.path, timeout=5) as c:
-            with pytest.raises(mc.MoedError, match="ABI is version 3") as e:
+            with pytest.raises(mc.MoedError, match="ABI is version %d" % (mc.GPU_ABI_VERSION + 1)) as e:
                 c.chan_open([1], UUID)
             assert e.value.name == "version"
             (f,) = frames_of(d, 20)
@@ -201,6 +201,8 @@ def test_status_names_and_channel_error():
     assert "seq 12345" in str(e) and "MOE_GPU_CHAN_E_EXPERT" in str(e) and "channel 2" in str(e)
     t = _chan.ChannelError(9 << 8 | 11)
     assert t.name == "timeout" and t.seq == 9
+    c = _chan.ChannelError(4 << 8 | 12, chan_id=1)  # the daemon closed the channel
+    assert (c.status_name, c.name, c.seq) == ("MOE_GPU_CHAN_E_CLOSED", "conn", 4)
     assert _chan.call_flags() == 0 and _chan.call_flags(True, True) == 3
     with pytest.raises(ValueError):
         _chan.check_flags(4)

@@ -135,7 +135,8 @@ def test_doorbell_constants_match_the_headers():
     codes = c_enum(abi, "MOE_GPU_CHAN_")
     assert len(codes) >= 12, codes
     assert {v: ("OK" if k == "OK" else k[2:]) for k, v in codes.items()} == _chan.CHAN_STATUS
-    assert codes["E_TIMEOUT"] == _chan.CHAN_E_TIMEOUT
+    assert codes["E_TIMEOUT"] == _chan.CHAN_E_TIMEOUT and codes["E_CLOSED"] == _chan.CHAN_E_CLOSED
+    assert "offsetof(struct moe_gpu_chan, closed) == 8" in abi  # CHAN_HEAD's second word
     assert "sizeof(struct moe_gpu_chan_desc) == 96" in abi and _chan.DESC.size == 96
     for field, off in (("seq", 8), ("key", 16), ("flags", 24), ("x", 32), ("y", 80)):
         assert "offsetof(struct moe_gpu_chan_desc, %s) == %d" % (field, off) in abi, field

@@ -79,7 +79,7 @@ MSG_CHAN_CLOSE = 20
 # GPU doorbell channels (PROTOCOL.md section 10, kernels/moe_gpu_abi.h)
 CHAN_BUFS = 16             # registered buffers a channel names (MOED_PROTO_CHAN_BUFS)
 CHAN_SLOTS = 8             # descriptors in flight per channel (MOE_GPU_CHAN_SLOTS)
-GPU_ABI_VERSION = 2        # MOE_GPU_ABI_VERSION the channel layout below follows
+GPU_ABI_VERSION = 3        # MOE_GPU_ABI_VERSION the channel layout below follows
 CHAN_STRUCT_BYTES = 128 + 8 * CHAN_SLOTS + 96 * CHAN_SLOTS  # sizeof(struct moe_gpu_chan)
 MAX_CHAN_KERNEL_BYTES = 16 << 20  # the client kernel's fatbin in a CHAN_OPEN reply, at most
 

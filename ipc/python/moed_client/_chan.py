@@ -6,14 +6,14 @@ names, the error a failed call raises, and the host-side lookup of a tensor's
 
 import struct
 
-from . import MoedError, CHAN_BUFS, CHAN_SLOTS, E_INVAL, E_TIMEOUT
+from . import MoedError, CHAN_BUFS, CHAN_SLOTS, E_CONN, E_INVAL, E_TIMEOUT
 
 # enum moe_gpu_chan_status: the low 8 bits of a status word (seq << 8 | code)
 CHAN_STATUS = {
     0: "OK", 1: "TOKENS", 2: "LAYER", 3: "BUF", 4: "RANGE", 5: "ALIGN", 6: "OVERLAP",
-    7: "EXPERT", 8: "SEQ", 9: "KEY", 10: "FLAGS", 11: "TIMEOUT",
+    7: "EXPERT", 8: "SEQ", 9: "KEY", 10: "FLAGS", 11: "TIMEOUT", 12: "CLOSED",
 }
-CHAN_OK, CHAN_E_TIMEOUT = 0, 11
+CHAN_OK, CHAN_E_TIMEOUT, CHAN_E_CLOSED = 0, 11, 12
 CHAN_ROUTED_ONLY = 0x1  # MOE_GPU_CHAN_ROUTED_ONLY (the FORWARD flags)
 CHAN_EMPTY_SLOTS = 0x2  # MOE_GPU_CHAN_EMPTY_SLOTS
 _CHAN_FLAGS = CHAN_ROUTED_ONLY | CHAN_EMPTY_SLOTS
@@ -22,8 +22,8 @@ _CHAN_FLAGS = CHAN_ROUTED_ONLY | CHAN_EMPTY_SLOTS
 # (buf u32, pad u32, off u64)
 DESC = struct.Struct("<IIQQII" + "IIQ" * 4)
 assert DESC.size == 96
-# struct moe_gpu_chan: bell, pad[7], done, pad[7], status[SLOTS], slot[SLOTS]
-CHAN_HEAD = struct.Struct("<Q56xQ56x%dQ" % CHAN_SLOTS)
+# struct moe_gpu_chan: bell, closed, pad[6], done, pad[7], status[SLOTS], slot[SLOTS]
+CHAN_HEAD = struct.Struct("<QQ48xQ56x%dQ" % CHAN_SLOTS)
 assert CHAN_HEAD.size == 128 + 8 * CHAN_SLOTS
 
 
@@ -40,13 +40,16 @@ class ChannelError(MoedError):
     the channel's err word kept. status: the MOE_GPU_CHAN_E_* code; status_name
     its name; seq: the sequence number of the call it answered; chan_id.
     code is MOED_E_TIMEOUT for a call that got no answer in time,
-    MOED_E_INVAL for a descriptor the daemon's kernel refused."""
+    MOED_E_CONN for one the daemon closed the channel under (CHAN_CLOSE, the
+    connection's close, its shutdown or failure), MOED_E_INVAL for a
+    descriptor the daemon's kernel refused."""
 
     def __init__(self, word, chan_id=0):
         self.word, self.chan_id = int(word), chan_id
         self.status, self.seq = self.word & 0xFF, self.word >> 8
         self.status_name = status_name(self.status)
-        super().__init__(E_TIMEOUT if self.status == CHAN_E_TIMEOUT else E_INVAL,
+        code = {CHAN_E_TIMEOUT: E_TIMEOUT, CHAN_E_CLOSED: E_CONN}.get(self.status, E_INVAL)
+        super().__init__(code,
                          "doorbell channel %d: call seq %d answered %s"
                          % (chan_id, self.seq, self.status_name))
 

@@ -295,7 +295,7 @@ class Channel:
         """(bell, done, status words) of the channel as moed's memory holds
         them now (a synchronous device read; for tests and tools)."""
         f = CHAN_HEAD.unpack(_cudrv.read_device(self._chan, CHAN_HEAD.size))
-        return f[0], f[1], list(f[2:])
+        return f[0], f[2], list(f[3:])  # bell, done (f[1]: closed), status words
 
     def close(self):
         """Wait for the device (no call of this channel may still run), close
