@@ -540,8 +540,21 @@ int main(void)
                    "the closed channel's key on the reused channel: err 0x%llx (E_KEY at seq 1)", e);
             be->ops->chan_close(be, i4.index);
         }
-        if (r2 == 0)
+        if (r2 == 0) { /* a closed channel: a call ends at once with E_CLOSED */
             be->ops->chan_close(be, i2.index);
+            struct client c2 = {moed_backend_cuda_chan_ptr(be, i2.index), i2.key, c.err, c.stream};
+            struct moe_gpu_chan_desc d = desc_for(&a, &c2, 5, 8, 0);
+            const uint64_t seq = chan_word(&c2, offsetof(struct moe_gpu_chan, bell)) + 1;
+            struct timespec t0, t1;
+            clock_gettime(CLOCK_MONOTONIC, &t0);
+            call(&c2, &d);
+            unsigned long long e = take_err(&c2);
+            clock_gettime(CLOCK_MONOTONIC, &t1);
+            const double ms = (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6;
+            result(e == moe_gpu_chan_word(seq, MOE_GPU_CHAN_E_CLOSED) &&
+                       chan_word(&c2, offsetof(struct moe_gpu_chan, bell)) == seq - 1,
+                   "a call on a closed channel: err 0x%llx (E_CLOSED, not rung) after %.1f ms", e, ms);
+        }
     }
 out: {
     char gerr[MOED_ERRLEN] = "";
