@@ -13,6 +13,7 @@
 
 #include "moed_client.h"
 #include "check_main.h"
+#include "moe_gpu_abi.h"
 
 #define H 8
 #define K 2
@@ -515,14 +516,17 @@ START_TEST(test_chan_gpu_errors)
     struct moedc_chan *ch = (struct moedc_chan *)&err; /* must be cleared */
     static const char fatbin[] = "not a fatbin";
     struct moedc_chan_info info = {.chan_id = 1, .slots = 8, .key = 5, .size = 960,
-                                   .abi_version = 2, .kernel = (void *)fatbin,
+                                   .abi_version = MOE_GPU_ABI_VERSION, .kernel = (void *)fatbin,
                                    .kernel_bytes = sizeof fatbin};
     ck_assert_int_eq(moedc_chan_attach(NULL, &ch, err, sizeof err), MOED_E_INVAL);
     ck_assert_ptr_null(ch);
     info.abi_version = 1;
     ck_assert_int_eq(moedc_chan_attach(&info, &ch, err, sizeof err), MOED_E_VERSION);
-    ck_assert_str_eq(err, "the daemon's channel ABI is version 1; this library speaks 2");
-    info.abi_version = 2;
+    char want[128];
+    snprintf(want, sizeof want, "the daemon's channel ABI is version 1; this library speaks %u",
+             (unsigned)MOE_GPU_ABI_VERSION);
+    ck_assert_str_eq(err, want);
+    info.abi_version = MOE_GPU_ABI_VERSION;
     info.size = 959;
     ck_assert_int_eq(moedc_chan_attach(&info, &ch, err, sizeof err), MOED_E_INVAL);
     ck_assert_str_eq(err, "moedc_chan_attach: not an open channel's info (kernel 13 bytes, "
