@@ -37,6 +37,7 @@ struct moed_cfg {
     uint64_t socket_buffer_bytes;     /* SO_SNDBUF of client sockets; 0 = kernel default */
     uint64_t pinned_pool_bytes;       /* cap on buffers from the backend's host allocator */
     uint32_t max_registered_buffers;  /* REGISTER_BUF per connection; 0 = off */
+    uint32_t max_channels_per_client; /* doorbell channels open per connection */
     uint32_t idle_timeout_ms;         /* close a client idle this long; 0 = never */
     uint64_t max_reply_bytes;         /* reply memory queued for all clients together */
     /* status */

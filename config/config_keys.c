@@ -84,6 +84,11 @@ const struct cfg_key cfg_keys[] = {
             "have registered at once; one more is refused with a busy error. Each is mapped "
             "into the daemon once and stays mapped until it is unregistered, or its client "
             "disconnects, and the last request using it has completed. 0: registration off."},
+    {.path = "server.max_channels_per_client", .type = T_UINT, .min = 1, .max = 16,
+     .def = "4", FIELD(max_channels_per_client),
+     .doc = "GPU doorbell channels one connection may have open at once (CHAN_OPEN past it: "
+            "MOED_E_BUSY), so that one client cannot take every entry of engine.max_channels; "
+            "a serving engine needs one per process and GPU stream."},
     {.path = "server.idle_timeout_ms", .type = T_UINT, .min = 0, .max = 86400000, .def = "0",
      FIELD(idle_timeout_ms),
      .doc = "A client with nothing in progress (no partial frame, no request unanswered, no "

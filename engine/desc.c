@@ -48,7 +48,7 @@ struct desc_chan {
 
 struct moed_desc {
     struct moed_backend *be;
-    uint32_t max_per_conn, max_chans, hidden, top_k;
+    uint32_t max_per_conn, max_chans, max_chans_per_conn, hidden, top_k;
     struct desc_map *maps;
     struct desc_chan *chans, *draining; /* open; closed, the backend not yet quiet */
     uint32_t next_chan_id;
@@ -89,7 +89,8 @@ static void buf_put(struct moed_desc *d, struct desc_buf *b)
 }
 
 int moed_desc_open(struct moed_backend *be, uint32_t max_per_conn, uint32_t max_chans,
-                   uint32_t hidden, uint32_t top_k, struct moed_desc **out)
+                   uint32_t max_chans_per_conn, uint32_t hidden, uint32_t top_k,
+                   struct moed_desc **out)
 {
     struct moed_desc *d = calloc(1, sizeof *d);
     if (!d)
@@ -97,6 +98,7 @@ int moed_desc_open(struct moed_backend *be, uint32_t max_per_conn, uint32_t max_
     d->be = be;
     d->max_per_conn = max_per_conn;
     d->max_chans = max_chans;
+    d->max_chans_per_conn = max_chans_per_conn;
     d->next_chan_id = 1;
     d->hidden = hidden;
     d->top_k = top_k;
@@ -414,6 +416,14 @@ static int chan_check(struct moed_desc *d, struct moed_conn *c,
         return moed_seterr(err, errlen, MOED_E_UNSUPPORTED,
                            "doorbell channels need the cuda backend (backend %s has none)",
                            ops->name);
+    uint32_t mine = 0;
+    for (const struct desc_chan *o = d->chans; o; o = o->next)
+        mine += o->conn == c;
+    if (mine >= d->max_chans_per_conn)
+        return moed_seterr(err, errlen, MOED_E_BUSY,
+                           "this connection has %u doorbell channels open "
+                           "(server.max_channels_per_client %u); close one first",
+                           mine, d->max_chans_per_conn);
     const struct desc_conn *t = conn_table(d, c, 0);
     for (uint32_t i = 0; i < rq->n_bufs; i++) {
         int k = find(t, rq->buf_ids[i]);

@@ -64,9 +64,11 @@ struct moed_desc_chan_row {
 };
 
 /* max_per_conn: server.max_registered_buffers (0: registration off);
- * max_chans: engine.max_channels (0: channels off). */
+ * max_chans: engine.max_channels (0: channels off); max_chans_per_conn:
+ * server.max_channels_per_client (channels one connection may have open). */
 int moed_desc_open(struct moed_backend *be, uint32_t max_per_conn, uint32_t max_chans,
-                   uint32_t hidden, uint32_t top_k, struct moed_desc **out);
+                   uint32_t max_chans_per_conn, uint32_t hidden, uint32_t top_k,
+                   struct moed_desc **out);
 /* The backend is about to close: what is still mapped (abandoned batches
  * only, after a drain) is left to process exit from here on. */
 void moed_desc_detach(struct moed_desc *d);

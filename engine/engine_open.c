@@ -124,7 +124,8 @@ int moed_engine_open(uv_loop_t *loop, struct moed_model *model, const struct moe
     rc = open_pool(e, cfg, err, errlen);
     if (rc < 0)
         goto fail_backend;
-    if (moed_desc_open(e->be, cfg->max_registered_buffers, cfg->max_channels, e->dims->hidden,
+    if (moed_desc_open(e->be, cfg->max_registered_buffers, cfg->max_channels,
+                       cfg->max_channels_per_client, e->dims->hidden,
                        e->dims->top_k, &e->desc) < 0) {
         rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
         moed_bufpool_close(e->pool);

@@ -496,3 +496,32 @@ def test_channel_churn_and_abrupt_disconnects(daemon, shm):
         t.join()
     assert not errors, errors
     let_go_and_serving(daemon, shm)
+
+
+def test_channels_per_connection_are_capped(tmp_path_factory, shm):
+    """server.max_channels_per_client: a connection with that many channels
+    open gets MOED_E_BUSY naming the key for one more, while another
+    connection still opens one from the same table; once one of the first
+    connection's channels is closed it may open again."""
+    per = 2
+    with start(tmp_path_factory, "chan-per", ENV, server__max_registered_buffers=LIMIT,
+               engine__max_channels=per + 2, server__max_channels_per_client=per) as d:
+        a, b = cf.Raw(d), cf.Raw(d)
+        try:
+            ba = a.register(shm.handle, 0, 4096, UUID)
+            bb = b.register(shm.handle, 4096, 4096, UUID)
+            mine = [a.chan_open(UUID, [ba]) for _ in range(per)]
+            a.expect_error(cf.MSG_CHAN_OPEN, cf.open_payload(UUID, [ba]), "busy",
+                           "this connection has %d doorbell channels open "
+                           "(server.max_channels_per_client %d); close one first" % (per, per))
+            other = b.chan_open(UUID, [bb])  # the table has room: another client is served
+            assert status(d)[0]["open"] == per + 1
+            a.chan_close(mine[0]["chan_id"])
+            again = a.chan_open(UUID, [ba])  # a closed (draining) channel no longer counts
+            assert again["chan_id"] not in {m["chan_id"] for m in mine}
+            for r, cl in ((mine[1], a), (again, a), (other, b)):
+                cl.chan_close(r["chan_id"])
+        finally:
+            a.close()
+            b.close()
+        assert d.stop() == 0, d.log()[-4000:]
