@@ -16,35 +16,12 @@ requests). over = layer - dense - kernel: what sharing and the doorbell add.
 Prints a markdown table.
 """
 
-import json
 import os
 import sys
 import tempfile
-import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(ROOT, "ipc", "python"), os.path.join(ROOT, "tests", "py")]
-
-import daemon_util as du  # noqa: E402
-import moed_client as mc  # noqa: E402
-import moed_client.cuda as mcc  # noqa: E402
-
-
-def status(d):
-    with urllib.request.urlopen("http://127.0.0.1:%d/status" % d.http_port(), timeout=30) as r:
-        return json.loads(r.read().decode())
-
-
-def chan_kernel(d, chan_id):
-    for ch in status(d)["channels"]["list"]:
-        if ch["id"] == chan_id:
-            return ch["requests"], ch["kernel_seconds"]
-    raise KeyError(chan_id)
-
-
-def p50(v):
-    v = sorted(v)
-    return v[len(v) // 2]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zero_copy import chan_kernel, du, mc, mcc, p50, status  # noqa: E402 (the three-path bench's helpers)
 
 
 def replay_us(torch, g, reps):
@@ -99,10 +76,10 @@ def one_share(torch, sms_free, model, tmp, T, layers, gemms, reps):
                     step(with_moe)
                 graphs[with_moe] = gr
             dense = replay_us(torch, graphs[False], reps) / layers
-            n0, k0 = chan_kernel(d, sess.channel.chan_id)
+            n0, k0 = chan_kernel(status(d), sess.channel.chan_id)
             total = replay_us(torch, graphs[True], reps) / layers
             sess.check()
-            n1, k1 = chan_kernel(d, sess.channel.chan_id)
+            n1, k1 = chan_kernel(status(d), sess.channel.chan_id)
             kern = (k1 - k0) * 1e6 / (n1 - n0) if n1 > n0 else float("nan")
             return dense, total, kern
         finally:
