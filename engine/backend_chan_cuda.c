@@ -267,7 +267,14 @@ void cuda_chan_deactivate_all(struct cuda_backend *cb)
 
 void cuda_chan_failed(struct cuda_backend *cb)
 {
+    /* which entries are in use, under mu (the loop thread changes them); the
+     * copies then outside it */
+    uint8_t used[MOE_GPU_MAX_CHANS] = {0};
+    pthread_mutex_lock(&cb->mu);
     for (uint32_t i = 0; i < cb->n_chans; i++)
-        if (cb->chan[i].state != CHAN_FREE)
+        used[i] = cb->chan[i].state != CHAN_FREE;
+    pthread_mutex_unlock(&cb->mu);
+    for (uint32_t i = 0; i < cb->n_chans; i++)
+        if (used[i])
             mark_closed(cb, i);
 }
