@@ -121,6 +121,12 @@ static uint64_t publish_gen_locked(struct cuda_backend *cb)
     return cb->chan_gen;
 }
 
+void cuda_chan_wake_locked(struct cuda_backend *cb)
+{
+    if (cb->n_chans)
+        (void)publish_gen_locked(cb);
+}
+
 int cuda_chan_open(struct moed_backend *be, const struct moed_chan_buf *bufs, uint32_t n_bufs,
                    struct moed_chan_info *out, char *err, size_t errlen)
 {

@@ -315,6 +315,40 @@ static uint64_t kernel_time_ns(const struct cuda_backend *cb, uint64_t seq)
 /* now - then as a signed age (negative when `then` was stamped after `now`). */
 static int64_t age_ns(uint64_t now, uint64_t then) { return (int64_t)(now - then); }
 
+/* Client mappings given back (cuda_ipc_close) are unmapped here, with no
+ * kernel resident: a running kernel is stopped between batches (the host
+ * ring empty; a busy doorbell channel does not keep it from stopping, see
+ * cuda_chan_wake_locked) and relaunched by the state machine after, as it
+ * would be after an idle exit. NULL or why the backend fails. */
+static const char *unmap_step(struct cuda_backend *cb)
+{
+    pthread_mutex_lock(&cb->mu);
+    int go = cb->n_unmap && !cb->failed && !cb->closing && cb->next_seq == cb->delivered;
+    int stop = go && cb->running;
+    if (stop) {
+        cb->running = 0;  /* submits queue meanwhile */
+        cb->stopping = 1; /* a channel opens after */
+        cb->unmap_stops++;
+        moe_gpu_request_stop(cb->ctrl);
+        cuda_chan_wake_locked(cb);
+    }
+    pthread_mutex_unlock(&cb->mu);
+    if (!go)
+        return NULL;
+    const char *why = NULL;
+    if (stop && stop_kernel(cb, 2000))
+        why = "the kernel did not stop on request";
+    else
+        cuda_ipc_unmap_queued(cb);
+    if (stop) {
+        pthread_mutex_lock(&cb->mu);
+        cb->stopping = 0;
+        pthread_cond_broadcast(&cb->cv);
+        pthread_mutex_unlock(&cb->mu);
+    }
+    return why;
+}
+
 static void *completion_thread(void *arg)
 {
     struct cuda_backend *cb = arg;
@@ -364,13 +398,14 @@ static void *completion_thread(void *arg)
             backoff_us = 0;
         }
 
+        const char *why = unmap_step(cb);
+
         /* ---- state machine under mu ---- */
         pthread_mutex_lock(&cb->mu);
         int failed = cb->failed;
         uint64_t inflight = cb->next_seq - cb->delivered;
         int pending = cb->ph != NULL;
-        const char *why = NULL;
-        if (!failed) {
+        if (!failed && !why) {
             /* a channel's bell is seen only by a running kernel */
             if (!cb->running && (pending || cb->chans_live) && !cb->closing) {
                 char lerr[MOED_ERRLEN];
@@ -446,7 +481,7 @@ static void *completion_thread(void *arg)
             }
             pthread_mutex_lock(&cb->mu);
             if (!cb->ph && cb->next_seq == cb->delivered && !cb->closing &&
-                (cb->running || !cb->chans_live || cb->failed))
+                (cb->running || !cb->chans_live || cb->failed) && (!cb->n_unmap || cb->failed))
                 pthread_cond_timedwait(&cb->cv, &cb->mu, &ts);
             pthread_mutex_unlock(&cb->mu);
             last_progress = moed_mono_ns();
@@ -501,6 +536,7 @@ static void free_all(struct cuda_backend *cb, int device_ok)
             cudaFreeHost(cb->stage);
     }
     cuda_chan_teardown(cb, device_ok);
+    free(cb->unmap); /* left mapped when the device is not ok */
     free(cb->slot_of);
     pthread_mutex_destroy(&cb->mu);
     pthread_cond_destroy(&cb->cv);
@@ -534,6 +570,8 @@ static void cuda_close(struct moed_backend *be)
         }
         cb->running = 0;
     }
+    if (device_ok)
+        cuda_ipc_unmap_queued(cb);
     free_all(cb, device_ok);
 }
 

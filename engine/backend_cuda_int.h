@@ -104,6 +104,12 @@ struct cuda_backend {
     int stopping;            /* an idle stop is under way (the kernel sees a bell only
                                 once relaunched: a channel opens after it) */
     uint64_t chan_gen;       /* last generation released */
+    /* client mappings given back (cuda_ipc_close) and not yet unmapped:
+     * cudaIpcCloseMemHandle waits for the device to go idle, so it runs only
+     * with no kernel resident (the completion thread stops it for them, mu) */
+    void **unmap;
+    uint32_t n_unmap, cap_unmap;
+    uint64_t unmap_stops;    /* kernel stops made for them */
 };
 
 /* Host state of one channel table entry. */
@@ -131,6 +137,9 @@ int cuda_device_uuid(struct moed_backend *be, uint8_t uuid[16], int *mps);
 int cuda_ipc_open(struct moed_backend *be, const uint8_t handle[64], struct moed_buf *out,
                   char *err, size_t errlen);
 void cuda_ipc_close(struct moed_backend *be, const struct moed_buf *m);
+/* Unmap the mappings cuda_ipc_close queued (no kernel resident: the
+ * completion thread, or close after the kernel stopped). */
+void cuda_ipc_unmap_queued(struct cuda_backend *cb);
 /* At open: the device's UUID and MPS attribute into cb (uuid, mps). */
 void cuda_sharing_probe(struct cuda_backend *cb, const struct cudaDeviceProp *prop);
 /* SMs the kernel leaves free: sms_free, or under MPS with sms_free 0,
@@ -152,6 +161,10 @@ void cuda_chan_deactivate_all(struct cuda_backend *cb);
 /* The backend failed: every open or draining channel's client is told
  * (its `closed` word), so that no call waits out its timeout. */
 void cuda_chan_failed(struct cuda_backend *cb);
+/* Make a busy kernel look at its stop request (mu held): a new table
+ * generation, which the dispatcher takes between batches, busy or not, and
+ * then reads ctrl->stop (an idle one reads it anyway). */
+void cuda_chan_wake_locked(struct cuda_backend *cb);
 
 /* host_alloc / host_free of the backend ops (backend_place_cuda.c) */
 void *cuda_host_alloc(struct moed_backend *be, size_t bytes);

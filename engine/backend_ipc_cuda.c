@@ -16,6 +16,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "backend_cuda_int.h"
@@ -102,15 +103,56 @@ int cuda_ipc_open(struct moed_backend *be, const uint8_t handle[64], struct moed
     return 0;
 }
 
+/* Queued, not unmapped here: cudaIpcCloseMemHandle waits until the device
+ * is idle, which it never is while the persistent kernel is resident (a
+ * doorbell channel keeps it so), and this runs on the loop thread. The
+ * completion thread unmaps the queue with no kernel resident
+ * (cuda_ipc_unmap_queued), stopping and relaunching it for that. After a
+ * failure the kernel may still run: the mapping is left to process exit. */
 void cuda_ipc_close(struct moed_backend *be, const struct moed_buf *m)
 {
     struct cuda_backend *cb = (struct cuda_backend *)be;
-    cudaError_t ce = cudaSetDevice(cb->dev);
-    if (ce == cudaSuccess)
-        ce = cudaIpcCloseMemHandle(m->ptr);
-    if (ce != cudaSuccess) {
-        (void)cudaGetLastError();
-        LOG_W("cuda: GPU %d: cudaIpcCloseMemHandle(%p): %s", cb->dev, m->ptr,
-              cudaGetErrorString(ce));
+    pthread_mutex_lock(&cb->mu);
+    if (!cb->failed && cb->n_unmap == cb->cap_unmap) {
+        uint32_t cap = cb->cap_unmap ? 2 * cb->cap_unmap : 16;
+        void **nu = realloc(cb->unmap, cap * sizeof *nu);
+        if (nu) {
+            cb->unmap = nu;
+            cb->cap_unmap = cap;
+        }
     }
+    int queued = !cb->failed && cb->n_unmap < cb->cap_unmap;
+    if (queued) {
+        cb->unmap[cb->n_unmap++] = m->ptr;
+        pthread_cond_signal(&cb->cv);
+    }
+    int failed = cb->failed;
+    pthread_mutex_unlock(&cb->mu);
+    if (!queued)
+        LOG_W("cuda: GPU %d: client mapping %p left to process exit (%s)", cb->dev, m->ptr,
+              failed ? "the backend has failed" : "out of memory");
+}
+
+void cuda_ipc_unmap_queued(struct cuda_backend *cb)
+{
+    pthread_mutex_lock(&cb->mu);
+    void **list = cb->unmap;
+    uint32_t n = cb->n_unmap;
+    cb->unmap = NULL;
+    cb->n_unmap = cb->cap_unmap = 0;
+    pthread_mutex_unlock(&cb->mu);
+    cudaError_t ce = cudaSetDevice(cb->dev);
+    for (uint32_t i = 0; i < n; i++) {
+        if (ce == cudaSuccess)
+            ce = cudaIpcCloseMemHandle(list[i]);
+        if (ce != cudaSuccess) {
+            (void)cudaGetLastError();
+            LOG_W("cuda: GPU %d: cudaIpcCloseMemHandle(%p): %s", cb->dev, list[i],
+                  cudaGetErrorString(ce));
+            ce = cudaSuccess;
+        }
+    }
+    if (n)
+        LOG_D("cuda: GPU %d: %u client mappings unmapped", cb->dev, n);
+    free(list);
 }

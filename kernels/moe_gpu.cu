@@ -92,10 +92,12 @@
  * IDLE, STOP, HEARTBEAT. Waiting threads back off with __nanosleep (short
  * while recently busy, longer when idle). The dispatcher bumps ctrl->heartbeat
  * about every 100 us while idle and after every batch. The host sets
- * ctrl->stop only when nothing is queued; the dispatcher forwards it to the
- * other CTAs through stop_dev; the last CTA to leave sets ctrl->exited. The
- * host relaunches on the next batch (idle exit) or frees everything
- * (shutdown).
+ * ctrl->stop only when nothing is queued on the host ring; the dispatcher
+ * reads it every 8th idle round, and after a channel-table generation change
+ * (the host bumps gen to stop a kernel that doorbell traffic keeps busy), and
+ * forwards it to the other CTAs through stop_dev; the last CTA to leave sets
+ * ctrl->exited. The host relaunches on the next batch or open channel (idle
+ * exit, unmapping client buffers) or frees everything (shutdown).
  *
  * ARCHITECTURE. Everything here is sm_80+ PTX (cp.async, mma.sync bf16)
  * plus cvt e4m3x2 (sm_89+), so one path serves sm_90a (H200) and sm_120a

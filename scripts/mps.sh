@@ -2,7 +2,8 @@
 # start the CUDA MPS control daemon in a temporary pipe/log directory (both
 # moed and the test's or bench's torch clients run under it) and stop it.
 #   mps_start        exports CUDA_MPS_PIPE_DIRECTORY / CUDA_MPS_LOG_DIRECTORY
-#   mps_stop [dir]   quits MPS, copies its log to dir (if given), unsets them
+#   mps_stop [dir]   stops any moed left running, quits MPS (30 s at most),
+#                    copies its log to dir (if given), unsets them
 mps_start() {
     MPS_TMP=$(mktemp -d)
     export CUDA_MPS_PIPE_DIRECTORY="$MPS_TMP/pipe" CUDA_MPS_LOG_DIRECTORY="$MPS_TMP/log"
@@ -10,7 +11,10 @@ mps_start() {
     nvidia-cuda-mps-control -d
 }
 mps_stop() {
-    echo quit | nvidia-cuda-mps-control
+    # a client left hanging (a test cut by its timeout) keeps MPS from quitting
+    pkill -x moed 2>/dev/null && sleep 1
+    pkill -KILL -x moed 2>/dev/null
+    echo quit | timeout 30 nvidia-cuda-mps-control || echo "mps_stop: MPS did not quit in 30 s" >&2
     [ -n "${1:-}" ] && { cp -r "$CUDA_MPS_LOG_DIRECTORY" "$1" 2>/dev/null || true; }
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
     rm -rf "$MPS_TMP"

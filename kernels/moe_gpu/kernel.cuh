@@ -164,6 +164,11 @@ __device__ __noinline__ int poll_sources(struct moe_gpu_ctrl *ctrl, struct moe_g
             }
             gen_seen = gen;
             st_release_sys(&cc->ack, gen);
+            /* the host bumps gen to stop a busy kernel (to unmap client
+             * buffers: cuda_chan_wake_locked); the bells stay for the
+             * relaunch */
+            if (ld_relaxed_sys(&ctrl->stop))
+                break;
             continue;
         }
         /* every load of the round has been used: the fences below wait for
