@@ -47,7 +47,7 @@ def test_model_served_through_the_doorbell(tmp_path, family):
                            generator=torch.Generator().manual_seed(3)).to("cuda")
     ref_logits, ref_tokens = e2e.prefill_and_decode(model, prompt)
     L0, blk0 = list(e2e.moe_blocks(model))[0]
-    xs = [torch.randn(4, cfg.hidden_size, generator=torch.Generator().manual_seed(20 + i))
+    xs = [torch.randn(1, 4, cfg.hidden_size, generator=torch.Generator().manual_seed(20 + i))
           .to("cuda") for i in range(3)]
     with torch.no_grad():
         ref_blk = [blk0(x).float() for x in xs]  # the model's own block

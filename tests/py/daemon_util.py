@@ -98,7 +98,7 @@ def module_daemon(tmp_path_factory, models_dir, name):
 
 def base_config(tmpdir, synthetic_dir, **over):
     """A small, strict config: MOED_TEST_BACKEND (default CPU), tight limits,
-    short frame deadline."""
+    short frame deadline; log.level MOED_TEST_LOG_LEVEL (default info)."""
     cfg = {
         "server": {
             "socket": os.path.join(tmpdir, "moed.sock"),
@@ -114,7 +114,7 @@ def base_config(tmpdir, synthetic_dir, **over):
         "status": {"address": "127.0.0.1", "port": 0},
         "model": {"path": SYNTH_SPEC, "synthetic_dir": synthetic_dir},
         "engine": {"backend": TEST_BACKEND, "max_tokens": 64, "cpu_threads": 0},
-        "log": {"level": "info"},
+        "log": {"level": os.environ.get("MOED_TEST_LOG_LEVEL", "info")},
     }
     for key, val in over.items():
         sect, name = key.split("__", 1)
