@@ -155,6 +155,9 @@ if python3 -c 'import torch, numpy, pytest; assert torch.cuda.is_available()' 2>
             "rc $rc: $(tail -1 "$LOGDIR/pytest-$name.log")"
     done
     mps_stop "$LOGDIR/mps-log"
+    # the test daemons' own logs (in pytest's temporary directories)
+    find /tmp/pytest-of-"$(id -un)" -name moed.log -mmin -120 2>/dev/null |
+        tar czf "$LOGDIR/daemon-logs.tgz" -T - 2>/dev/null
 else
     step "zero-copy, doorbell under MPS (torch)" SKIP "torch with CUDA, numpy, pytest or MPS missing"
 fi

@@ -60,9 +60,21 @@ def test_model_served_through_the_doorbell(tmp_path, family):
                           engine__max_channels=2)
     with du.Daemon(tmp, conf) as d:
         dev = torch.device("cuda", torch.cuda.current_device())
-        sess = mcc.DoorbellSession(mc.Client(d.sock_path, timeout=du.wait_s(60)), device=dev)
+        sess = mcc.DoorbellSession(mc.Client(d.sock_path, timeout=du.wait_s(60)), device=dev,
+                                   timeout_s=du.wait_s(5))
         ex = pc.Experts(zero_copy_mode="doorbell", sessions={str(dev): sess})
         try:
+            # one call by itself first: a channel that nothing answers fails
+            # here within the call timeout, with its ring words, instead of
+            # every call of the model waiting its timeout out in turn
+            info = sess.info
+            x1 = torch.randn(2, info.hidden, device=dev).to(torch.bfloat16)
+            ids1 = torch.zeros(2, info.top_k, dtype=torch.int32, device=dev)
+            sess.fused_experts(x1, torch.ones(2, info.top_k, device=dev), ids1,
+                               info.moe_layers[0])
+            torch.cuda.synchronize()
+            assert sess.channel.error_word() == 0, (hex(sess.channel.error_word()),
+                                                    sess.channel.ring(), d.log()[-2000:])
             assert sess.max_tokens == e2e.MAX_TOKENS < e2e.PROMPT  # prefill goes in chunks
             with e2e.Served(model, None, call=lambda L, x, ids, w: ex._forward_doorbell(
                     L, x, ids, w, routed_only=False)):
