@@ -395,6 +395,51 @@ def test_expert_load_in_status_and_moectl(daemon, dims, expert_counts):
                          r.stdout, re.M), r.stdout
 
 
+def test_moectl_placement_from_the_load(daemon, dims, expert_counts):
+    """moectl placement (engine/placement.h) from /status's counts: every MoE
+    layer, every expert on 1..max_replicas distinct GPUs, copies exactly for
+    the experts over --hot-percent of one GPU's share (recomputed here), the
+    per-GPU tokens it reports equal to the map applied to the counts, the
+    busiest GPU within one replica's load of the mean, replicas per GPU
+    within 2; bad options refused."""
+    import math
+    E, layers = dims["n_experts"], list(range(dims["first_moe_layer"], dims["n_layers"]))
+    for gpus, hot in ((2, 100), (3, 50), (4, 25)):
+        r = run([du.MOECTL, "placement", "--json", "--gpus", str(gpus), "--hot-percent", str(hot),
+                 "--socket", daemon.sock_path])
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        counts = np.array(json.loads(http_get(daemon, "/status"))["experts"]["logical_count"])
+        assert out["gpus"] == gpus and out["max_replicas"] == gpus and out["n_experts"] == E
+        assert [l["layer"] for l in out["layers"]] == layers
+        for l in out["layers"]:
+            load = counts[l["layer"]]
+            fair = load.sum() / gpus
+            dev_tokens, dev_experts, heaviest = np.zeros(gpus), np.zeros(gpus, int), 0.0
+            for e, devs in enumerate(l["experts"]):
+                assert devs and len(set(devs)) == len(devs) and all(0 <= d < gpus for d in devs)
+                want = 1
+                if fair > 0 and load[e] > hot / 100 * fair:
+                    want = min(gpus, math.ceil(load[e] / (hot / 100 * fair)))
+                assert len(devs) == want, (l["layer"], e, devs, load[e], fair)
+                for d in devs:
+                    dev_tokens[d] += load[e] / len(devs)
+                    dev_experts[d] += 1
+                heaviest = max(heaviest, load[e] / len(devs))
+            assert np.allclose(l["device_tokens"], dev_tokens), (l, dev_tokens)
+            assert l["device_experts"] == dev_experts.tolist()
+            assert dev_tokens.max() <= load.sum() / gpus + heaviest + 1e-9
+            assert dev_experts.max() - dev_experts.min() <= 2
+    r = run([du.MOECTL, "placement", "--socket", daemon.sock_path])
+    assert r.returncode == 0 and re.search(r"^\s+%d\s+\d+\s+[\d.]+\s+\d+/\d+$" % layers[0],
+                                           r.stdout, re.M), r.stdout
+    r = run([du.MOECTL, "placement", "--gpus", "2", "--max-replicas", "3",
+             "--socket", daemon.sock_path])
+    assert r.returncode == 2 and "--max-replicas 3 is over --gpus 2" in r.stderr, r.stderr
+    r = run([du.MOECTL, "placement", "--gpus", "9", "--socket", daemon.sock_path])
+    assert r.returncode == 2 and "--gpus" in r.stderr, r.stderr
+
+
 # ---- moectl ---------------------------------------------------------------------------------
 
 def test_moectl_status_summary_and_json(daemon):

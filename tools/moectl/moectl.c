@@ -14,6 +14,7 @@ static void usage(FILE *f)
             "             --layers N --seed S --out DIR)\n"
             "  status     print a short summary of a running daemon (--json: everything)\n"
             "  experts    per-layer expert load since start (--json: SGLang dump layout)\n"
+            "  placement  a balanced placement of the experts on --gpus GPUs from that load\n"
             "  ping       round-trip a PING and print the latency\n"
             "  forward    send a random batch, print the latency (--check compares with the CPU reference)\n"
             "  bench      N concurrent connections for a duration; throughput and p50/p99/p999 latency\n"
@@ -35,8 +36,9 @@ int main(int argc, char **argv)
     const char *cmd = argv[1];
     if (strcmp(cmd, "gen-model") == 0)
         return moectl_gen_main(argc - 1, argv + 1);
-    if (strcmp(cmd, "status") == 0 || strcmp(cmd, "experts") == 0 || strcmp(cmd, "ping") == 0 || strcmp(cmd, "forward") == 0 ||
-        strcmp(cmd, "bench") == 0)
+    if (strcmp(cmd, "status") == 0 || strcmp(cmd, "experts") == 0 ||
+        strcmp(cmd, "placement") == 0 || strcmp(cmd, "ping") == 0 ||
+        strcmp(cmd, "forward") == 0 || strcmp(cmd, "bench") == 0)
         return moectl_client_main(cmd, argc - 1, argv + 1);
     fprintf(stderr, "moectl: unknown command '%s'\n", cmd);
     usage(stderr);

@@ -28,6 +28,7 @@
 #include "moed_util.h"
 #include "moed_proto.h"
 #include "nvfp4.h"
+#include "placement.h"
 
 /* One table of options: name, which commands take it, numeric bounds. */
 enum opt_kind { OPT_FLAG, OPT_STR, OPT_U64 };
@@ -39,11 +40,12 @@ static const struct opt_def {
     size_t off;
     const char *help;
 } opt_table[] = {
-    {"--socket", OPT_STR, "status experts ping forward bench", 0, 0, offsetof(struct opts, socket),
+    {"--socket", OPT_STR, "status experts placement ping forward bench", 0, 0,
+     offsetof(struct opts, socket),
      "daemon socket (default $MOED_SOCKET or " DEFAULT_SOCKET ")"},
-    {"--timeout-ms", OPT_U64, "status experts ping forward bench", 1, 3600000,
+    {"--timeout-ms", OPT_U64, "status experts placement ping forward bench", 1, 3600000,
      offsetof(struct opts, timeout_ms), "reply timeout in ms (default 30000)"},
-    {"--json", OPT_FLAG, "status experts", 0, 0, offsetof(struct opts, json),
+    {"--json", OPT_FLAG, "status experts placement", 0, 0, offsetof(struct opts, json),
      "print the JSON document instead of the summary"},
     {"--count", OPT_U64, "ping", 1, MAX_PING_COUNT, offsetof(struct opts, count),
      "number of pings (default 4)"},
@@ -63,6 +65,12 @@ static const struct opt_def {
      "seconds to run (default 10)"},
     {"--inflight", OPT_U64, "bench", 1, MAX_INFLIGHT, offsetof(struct opts, inflight),
      "requests pipelined per connection (default 1)"},
+    {"--gpus", OPT_U64, "placement", 1, MOED_PLACE_MAX_DEVS, offsetof(struct opts, gpus),
+     "GPUs to place the experts on (default 2)"},
+    {"--max-replicas", OPT_U64, "placement", 1, MOED_PLACE_MAX_REPLICAS,
+     offsetof(struct opts, max_replicas), "copies of one hot expert at most (default: --gpus)"},
+    {"--hot-percent", OPT_U64, "placement", 1, 100000000, offsetof(struct opts, hot_percent),
+     "an expert over this % of one GPU's share of the tokens is copied (default 100)"},
 };
 #define N_OPTS (sizeof opt_table / sizeof opt_table[0])
 
@@ -73,6 +81,10 @@ static const char *cmd_summary(const char *cmd)
     if (strcmp(cmd, "experts") == 0)
         return "per-layer, per-expert token counts since start (--json: experts.logical_count "
                "[layers][experts], the layout of SGLang's expert-distribution dump)";
+    if (strcmp(cmd, "placement") == 0)
+        return "a balanced placement of every MoE layer's experts on --gpus GPUs from the "
+               "token counts since start (--json: the map, one device list per expert; "
+               "docs/MULTI_GPU.md)";
     if (strcmp(cmd, "ping") == 0)
         return "round-trip PINGs and print their latency";
     if (strcmp(cmd, "forward") == 0)
@@ -111,7 +123,8 @@ static void usage(FILE *f, const char *cmd)
 static int parse_opts(const char *cmd, int argc, char **argv, struct opts *o)
 {
     *o = (struct opts){.cmd = cmd, .count = 4, .tokens = 1, .seed = 1, .connections = 1,
-                       .duration = 10, .inflight = 1, .timeout_ms = DEFAULT_TIMEOUT_MS};
+                       .duration = 10, .inflight = 1, .timeout_ms = DEFAULT_TIMEOUT_MS,
+                       .gpus = 2, .hot_percent = 100};
     o->socket = getenv("MOED_SOCKET");
     if (!o->socket || !*o->socket)
         o->socket = DEFAULT_SOCKET;
@@ -202,8 +215,7 @@ int connect_hello(const struct opts *o, struct moedc **c, struct moed_hello_rep 
 
 /* --- status ------------------------------------------------------------- */
 
-/* The daemon's STATUS document, parsed; NULL (message printed) on failure. */
-static cJSON *fetch_status(const struct opts *o, struct moedc *c, char **raw)
+cJSON *fetch_status(const struct opts *o, struct moedc *c, char **raw)
 {
     char err[MOED_ERRLEN];
     char *js = NULL;
@@ -654,6 +666,8 @@ int moectl_client_main(const char *cmd, int argc, char **argv)
         return cmd_status(&o);
     if (strcmp(cmd, "experts") == 0)
         return cmd_experts(&o);
+    if (strcmp(cmd, "placement") == 0)
+        return cmd_placement(&o);
     if (strcmp(cmd, "ping") == 0)
         return cmd_ping(&o);
     if (strcmp(cmd, "forward") == 0)

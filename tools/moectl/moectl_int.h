@@ -1,6 +1,7 @@
 /* moectl_int.h - what moectl's client commands share (private to
  * tools/moectl/): moectl_client.c (options, status, experts, ping, forward)
- * and moectl_bench.c (bench and its payload-echo floor). */
+ * moectl_bench.c (bench and its payload-echo floor) and moectl_place.c
+ * (placement). */
 #ifndef MOECTL_INT_H
 #define MOECTL_INT_H
 
@@ -37,6 +38,7 @@ struct opts {
     const char *model;
     int json, check;
     uint64_t count, layer, tokens, seed, connections, duration, inflight, timeout_ms;
+    uint64_t gpus, max_replicas, hot_percent; /* placement */
     int have_layer;
 };
 
@@ -51,6 +53,10 @@ struct batch {
 void batch_free(struct batch *b);
 int batch_make(struct batch *b, uint32_t T, const struct moed_hello_rep *h, uint64_t seed);
 int cmd_bench(const struct opts *o);
+int cmd_placement(const struct opts *o); /* moectl_place.c */
+/* The daemon's STATUS document, parsed; NULL (message printed) on failure;
+ * *raw (if raw) the text. */
+cJSON *fetch_status(const struct opts *o, struct moedc *c, char **raw);
 int connect_hello(const struct opts *o, struct moedc **c, struct moed_hello_rep *h);
 int pick_layer(const struct opts *o, const struct moed_hello_rep *h, uint32_t *layer);
 
