@@ -59,36 +59,34 @@ def deepseek_config():
         max_position_embeddings=128, initializer_range=0.2)
 
 
+def mixtral_like(cls, **over):
+    """A tiny config of a family stored in Mixtral's layout (every layer
+    MoE, experts of intermediate_size)."""
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+              num_experts_per_tok=2, max_position_embeddings=128, initializer_range=0.2)
+    kw.update(over)
+    return cls(**kw)
+
+
 def mixtral_config():
-    return transformers.MixtralConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
-        num_experts_per_tok=2, max_position_embeddings=128, initializer_range=0.2)
+    return mixtral_like(transformers.MixtralConfig, head_dim=16)
 
 
 def phimoe_config():
-    return transformers.PhimoeConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
-        num_experts_per_tok=2, max_position_embeddings=128, initializer_range=0.2)
+    return mixtral_like(transformers.PhimoeConfig)
 
 
 def minimax_config():
     # initializer_range 0.1, not 0.2: at 0.2 this seed's layer 1 has a top-k
     # near-tie that the bf16 rounding of moed's input flips for one token (rel-L2
     # 0.53 on it, 5e-3 median), which the logits tolerance is not about
-    return transformers.MiniMaxConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
-        num_experts_per_tok=2, max_position_embeddings=128, initializer_range=0.1)
+    return mixtral_like(transformers.MiniMaxConfig, head_dim=16, initializer_range=0.1)
 
 
 def minimax_m2_config():
-    return transformers.MiniMaxM2Config(
-        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
-        num_experts_per_tok=2, max_position_embeddings=128, initializer_range=0.2,
-        bos_token_id=1, eos_token_id=2)
+    return mixtral_like(transformers.MiniMaxM2Config, head_dim=16, bos_token_id=1,
+                        eos_token_id=2)
 
 
 CONFIGS = {"qwen3_moe": qwen3_config, "deepseek_v3": deepseek_config,
