@@ -37,9 +37,22 @@ static const struct cfg_alias {
  * ModelOpt's NVFP4 exports of it): block_sparse_moe.experts.{e}.{w1,w3,w2},
  * w1 the gate, w3 the up and w2 the down projection (the names vLLM's and
  * SGLang's Mixtral loaders map and transformers 5 converts to its fused
- * gate_up_proj: w1 rows first); no shared experts, every layer MoE. */
+ * gate_up_proj: w1 rows first); no shared experts, every layer MoE.
+ * The same layout: PhiMoE (Phi-3.5-MoE, model_type phimoe) and MiniMax
+ * (MiniMax-Text-01 as transformers writes it: minimax; its remote-code
+ * config: minimax_text_01; MiniMax-M1: minimax_m1; MiniMax-M2: minimax_m2):
+ * transformers' conversion_mapping.py reads all of them as Mixtral's
+ * block_sparse_moe.experts.*.{w1,w3,w2} (phimoe with its own entry, the
+ * minimax ones through "mixtral"); their config keys are Mixtral's too
+ * (num_local_experts, intermediate_size; MiniMax's shared_intermediate_size
+ * is 0: no shared expert). */
 static const struct model_naming namings[] = {
     {"mixtral", "block_sparse_moe", {"w1", "w3", "w2"}, 0, 1},
+    {"phimoe", "block_sparse_moe", {"w1", "w3", "w2"}, 0, 1},
+    {"minimax", "block_sparse_moe", {"w1", "w3", "w2"}, 0, 1},
+    {"minimax_text_01", "block_sparse_moe", {"w1", "w3", "w2"}, 0, 1},
+    {"minimax_m1", "block_sparse_moe", {"w1", "w3", "w2"}, 0, 1},
+    {"minimax_m2", "block_sparse_moe", {"w1", "w3", "w2"}, 0, 1},
     {NULL, "mlp", {"gate_proj", "up_proj", "down_proj"}, 1, 0},
 };
 
@@ -240,13 +253,21 @@ int model_cfg_parse(const cJSON *root, struct moed_dims *d, uint8_t *is_moe, cha
                            "config.json: none of the %u layers is an MoE layer", d->n_layers);
     /* Qwen2-MoE / Qwen3-Next: one shared expert of its own size behind a
      * sigmoid gate (shared_expert_gate), which moed cannot compute: it holds
-     * none, HELLO says n_shared 0, and the serving framework keeps it. */
-    const cJSON *sei = model_cfg_get(root, "shared_expert_intermediate_size");
-    uint64_t sei_v = 0;
-    if (d->n_shared == 0 && sei && model_json_uint(sei, UINT32_MAX, &sei_v) == 0 && sei_v > 0)
-        LOG_W("config.json: shared_expert_intermediate_size %llu (a gated shared expert): not "
-              "served by moed (HELLO n_shared 0); the serving framework must compute it",
-              (unsigned long long)sei_v);
+     * none, HELLO says n_shared 0, and the serving framework keeps it. The
+     * MiniMax-M1 / Text-01 configs name the same thing
+     * shared_intermediate_size (with shared_moe_mode "sigmoid"; 0 in the
+     * released checkpoints). */
+    static const char *const gated_keys[] = {"shared_expert_intermediate_size",
+                                             "shared_intermediate_size"};
+    for (size_t i = 0; i < sizeof gated_keys / sizeof gated_keys[0]; i++) {
+        const cJSON *sei = model_cfg_get(root, gated_keys[i]);
+        uint64_t sei_v = 0;
+        if (d->n_shared == 0 && sei && model_json_uint(sei, UINT32_MAX, &sei_v) == 0 &&
+            sei_v > 0)
+            LOG_W("config.json: %s %llu (a gated shared expert): not served by moed (HELLO "
+                  "n_shared 0); the serving framework must compute it",
+                  gated_keys[i], (unsigned long long)sei_v);
+    }
     return 0;
 }
 

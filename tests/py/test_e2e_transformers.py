@@ -1,9 +1,12 @@
 """End to end with a real transformers model: a tiny Qwen3-MoE, a tiny
 DeepSeek-V3 (two shared experts, stored merged as Hugging Face does, and a
-routed scaling factor) and a tiny Mixtral (every layer MoE, its experts named
+routed scaling factor), a tiny Mixtral (every layer MoE, its experts named
 block_sparse_moe.experts.{e}.{w1,w3,w2} as Mixtral checkpoints and their
-ModelOpt exports name them) built from their config classes with random init
-(no downloads). Each model's experts are quantized to NVFP4 and written as a
+ModelOpt exports name them), and the families stored the same way: PhiMoE
+(Phi-3.5-MoE: sparsemixer routing, its router named `router`), MiniMax
+(MiniMax-Text-01 as transformers writes it: lightning and full attention
+layers) and MiniMax-M2 (sigmoid routing with e_score_correction_bias), all
+built from their config classes with random init (no downloads). Each model's experts are quantized to NVFP4 and written as a
 ModelOpt checkpoint next to the config.json that save_pretrained writes; the
 model's own expert weights are replaced by the dequantized ones, so the model
 computing its experts itself is the reference. moed (MOED_TEST_BACKEND: cpu,
@@ -56,26 +59,67 @@ def deepseek_config():
         max_position_embeddings=128, initializer_range=0.2)
 
 
+def mixtral_like(cls, **over):
+    """A tiny config of a family stored in Mixtral's layout (every layer
+    MoE, experts of intermediate_size)."""
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+              num_experts_per_tok=2, max_position_embeddings=128, initializer_range=0.2)
+    kw.update(over)
+    return cls(**kw)
+
+
 def mixtral_config():
-    return transformers.MixtralConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
-        num_experts_per_tok=2, max_position_embeddings=128, initializer_range=0.2)
+    return mixtral_like(transformers.MixtralConfig, head_dim=16)
+
+
+def phimoe_config():
+    return mixtral_like(transformers.PhimoeConfig)
+
+
+def minimax_config():
+    # initializer_range 0.1, not 0.2: at 0.2 this seed's layer 1 has a top-k
+    # near-tie that the bf16 rounding of moed's input flips for one token (rel-L2
+    # 0.53 on it, 5e-3 median), which the logits tolerance is not about
+    return mixtral_like(transformers.MiniMaxConfig, head_dim=16, initializer_range=0.1)
+
+
+def minimax_m2_config():
+    return mixtral_like(transformers.MiniMaxM2Config, head_dim=16, bos_token_id=1,
+                        eos_token_id=2)
 
 
 CONFIGS = {"qwen3_moe": qwen3_config, "deepseek_v3": deepseek_config,
-           "mixtral": mixtral_config}
+           "mixtral": mixtral_config, "phimoe": phimoe_config, "minimax": minimax_config,
+           "minimax_m2": minimax_m2_config}
 
 # Checkpoint names of a routed expert's projections, by family: the MoE block
 # and (gate, up, down); the model's own module names are transformers' fused
-# gate_up_proj / down_proj either way.
-EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+# gate_up_proj / down_proj either way. The Mixtral layout's families are those
+# transformers' conversion_mapping.py reads from block_sparse_moe.experts.*.
+# {w1,w3,w2} (phimoe its own entry, minimax and minimax_m2 through "mixtral").
+MIXTRAL_NAMES = ("block_sparse_moe", ("w1", "w3", "w2"))
+MIXTRAL_LAYOUT = ("mixtral", "phimoe", "minimax", "minimax_m2")
+EXPERT_NAMES = {f: MIXTRAL_NAMES for f in MIXTRAL_LAYOUT}
 DEFAULT_NAMES = ("mlp", ("gate_proj", "up_proj", "down_proj"))
+
+
+def router(blk):
+    """The MoE block's router (PhiMoE's is `router`, the others' `gate`)."""
+    return getattr(blk, "router", None) or getattr(blk, "gate", None)
+
+
+def route(blk, x):
+    """(logits, weights, ids) as the block's own forward gets them:
+    MiniMax-M2's router takes the block's e_score_correction_bias."""
+    bias = getattr(blk, "e_score_correction_bias", None)
+    return router(blk)(x) if bias is None else router(blk)(x, bias)
 
 
 def moe_blocks(model):
     """(layer id, MoE block) for every layer whose mlp has routed experts."""
-    return [(i, ly.mlp) for i, ly in enumerate(model.model.layers) if hasattr(ly.mlp, "gate")]
+    return [(i, ly.mlp) for i, ly in enumerate(model.model.layers)
+            if router(ly.mlp) is not None and hasattr(ly.mlp, "experts")]
 
 
 def quantize_into(t, prefix, weight):
@@ -169,7 +213,7 @@ class Served:
         def forward(hidden_states):
             shape = hidden_states.shape
             x = hidden_states.reshape(-1, shape[-1])
-            _, weights, ids = blk.gate(x)  # the router's top-k (routed scaling applied)
+            _, weights, ids = route(blk, x)  # the router's top-k (routed scaling applied)
             self.calls.append((L, x.shape[0]))
             y = self.call(L, x, ids, weights)
             if self.routed_only:
@@ -222,9 +266,9 @@ def test_transformers_model_served_by_moed(tmp_path, family):
     with open(os.path.join(ckpt, "config.json")) as f:
         written = json.load(f)
     assert written["model_type"] == family and "transformers_version" in written
-    if family in ("qwen3_moe", "mixtral"):  # transformers 5's expert-count name
+    if family != "deepseek_v3":  # transformers 5's expert-count name
         assert "num_local_experts" in written and "num_experts" not in written
-    if family == "mixtral":  # no key says which layers are MoE: all of them are
+    if family in MIXTRAL_LAYOUT:  # no key says which layers are MoE: all of them are
         assert not {"first_k_dense_replace", "decoder_sparse_step", "mlp_layer_types",
                     "moe_intermediate_size"} & set(written)
     prompt = torch.randint(0, cfg.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(3)).to(DEVICE)
@@ -236,6 +280,10 @@ def test_transformers_model_served_by_moed(tmp_path, family):
             layers = [L for L, _ in moe_blocks(model)]
             assert info.moe_layers == tuple(layers)
             assert info.n_shared == getattr(cfg, "n_shared_experts", 0)
+            blk = moe_blocks(model)[0][1]
+            assert (info.n_experts, info.top_k) == (blk.experts.gate_up_proj.shape[0],
+                                                    cfg.num_experts_per_tok)
+            assert (info.hidden, info.inter) == tuple(blk.experts.down_proj.shape[1:])
             assert PROMPT > info.max_tokens == MAX_TOKENS  # prefill is split by the client
             with Served(model, c) as sv:
                 logits, tokens = prefill_and_decode(model, prompt, follow=ref_tokens)

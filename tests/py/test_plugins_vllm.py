@@ -69,11 +69,11 @@ def method_cls(noshared):
     return mo.ModelOptNvFp4Config.FusedMoEMethodCls
 
 
-def parallel(tp=(0, 1), ep=(0, 1), dp=1):
+def parallel(tp=(0, 1), ep=(0, 1), dp=1, backend="naive", eplb=False):
     return fmc.FusedMoEParallelConfig(
         tp_size=tp[1], pcp_size=1, dp_size=dp, ep_size=ep[1], tp_rank=tp[0], pcp_rank=0,
-        dp_rank=0, ep_rank=ep[0], sp_size=1, use_ep=ep[1] > 1, all2all_backend="naive",
-        enable_eplb=False)
+        dp_rank=0, ep_rank=ep[0], sp_size=1, use_ep=ep[1] > 1, all2all_backend=backend,
+        enable_eplb=eplb)
 
 
 def moe_config(ref, par, n_local):
@@ -201,11 +201,24 @@ def test_zero_tokens_and_a_batch_over_max_tokens(method_cls, noshared):
     assert du.rel_l2(cases.f64(y), cases.expect(ref, lid, x, ids, w, shared=False)) < TOL
 
 
-def test_data_parallel_and_eplb_refused(method_cls, noshared):
+def test_data_parallel_all2all_kernels_refused_eplb_supported(method_cls, noshared):
+    """DP with EP over an all2all backend with kernels of its own is refused
+    (vLLM would replace the method); DP over the gathering backends and
+    EPLB are served (tests/py/test_plugin_vllm_fakes.py checks the sums)."""
     ref = cases.model_reference(noshared)
-    mc = moe_config(ref, parallel(dp=2), ref.n_experts)
-    with pytest.raises(pc.MoedPluginError, match="data parallelism"):
+    mc = moe_config(ref, parallel(dp=2, ep=(0, 2), backend="deepep_low_latency"),
+                    ref.n_experts // 2)
+    with pytest.raises(pc.MoedPluginError, match="all2all backend 'deepep_low_latency'"):
         method_cls(quant_config=quant_config(), moe_config=mc)
-    assert method_cls(quant_config=quant_config(),
-                      moe_config=moe_config(ref, parallel(), ref.n_experts)).supports_eplb \
-        is False
+    for par in (parallel(dp=2), parallel(dp=2, ep=(0, 2), backend="allgather_reducescatter")):
+        method_cls(quant_config=quant_config(), moe_config=moe_config(ref, par, ref.n_experts))
+    mc = moe_config(ref, parallel(eplb=True), ref.n_experts)
+    method = method_cls(quant_config=quant_config(), moe_config=mc)
+    assert method.supports_eplb is True
+    layer = RoutedExperts.__new__(RoutedExperts)
+    torch.nn.Module.__init__(layer)
+    layer.local_num_experts = ref.n_experts
+    method.create_weights(layer, ref.n_experts, ref.hidden, ref.inter, torch.bfloat16)
+    # EPLB's weight registration views every expert parameter [local, -1]
+    shapes = [tuple(w.shape) for w in RoutedExperts.get_expert_weights(layer)]
+    assert shapes and all(sh == (ref.n_experts, 1) for sh in shapes)

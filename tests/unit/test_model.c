@@ -295,6 +295,67 @@ START_TEST(mixtral_naming)
 }
 END_TEST
 
+/* MiniMax-M1 and MiniMax-Text-01 ship remote code (model_type minimax_m1 /
+ * minimax_text_01; transformers has neither class): their config.json keys
+ * field for field, from MiniMaxAI/MiniMax-M1-80k's config.json
+ * (transformers_version 4.45.2), with the dims cut to the tiny fixture's
+ * (hidden 6144 -> 64, intermediate 9216 -> 32, 32 -> 4 experts, 80 -> 3
+ * layers, attn_type_list cut to 3). Mixtral's tensor layout; no layer key:
+ * every layer MoE; shared_intermediate_size 0: no shared expert. */
+static void check_minimax(const char *model_type)
+{
+    char cfg[2048];
+    snprintf(cfg, sizeof cfg,
+             "{\"architectures\": [\"MiniMaxM1ForCausalLM\"], \"attention_dropout\": 0.0, "
+             "\"attn_type_list\": [0, 0, 1], \"auto_map\": {\"AutoConfig\": "
+             "\"configuration_minimax_m1.MiniMaxM1Config\", \"AutoModelForCausalLM\": "
+             "\"modeling_minimax_m1.MiniMaxM1ForCausalLM\"}, \"bos_token_id\": null, "
+             "\"eos_token_id\": null, \"head_dim\": 128, \"hidden_act\": \"silu\", "
+             "\"hidden_size\": 64, \"initializer_range\": 0.02, \"intermediate_size\": 32, "
+             "\"layernorm_full_attention_alpha\": 3.5565588200778455, "
+             "\"layernorm_full_attention_beta\": 1.0, "
+             "\"layernorm_linear_attention_alpha\": 3.5565588200778455, "
+             "\"layernorm_linear_attention_beta\": 1.0, \"layernorm_mlp_alpha\": "
+             "3.5565588200778455, \"layernorm_mlp_beta\": 1.0, \"max_position_embeddings\": "
+             "10240000, \"model_type\": \"%s\", \"num_attention_heads\": 64, "
+             "\"num_experts_per_tok\": 2, \"num_hidden_layers\": 3, \"num_key_value_heads\": 8, "
+             "\"num_local_experts\": 4, \"output_router_logits\": false, \"postnorm\": true, "
+             "\"rms_norm_eps\": 1e-05, \"rope_theta\": 10000000, \"rotary_dim\": 64, "
+             "\"router_aux_loss_coef\": 0.001, \"router_jitter_noise\": 0.0, "
+             "\"shared_intermediate_size\": 0, \"shared_moe_mode\": \"sigmoid\", "
+             "\"sliding_window\": null, \"tie_word_embeddings\": false, "
+             "\"transformers_version\": \"4.45.2\", \"use_cache\": true, \"vocab_size\": "
+             "200064}",
+             model_type);
+    struct fx f = tiny;
+    f.mixtral = 1;
+    f.S = 0;
+    f.layers = 3;
+    f.config = cfg;
+    write_model(&f);
+    struct moed_model *m;
+    int rc = moed_model_open(dir, 0, NULL, NULL, &m, err, sizeof err);
+    ck_assert_msg(rc == 0, "%s: %s", model_type, err);
+    const struct moed_dims *d = moed_model_dims(m);
+    ck_assert_str_eq(d->family, model_type);
+    ck_assert_uint_eq(d->n_experts, 4);
+    ck_assert_uint_eq(d->inter, 32);
+    ck_assert_uint_eq(d->n_shared, 0);
+    ck_assert_uint_eq(d->n_moe_layers, 3);
+    ck_assert_uint_eq(moed_model_weight_bytes(m), 3u * 4 * TINY_EXPERT_BYTES);
+    check_bytes(m, &f);
+    moed_model_close(m);
+}
+
+START_TEST(minimax_remote_code_naming)
+{
+    check_minimax("minimax_m1");
+    teardown();
+    setup();
+    check_minimax("minimax_text_01");
+}
+END_TEST
+
 START_TEST(alias_text_config)
 {
     write_text("config.json",
@@ -330,6 +391,7 @@ int main(void)
     tcase_add_test(alias, alias_transformers5);
     tcase_add_test(alias, alias_text_config);
     tcase_add_test(alias, mixtral_naming);
+    tcase_add_test(alias, minimax_remote_code_naming);
     tcase_add_test(alias, layers_first_k_dense);
     tcase_add_test(alias, layers_mlp_layer_types);
     tcase_add_test(alias, layers_qwen3_sparse_step);

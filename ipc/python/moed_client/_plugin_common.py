@@ -72,23 +72,27 @@ def skip_expert_tensor(param, loaded_weight, *args, **kwargs):
     return True
 
 
-def add_placeholders(layer, num_experts):
-    """Register EXPERT_PARAMS on the layer as [num_experts, 0] uint8
-    parameters (zero bytes, yet one empty row per expert for code that walks
-    the expert dimension, EPLB's weight moves) whose loader drops the
-    checkpoint's tensors."""
+def add_placeholders(layer, num_experts, row_bytes=0):
+    """Register EXPERT_PARAMS on the layer as [num_experts, row_bytes] uint8
+    parameters (zero bytes by default, yet one row per expert for code that
+    walks the expert dimension) whose loader drops the checkpoint's tensors.
+    row_bytes 1 where vLLM's EPLB views each as [local experts, -1]
+    (RoutedExperts.get_expert_weights: a view with -1 of a tensor with no
+    element is refused), a row it then moves between ranks with the experts."""
     import torch
     for name in EXPERT_PARAMS:
-        p = torch.nn.Parameter(torch.empty(num_experts, 0, dtype=torch.uint8),
+        p = torch.nn.Parameter(torch.zeros(num_experts, row_bytes, dtype=torch.uint8),
                                requires_grad=False)
         p.weight_loader = skip_expert_tensor
+        p.moed_row_bytes = row_bytes
         layer.register_parameter(name, p)
 
 
 def check_placeholders(layer):
     """After loading: nothing was loaded, nothing is to be repacked."""
     for name in EXPERT_PARAMS:
-        if getattr(layer, name).numel():
+        p = getattr(layer, name)
+        if p.dim() != 2 or p.numel() != p.shape[0] * getattr(p, "moed_row_bytes", 0):
             raise MoedPluginError("expert parameter %s of a moed-served layer holds data"
                                   % name)
 
@@ -118,7 +122,8 @@ def id_table(n_incoming, n_logical, *, n_routed_incoming=None, offset=0, p2l=Non
     on are the framework's fused shared-expert slots, -1 here (moed adds the
     shared experts itself, see rank_role). p2l: physical -> logical
     (EPLB's physical_to_logical map; None: the identity, which needs no
-    redundant experts). Every logical id must be < n_logical."""
+    redundant experts; -1 in it: a physical slot that holds no expert, -1
+    here too). Every logical id must be < n_logical."""
     np = _np()
     n_routed = n_incoming if n_routed_incoming is None else n_routed_incoming
     if not 0 <= n_routed <= n_incoming:
@@ -132,11 +137,12 @@ def id_table(n_incoming, n_logical, *, n_routed_incoming=None, offset=0, p2l=Non
             raise MoedPluginError("physical expert %d is outside the EPLB map of %d experts"
                                   % (phys[-1], p2l.shape[0]))
         logical = p2l[phys]
-    if n_routed and (logical.min() < 0 or logical.max() >= n_logical):
+    used = logical[logical >= 0] if p2l is not None else logical
+    if n_routed and used.size and (used.min() < 0 or used.max() >= n_logical):
         raise MoedPluginError(
             "physical experts %d..%d map to logical ids %d..%d, outside the daemon's %d experts "
             "(redundant EPLB experts need the physical->logical map)"
-            % (offset, offset + n_routed - 1, logical.min(), logical.max(), n_logical))
+            % (offset, offset + n_routed - 1, used.min(), used.max(), n_logical))
     table = np.full(n_incoming, -1, dtype=np.int32)
     table[:n_routed] = logical
     return table
@@ -147,15 +153,34 @@ def p2l_from_l2p(logical_to_physical, n_physical):
     padded) into physical -> logical ([n_physical], -1 where unused)."""
     np = _np()
     l2p = to_numpy(logical_to_physical, np.int64)
+    if l2p.ndim != 2:
+        raise MoedPluginError("EPLB logical->physical map must be 2-D, got shape %s"
+                              % (l2p.shape,))
+    logical = np.repeat(np.arange(l2p.shape[0], dtype=np.int64), l2p.shape[1])
+    phys = l2p.reshape(-1)
+    used = phys >= 0
+    if (phys[used] >= n_physical).any():
+        raise MoedPluginError("EPLB map names physical expert %d of %d"
+                              % (int(phys[used].max()), n_physical))
     out = np.full(n_physical, -1, dtype=np.int64)
-    for logical, row in enumerate(l2p):
-        for p in row:
-            if p >= 0:
-                if p >= n_physical:
-                    raise MoedPluginError("EPLB map names physical expert %d of %d"
-                                          % (p, n_physical))
-                out[p] = logical
+    out[phys[used]] = logical[used]
     return out
+
+
+def device_p2l(logical_to_physical, n_physical):
+    """p2l_from_l2p with torch ops on the map's own device and no host
+    synchronization (the doorbell path, captured in CUDA graphs): int64
+    [n_physical], -1 where no logical expert is placed."""
+    import torch
+    l2p = logical_to_physical.long()
+    n_log, slots = l2p.shape
+    logical = torch.arange(n_log, device=l2p.device).repeat_interleave(slots)
+    phys = l2p.reshape(-1)
+    # unused slots (-1) write into one extra element that is cut off
+    idx = torch.where((phys >= 0) & (phys < n_physical), phys, torch.full_like(phys, n_physical))
+    out = torch.full((n_physical + 1,), -1, dtype=torch.long, device=l2p.device)
+    out.scatter_(0, idx, torch.where(phys >= 0, logical, torch.full_like(logical, -1)))
+    return out[:n_physical]
 
 
 def map_ids(topk_ids, table):
