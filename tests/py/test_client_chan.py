@@ -375,3 +375,53 @@ def test_chan_open_against_the_daemon(tmp_path_factory):
             assert d.stop() == 0, d.log()[-4000:]
     finally:
         shm.close()
+
+
+def test_arena_views_and_fill_on_host_memory():
+    """_Arena (the DoorbellSession's x | ids | w | y views, over the
+    channel's arena on the GPU) on a host uint8 tensor: the views lie at
+    arena_layout's offsets, fill() copies T rows into them and returns
+    those rows; a buffer too small or of another dtype is refused."""
+    torch = pytest.importorskip("torch")
+
+    class Info:
+        hidden, top_k = 24, 3
+    from moed_client import cuda as mcc
+    off_ids, off_w, off_y, n = mcc.arena_layout(24, 3, 5)
+    mem = torch.zeros(n, dtype=torch.uint8)
+    a = mcc._Arena(Info, 5, mem)
+    base = mem.data_ptr()
+    assert (a.x.data_ptr() - base, a.ids.data_ptr() - base, a.w.data_ptr() - base,
+            a.y.data_ptr() - base) == (0, off_ids, off_w, off_y)
+    assert tuple(a.x.shape) == (5, 24) and tuple(a.ids.shape) == (5, 3)
+    x = torch.randn(2, 24).to(torch.bfloat16)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32)
+    w = torch.rand(2, 3)
+    xr, ir, wr, yr = a.fill(x, w, ids, Info, 5)
+    assert torch.equal(xr, x) and torch.equal(ir, ids) and torch.equal(wr, w)
+    assert yr.data_ptr() == base + off_y and tuple(yr.shape) == (2, 24)
+    assert torch.equal(a.x[:2], x) and int(torch.count_nonzero(a.x[2:])) == 0
+    with pytest.raises(ValueError, match="shapes"):
+        a.fill(torch.zeros(6, 24, dtype=torch.bfloat16), torch.zeros(6, 3),
+               torch.zeros(6, 3, dtype=torch.int32), Info, 5)
+    with pytest.raises(ValueError, match="needs %d bytes of uint8, got %d" % (n, n - 1)):
+        mcc._Arena(Info, 5, torch.zeros(n - 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        mcc._Arena(Info, 5, torch.zeros(n, dtype=torch.int16))
+
+
+def test_channel_needs_an_arena_or_cuda_tensors(d2):
+    """Channel(): neither an arena nor a tensor, a host tensor, or 16
+    tensors besides an arena are refused before anything is registered or
+    opened (the fake daemon sees only HELLO)."""
+    torch = pytest.importorskip("torch")
+    from moed_client import cuda as mcc
+    with mc.Client(d2.path, timeout=5) as c:
+        for kw in (dict(), dict(tensors=[torch.zeros(16, dtype=torch.uint8)]),
+                   dict(tensors=[torch.zeros(16, dtype=torch.uint8)], arena_bytes=64)):
+            with pytest.raises(mc.MoedError, match="a channel needs an arena or 1..16 CUDA "
+                               "tensors") as e:
+                mcc.Channel(c, **kw)
+            assert e.value.name == "inval"
+        assert not frames_of(d2, 19) and not frames_of(d2, 3)
+        assert c.ping() >= 0

@@ -127,6 +127,14 @@ class _Arena:
         self.w = view(self.off_w, 4 * T * k, torch.float32, (T, k))
         self.y = view(self.off_y, 2 * T * H, torch.bfloat16, (T, H))
 
+    @classmethod
+    def alloc(cls, info, max_tokens, device):
+        """An arena over a new zeroed buffer of the caller's on `device`
+        (to register: CudaSession, a Channel over registered tensors)."""
+        torch = _torch()
+        nbytes = arena_layout(info.hidden, info.top_k, max_tokens)[3]
+        return cls(info, max_tokens, torch.zeros(nbytes, dtype=torch.uint8, device=device))
+
     def fill(self, hidden_states, topk_weights, topk_ids, info, max_tokens):
         """Copy the inputs into the first T rows (on the current stream);
         returns the (x, ids, w, y) views of those rows."""
@@ -167,9 +175,7 @@ class CudaSession:
         self.info = info = _v2_info(self.client)
         self.device = _device(device)
         self.max_tokens = min(max_tokens or info.max_tokens, info.max_tokens)
-        nbytes = arena_layout(info.hidden, info.top_k, self.max_tokens)[3]
-        self.arena = a = _Arena(info, self.max_tokens, _torch().zeros(
-            nbytes, dtype=_torch().uint8, device=self.device))
+        self.arena = a = _Arena.alloc(info, self.max_tokens, self.device)
         self.mem, self.off_x, self.off_ids, self.off_w, self.off_y = \
             a.mem, a.off_x, a.off_ids, a.off_w, a.off_y
         handle, off, size = ipc_range(self.mem)
@@ -424,7 +430,7 @@ class DoorbellSession:
                                    device=self.device)
             self.arena = _Arena(info, self.max_tokens, self.channel.arena)
         except BaseException:
-            self.client.close()
+            self.close()
             raise
 
     def fused_experts(self, hidden_states, topk_weights, topk_ids, layer, *,
