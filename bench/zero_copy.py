@@ -166,7 +166,7 @@ def run_model(torch, preset, tokens, iters, per, tmp):
             info = c.hello()
             dc = mc.Client(d.sock_path, timeout=120)
             dc.hello()
-            arena = mcc._Arena(info, torch.device("cuda", 0), mt)
+            arena = mcc._Arena.alloc(info, mt, torch.device("cuda", 0))
             with mcc.Channel(dc, [arena.mem]) as ch:
                 for t in tokens:
                     try:

@@ -77,8 +77,10 @@ struct moed_chan_buf {
 struct moed_chan_info {
     uint32_t index;        /* the kernel's table entry */
     uint64_t key;          /* every descriptor of the channel carries it */
-    uint8_t handle[64];    /* CUDA IPC handle of the channel's allocation */
+    uint8_t handle[64];    /* CUDA IPC handle of the channel's allocation (ring + arena) */
     uint64_t size;         /* bytes of struct moe_gpu_chan at its start */
+    uint64_t arena_off;    /* the arena's offset in the allocation (0: none) */
+    uint64_t arena_bytes;  /* its bytes (0: none) */
     const void *kernel;    /* the client kernel's fatbin (static; kernels/moe_chan_client.cu) */
     uint64_t kernel_bytes;
 };
@@ -133,7 +135,12 @@ struct moed_backend_ops {
      * only). chan_open takes a free entry of the kernel's channel table
      * (engine.max_channels; none free: MOED_E_BUSY), fills it with bufs (the
      * registered ranges the channel's descriptors may name, by index) and a
-     * fresh key, activates it and fills *out. chan_close deactivates entry
+     * fresh key, activates it and fills *out. With arena_bytes > 0 the
+     * entry's allocation also holds an arena of that many bytes (daemon
+     * memory the client maps with the ring, zeroed at every open, as the
+     * ring is): it is the entry's range 0 and bufs follow it (1 + n_bufs
+     * <= MOE_GPU_CHAN_BUFS; without an arena n_bufs >= 1). A client's
+     * death can never free memory the kernel touches through it. chan_close deactivates entry
      * `index` without waiting; chan_quiet then answers 1 once the kernel can
      * no longer touch the channel or its buffers (the entry is free again
      * from then on; the caller releases the buffers then), 0 while it still
@@ -144,7 +151,8 @@ struct moed_backend_ops {
      * kernel, except chan_open for an idle stop already under way (the
      * CUDA backend: microseconds, bounded). */
     int (*chan_open)(struct moed_backend *be, const struct moed_chan_buf *bufs, uint32_t n_bufs,
-                     struct moed_chan_info *out, char *err, size_t errlen);
+                     uint64_t arena_bytes, struct moed_chan_info *out, char *err,
+                     size_t errlen);
     void (*chan_close)(struct moed_backend *be, uint32_t index);
     int (*chan_quiet)(struct moed_backend *be, uint32_t index);
     void (*chan_stats)(struct moed_backend *be, uint32_t index, struct moed_chan_stats *out);

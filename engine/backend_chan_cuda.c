@@ -8,9 +8,17 @@
  * stream of its own (cb->side: a copy there never waits for the resident
  * kernel), and then releases chanctl->gen. Each entry has an allocation of
  * its own (MOE_GPU_CHAN_ALLOC, so that its IPC handle exposes nothing else),
- * made on the entry's first use and kept: cudaFree would wait for the
- * resident kernel. A reused allocation gets a fresh key, so a closed
- * channel's client that still rings it is refused (MOE_GPU_CHAN_E_KEY).
+ * made on the entry's first use and kept. A channel with an arena (daemon
+ * memory the client copies its inputs into and y out of, so that a killed
+ * client frees nothing the kernel touches) has it in the same allocation at
+ * MOE_GPU_CHAN_ARENA_OFF, the whole rounded up to MOE_GPU_CHAN_ALLOC; an
+ * entry whose allocation is too small for the arena asked gets a larger one
+ * and the old one is freed later (cuda_release_later: cudaFree waits for the
+ * device to go idle, which it never is while the kernel is resident). The
+ * whole allocation is zeroed at every open: a new owner never sees a
+ * previous owner's ring or activations. A reused allocation gets a fresh
+ * key, so a closed channel's client that still rings it is refused
+ * (MOE_GPU_CHAN_E_KEY).
  *
  * Closing never waits: the entry is deactivated, gen released, and the
  * entry stays DRAINING until the dispatcher has acknowledged that gen
@@ -20,6 +28,7 @@
  * Loop thread, except where noted; state under cb->mu.
  */
 #include <cuda_runtime.h>
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -127,16 +136,54 @@ void cuda_chan_wake_locked(struct cuda_backend *cb)
         (void)publish_gen_locked(cb);
 }
 
+/* Give entry ch an allocation of at least `need` bytes and its IPC handle:
+ * the one it has, or a new one (the old one, too small, freed later). */
+static cudaError_t chan_mem(struct cuda_backend *cb, struct cuda_chan *ch, size_t need)
+{
+    if (ch->mem && ch->mem_bytes < need) {
+        (void)cuda_release_later(cb, ch->mem, CUDA_REL_FREE); /* logged if not */
+        ch->mem = NULL;
+        ch->mem_bytes = 0;
+    }
+    if (ch->mem)
+        return cudaSuccess;
+    cudaError_t ce = cudaMalloc(&ch->mem, need);
+    if (ce != cudaSuccess) {
+        ch->mem = NULL;
+        return ce;
+    }
+    cudaIpcMemHandle_t h;
+    ce = cudaIpcGetMemHandle(&h, ch->mem);
+    if (ce != cudaSuccess) {
+        /* never exported: nothing but this process can touch it, and no
+         * kernel does yet */
+        (void)cuda_release_later(cb, ch->mem, CUDA_REL_FREE);
+        ch->mem = NULL;
+        return ce;
+    }
+    memcpy(ch->handle, &h, sizeof ch->handle);
+    ch->mem_bytes = need;
+    return cudaSuccess;
+}
+
 int cuda_chan_open(struct moed_backend *be, const struct moed_chan_buf *bufs, uint32_t n_bufs,
-                   struct moed_chan_info *out, char *err, size_t errlen)
+                   uint64_t arena_bytes, struct moed_chan_info *out, char *err, size_t errlen)
 {
     struct cuda_backend *cb = (struct cuda_backend *)be;
     if (!cb->n_chans)
         return moed_seterr(err, errlen, MOED_E_UNSUPPORTED,
                            "doorbell channels are off (engine.max_channels is 0)");
-    if (n_bufs == 0 || n_bufs > MOE_GPU_CHAN_BUFS)
-        return moed_seterr(err, errlen, MOED_E_INVAL, "a channel names 1 to %d buffers, not %u",
-                           MOE_GPU_CHAN_BUFS, n_bufs);
+    const uint32_t first = arena_bytes != 0; /* the arena is range 0 */
+    if ((!first && n_bufs == 0) || n_bufs > MOE_GPU_CHAN_BUFS - first)
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "a channel names %u to %d buffers%s, not %u", 1 - first,
+                           MOE_GPU_CHAN_BUFS - first, first ? " besides its arena" : "", n_bufs);
+    if (arena_bytes > (1ull << 40)) /* desc.c bounds it far lower (the model's rows) */
+        return moed_seterr(err, errlen, MOED_E_INVAL, "a %" PRIu64 "-byte arena", arena_bytes);
+    const size_t need = first ? (size_t)(MOE_GPU_CHAN_ARENA_OFF + arena_bytes +
+                                         MOE_GPU_CHAN_ALLOC - 1) /
+                                    MOE_GPU_CHAN_ALLOC * MOE_GPU_CHAN_ALLOC
+                              : MOE_GPU_CHAN_ALLOC;
     pthread_mutex_lock(&cb->mu);
     int failed = cb->failed;
     uint32_t i = 0;
@@ -152,24 +199,12 @@ int cuda_chan_open(struct moed_backend *be, const struct moed_chan_buf *bufs, ui
                            cb->n_chans);
     struct cuda_chan *ch = &cb->chan[i];
     cudaError_t ce = cudaSetDevice(cb->dev);
-    if (ce == cudaSuccess && !ch->mem) {
-        ce = cudaMalloc(&ch->mem, MOE_GPU_CHAN_ALLOC);
-        if (ce == cudaSuccess) {
-            cudaIpcMemHandle_t h;
-            ce = cudaIpcGetMemHandle(&h, ch->mem);
-            if (ce == cudaSuccess)
-                memcpy(ch->handle, &h, sizeof ch->handle);
-            else {
-                cudaFree(ch->mem);
-                ch->mem = NULL;
-            }
-        } else {
-            ch->mem = NULL;
-        }
-    }
-    /* a clean channel: bell, done, status and slots zero */
     if (ce == cudaSuccess)
-        ce = cudaMemsetAsync(ch->mem, 0, sizeof(struct moe_gpu_chan), cb->side);
+        ce = chan_mem(cb, ch, need);
+    /* a clean channel: bell, done, status and slots zero, and nothing of a
+     * previous owner's arena (the client maps the whole allocation) */
+    if (ce == cudaSuccess)
+        ce = cudaMemsetAsync(ch->mem, 0, ch->mem_bytes, cb->side);
     if (ce == cudaSuccess)
         ce = cudaStreamSynchronize(cb->side);
     if (ce != cudaSuccess) {
@@ -183,8 +218,11 @@ int cuda_chan_open(struct moed_backend *be, const struct moed_chan_buf *bufs, ui
     if (getrandom(&e.key, sizeof e.key, 0) != (ssize_t)sizeof e.key)
         e.key = (uint64_t)moed_mono_ns() * 0x9E3779B97F4A7C15ull;
     e.key |= 1; /* never 0: a zeroed descriptor is refused */
+    if (first)
+        e.reg[0] = (struct moe_gpu_reg){(uint64_t)(uintptr_t)ch->mem + MOE_GPU_CHAN_ARENA_OFF,
+                                        arena_bytes};
     for (uint32_t b = 0; b < n_bufs; b++)
-        e.reg[b] = (struct moe_gpu_reg){(uint64_t)(uintptr_t)bufs[b].ptr, bufs[b].size};
+        e.reg[first + b] = (struct moe_gpu_reg){(uint64_t)(uintptr_t)bufs[b].ptr, bufs[b].size};
     e.active = 0; /* written inactive, activated by the last word */
     if (put_entry(cb, i, 0, &e, sizeof e))
         return moed_seterr(err, errlen, MOED_E_BACKEND, "cuda backend: channel table write failed");
@@ -211,9 +249,12 @@ int cuda_chan_open(struct moed_backend *be, const struct moed_chan_buf *bufs, ui
     out->key = e.key;
     memcpy(out->handle, ch->handle, sizeof out->handle);
     out->size = sizeof(struct moe_gpu_chan);
+    out->arena_off = first ? MOE_GPU_CHAN_ARENA_OFF : 0;
+    out->arena_bytes = arena_bytes;
     out->kernel = moe_chan_client_fatbin;
     out->kernel_bytes = (uint64_t)(moe_chan_client_fatbin_end - moe_chan_client_fatbin);
-    LOG_D("cuda: GPU %d: channel %u open over %u buffers", cb->dev, i, n_bufs);
+    LOG_D("cuda: GPU %d: channel %u open over %u buffers and a %" PRIu64 "-byte arena "
+          "(allocation %zu bytes)", cb->dev, i, n_bufs, arena_bytes, ch->mem_bytes);
     return 0;
 }
 

@@ -215,12 +215,14 @@ static void cpu_test_ipc_close(struct moed_backend *be, const struct moed_buf *m
 }
 
 /* MOED_TEST_CPU_CHANNELS (test_hooks.h): channel entries that serve
- * nothing; the "handle" names the entry, the "fatbin" is a fixed string. */
+ * nothing; the "handle" names the entry, the "fatbin" is a fixed string, an
+ * arena is only reported (at MOE_GPU_CHAN_ARENA_OFF), not allocated. */
 #define CPU_CHAN_QUIET_POLLS 3
 static const char cpu_chan_kernel[] = "moed-cpu-test-kernel";
 
 static int cpu_chan_open(struct moed_backend *be, const struct moed_chan_buf *bufs,
-                         uint32_t n_bufs, struct moed_chan_info *out, char *err, size_t errlen)
+                         uint32_t n_bufs, uint64_t arena_bytes, struct moed_chan_info *out,
+                         char *err, size_t errlen)
 {
     struct cpu_backend *cb = (struct cpu_backend *)be;
     uint32_t i = 0;
@@ -239,7 +241,10 @@ static int cpu_chan_open(struct moed_backend *be, const struct moed_chan_buf *bu
     *out = (struct moed_chan_info){.index = i, .key = ((uint64_t)++cb->chan_opens << 8) | i,
                                    .size = sizeof(struct moe_gpu_chan),
                                    .kernel = cpu_chan_kernel,
-                                   .kernel_bytes = sizeof cpu_chan_kernel - 1};
+                                   .kernel_bytes = sizeof cpu_chan_kernel - 1,
+                                   /* an arena is reported, not allocated: nothing is served */
+                                   .arena_off = arena_bytes ? MOE_GPU_CHAN_ARENA_OFF : 0,
+                                   .arena_bytes = arena_bytes};
     snprintf((char *)out->handle, sizeof out->handle, "moed-cpu-test-chan-%u", i);
     return 0;
 }

@@ -315,7 +315,8 @@ static uint64_t kernel_time_ns(const struct cuda_backend *cb, uint64_t seq)
 /* now - then as a signed age (negative when `then` was stamped after `now`). */
 static int64_t age_ns(uint64_t now, uint64_t then) { return (int64_t)(now - then); }
 
-/* Client mappings given back (cuda_ipc_close) are unmapped here, with no
+/* Client mappings given back (cuda_ipc_close) are unmapped here, and
+ * outgrown channel allocations freed (cuda_release_later), with no
  * kernel resident: a running kernel is stopped between batches (the host
  * ring empty; a busy doorbell channel does not keep it from stopping, see
  * cuda_chan_wake_locked) and relaunched by the state machine after, as it
@@ -323,7 +324,7 @@ static int64_t age_ns(uint64_t now, uint64_t then) { return (int64_t)(now - then
 static const char *unmap_step(struct cuda_backend *cb)
 {
     pthread_mutex_lock(&cb->mu);
-    int go = cb->n_unmap && !cb->failed && !cb->closing && cb->next_seq == cb->delivered;
+    int go = cb->n_rel && !cb->failed && !cb->closing && cb->next_seq == cb->delivered;
     int stop = go && cb->running;
     if (stop) {
         cb->running = 0;  /* submits queue meanwhile */
@@ -339,7 +340,7 @@ static const char *unmap_step(struct cuda_backend *cb)
     if (stop && stop_kernel(cb, 2000))
         why = "the kernel did not stop on request";
     else
-        cuda_ipc_unmap_queued(cb);
+        cuda_release_queued(cb);
     if (stop) {
         pthread_mutex_lock(&cb->mu);
         cb->stopping = 0;
@@ -481,7 +482,7 @@ static void *completion_thread(void *arg)
             }
             pthread_mutex_lock(&cb->mu);
             if (!cb->ph && cb->next_seq == cb->delivered && !cb->closing &&
-                (cb->running || !cb->chans_live || cb->failed) && (!cb->n_unmap || cb->failed))
+                (cb->running || !cb->chans_live || cb->failed) && (!cb->n_rel || cb->failed))
                 pthread_cond_timedwait(&cb->cv, &cb->mu, &ts);
             pthread_mutex_unlock(&cb->mu);
             last_progress = moed_mono_ns();
@@ -536,7 +537,7 @@ static void free_all(struct cuda_backend *cb, int device_ok)
             cudaFreeHost(cb->stage);
     }
     cuda_chan_teardown(cb, device_ok);
-    free(cb->unmap); /* left mapped when the device is not ok */
+    free(cb->rel); /* left mapped or allocated when the device is not ok */
     free(cb->slot_of);
     pthread_mutex_destroy(&cb->mu);
     pthread_cond_destroy(&cb->cv);
@@ -571,7 +572,7 @@ static void cuda_close(struct moed_backend *be)
         cb->running = 0;
     }
     if (device_ok)
-        cuda_ipc_unmap_queued(cb);
+        cuda_release_queued(cb);
     free_all(cb, device_ok);
 }
 

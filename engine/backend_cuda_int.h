@@ -104,17 +104,28 @@ struct cuda_backend {
     int stopping;            /* an idle stop is under way (the kernel sees a bell only
                                 once relaunched: a channel opens after it) */
     uint64_t chan_gen;       /* last generation released */
-    /* client mappings given back (cuda_ipc_close) and not yet unmapped:
-     * cudaIpcCloseMemHandle waits for the device to go idle, so it runs only
-     * with no kernel resident (the completion thread stops it for them, mu) */
-    void **unmap;
-    uint32_t n_unmap, cap_unmap;
+    /* device memory to let go of, not yet released: client mappings given
+     * back (cuda_ipc_close) and channel allocations outgrown (cuda_chan_open).
+     * cudaIpcCloseMemHandle and cudaFree wait for the device to go idle, so
+     * they run only with no kernel resident (the completion thread stops it
+     * for them, mu) */
+    struct cuda_release *rel;
+    uint32_t n_rel, cap_rel;
     uint64_t unmap_stops;    /* kernel stops made for them */
+};
+
+/* One deferred release (cuda_release_later). */
+enum { CUDA_REL_UNMAP = 0, CUDA_REL_FREE };
+struct cuda_release {
+    void *ptr;
+    int kind; /* CUDA_REL_UNMAP: cudaIpcCloseMemHandle; CUDA_REL_FREE: cudaFree */
 };
 
 /* Host state of one channel table entry. */
 struct cuda_chan {
-    void *mem;            /* its allocation (MOE_GPU_CHAN_ALLOC), kept once made */
+    void *mem;            /* its allocation, kept once made (replaced by a larger one
+                             when an arena needs more, the old one freed later) */
+    size_t mem_bytes;     /* MOE_GPU_CHAN_ALLOC, or 4096 + an arena rounded up to it */
     uint8_t handle[64];   /* cudaIpcGetMemHandle of mem */
     int state;            /* free, open, draining */
     uint64_t close_gen;   /* draining: quiet once the kernel acknowledged this */
@@ -137,9 +148,14 @@ int cuda_device_uuid(struct moed_backend *be, uint8_t uuid[16], int *mps);
 int cuda_ipc_open(struct moed_backend *be, const uint8_t handle[64], struct moed_buf *out,
                   char *err, size_t errlen);
 void cuda_ipc_close(struct moed_backend *be, const struct moed_buf *m);
-/* Unmap the mappings cuda_ipc_close queued (no kernel resident: the
+/* Queue ptr to be unmapped or freed (kind CUDA_REL_*) with no kernel
+ * resident; 1 if queued, 0 if it is left to process exit (the backend has
+ * failed: the kernel may still touch it; or out of memory), logged. Any
+ * thread (takes mu). */
+int cuda_release_later(struct cuda_backend *cb, void *ptr, int kind);
+/* Release what cuda_release_later queued (no kernel resident: the
  * completion thread, or close after the kernel stopped). */
-void cuda_ipc_unmap_queued(struct cuda_backend *cb);
+void cuda_release_queued(struct cuda_backend *cb);
 /* At open: the device's UUID and MPS attribute into cb (uuid, mps). */
 void cuda_sharing_probe(struct cuda_backend *cb, const struct cudaDeviceProp *prop);
 /* SMs the kernel leaves free: sms_free, or under MPS with sms_free 0,
@@ -153,7 +169,7 @@ int cuda_sms_free(const struct cuda_backend *cb, int sms_free, int mps_percent);
 int cuda_chan_setup(struct cuda_backend *cb, uint32_t max_channels, char *err, size_t errlen);
 void cuda_chan_teardown(struct cuda_backend *cb, int device_ok);
 int cuda_chan_open(struct moed_backend *be, const struct moed_chan_buf *bufs, uint32_t n_bufs,
-                   struct moed_chan_info *out, char *err, size_t errlen);
+                   uint64_t arena_bytes, struct moed_chan_info *out, char *err, size_t errlen);
 void cuda_chan_close(struct moed_backend *be, uint32_t index);
 int cuda_chan_quiet(struct moed_backend *be, uint32_t index);
 void cuda_chan_stats(struct moed_backend *be, uint32_t index, struct moed_chan_stats *out);

@@ -106,53 +106,63 @@ int cuda_ipc_open(struct moed_backend *be, const uint8_t handle[64], struct moed
 /* Queued, not unmapped here: cudaIpcCloseMemHandle waits until the device
  * is idle, which it never is while the persistent kernel is resident (a
  * doorbell channel keeps it so), and this runs on the loop thread. The
- * completion thread unmaps the queue with no kernel resident
- * (cuda_ipc_unmap_queued), stopping and relaunching it for that. After a
- * failure the kernel may still run: the mapping is left to process exit. */
+ * completion thread releases the queue with no kernel resident
+ * (cuda_release_queued), stopping and relaunching it for that; the same
+ * queue frees outgrown channel allocations (cudaFree waits alike). After a
+ * failure the kernel may still run: the memory is left to process exit. */
 void cuda_ipc_close(struct moed_backend *be, const struct moed_buf *m)
 {
-    struct cuda_backend *cb = (struct cuda_backend *)be;
+    (void)cuda_release_later((struct cuda_backend *)be, m->ptr, CUDA_REL_UNMAP);
+}
+
+int cuda_release_later(struct cuda_backend *cb, void *ptr, int kind)
+{
     pthread_mutex_lock(&cb->mu);
-    if (!cb->failed && cb->n_unmap == cb->cap_unmap) {
-        uint32_t cap = cb->cap_unmap ? 2 * cb->cap_unmap : 16;
-        void **nu = realloc(cb->unmap, cap * sizeof *nu);
-        if (nu) {
-            cb->unmap = nu;
-            cb->cap_unmap = cap;
+    if (!cb->failed && cb->n_rel == cb->cap_rel) {
+        uint32_t cap = cb->cap_rel ? 2 * cb->cap_rel : 16;
+        struct cuda_release *nr = realloc(cb->rel, cap * sizeof *nr);
+        if (nr) {
+            cb->rel = nr;
+            cb->cap_rel = cap;
         }
     }
-    int queued = !cb->failed && cb->n_unmap < cb->cap_unmap;
+    int queued = !cb->failed && cb->n_rel < cb->cap_rel;
     if (queued) {
-        cb->unmap[cb->n_unmap++] = m->ptr;
+        cb->rel[cb->n_rel++] = (struct cuda_release){ptr, kind};
         pthread_cond_signal(&cb->cv);
     }
     int failed = cb->failed;
     pthread_mutex_unlock(&cb->mu);
     if (!queued)
-        LOG_W("cuda: GPU %d: client mapping %p left to process exit (%s)", cb->dev, m->ptr,
+        LOG_W("cuda: GPU %d: %s %p left to process exit (%s)", cb->dev,
+              kind == CUDA_REL_FREE ? "channel allocation" : "client mapping", ptr,
               failed ? "the backend has failed" : "out of memory");
+    return queued;
 }
 
-void cuda_ipc_unmap_queued(struct cuda_backend *cb)
+void cuda_release_queued(struct cuda_backend *cb)
 {
     pthread_mutex_lock(&cb->mu);
-    void **list = cb->unmap;
-    uint32_t n = cb->n_unmap;
-    cb->unmap = NULL;
-    cb->n_unmap = cb->cap_unmap = 0;
+    struct cuda_release *list = cb->rel;
+    uint32_t n = cb->n_rel, freed = 0;
+    cb->rel = NULL;
+    cb->n_rel = cb->cap_rel = 0;
     pthread_mutex_unlock(&cb->mu);
     cudaError_t ce = cudaSetDevice(cb->dev);
     for (uint32_t i = 0; i < n; i++) {
+        const int fr = list[i].kind == CUDA_REL_FREE;
         if (ce == cudaSuccess)
-            ce = cudaIpcCloseMemHandle(list[i]);
+            ce = fr ? cudaFree(list[i].ptr) : cudaIpcCloseMemHandle(list[i].ptr);
+        freed += fr && ce == cudaSuccess;
         if (ce != cudaSuccess) {
             (void)cudaGetLastError();
-            LOG_W("cuda: GPU %d: cudaIpcCloseMemHandle(%p): %s", cb->dev, list[i],
-                  cudaGetErrorString(ce));
+            LOG_W("cuda: GPU %d: %s(%p): %s", cb->dev, fr ? "cudaFree" : "cudaIpcCloseMemHandle",
+                  list[i].ptr, cudaGetErrorString(ce));
             ce = cudaSuccess;
         }
     }
     if (n)
-        LOG_D("cuda: GPU %d: %u client mappings unmapped", cb->dev, n);
+        LOG_D("cuda: GPU %d: %u client mappings unmapped, %u channel allocations freed", cb->dev,
+              n - freed, freed);
     free(list);
 }

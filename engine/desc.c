@@ -11,6 +11,7 @@
 #include "moed_log.h"
 
 _Static_assert(MOED_PROTO_CHAN_BUFS == MOE_GPU_CHAN_BUFS, "a channel's buffers: wire = kernel");
+_Static_assert(MOED_PROTO_CHAN_ARENA_OFF == MOE_GPU_CHAN_ARENA_OFF, "the arena: wire = kernel");
 _Static_assert(MOE_GPU_MAX_CHANS == 16, "engine.max_channels' bound (config_keys.c) is the "
                                         "kernel's table size");
 
@@ -43,12 +44,13 @@ struct desc_chan {
     struct desc_chan *next;
     struct moed_conn *conn; /* its connection while open; NULL once draining */
     uint32_t id, index, n_bufs;
+    uint64_t arena_bytes;   /* its arena in the daemon (0: none); table range 0 then */
     struct desc_buf *bufs[MOED_PROTO_CHAN_BUFS];
 };
 
 struct moed_desc {
     struct moed_backend *be;
-    uint32_t max_per_conn, max_chans, max_chans_per_conn, hidden, top_k;
+    uint32_t max_per_conn, max_chans, max_chans_per_conn, hidden, top_k, max_tokens;
     struct desc_map *maps;
     struct desc_chan *chans, *draining; /* open; closed, the backend not yet quiet */
     uint32_t next_chan_id;
@@ -90,7 +92,7 @@ static void buf_put(struct moed_desc *d, struct desc_buf *b)
 
 int moed_desc_open(struct moed_backend *be, uint32_t max_per_conn, uint32_t max_chans,
                    uint32_t max_chans_per_conn, uint32_t hidden, uint32_t top_k,
-                   struct moed_desc **out)
+                   uint32_t max_tokens, struct moed_desc **out)
 {
     struct moed_desc *d = calloc(1, sizeof *d);
     if (!d)
@@ -102,6 +104,7 @@ int moed_desc_open(struct moed_backend *be, uint32_t max_per_conn, uint32_t max_
     d->next_chan_id = 1;
     d->hidden = hidden;
     d->top_k = top_k;
+    d->max_tokens = max_tokens;
     *out = d;
     return 0;
 }
@@ -362,6 +365,11 @@ static void chan_drain(struct moed_desc *d, struct desc_chan *ch)
     d->st.chans_draining++;
 }
 
+uint64_t moed_desc_arena_limit(uint32_t max_tokens, uint32_t hidden, uint32_t top_k)
+{
+    return (uint64_t)max_tokens * (4ull * hidden + 8ull * top_k) + 64;
+}
+
 uint32_t moed_desc_chan_reap(struct moed_desc *d)
 {
     uint32_t left = 0;
@@ -384,6 +392,7 @@ uint32_t moed_desc_chan_reap(struct moed_desc *d)
         for (uint32_t i = 0; i < ch->n_bufs; i++)
             buf_put(d, ch->bufs[i]);
         d->st.chans_draining--;
+        d->st.arena_bytes -= ch->arena_bytes;
         LOG_D("channels: channel %u (entry %u) reaped: %" PRIu64 " served, %" PRIu64 " refused",
               ch->id, ch->index, cs.served, cs.refused);
         free(ch);
@@ -405,7 +414,7 @@ static int chan_check(struct moed_desc *d, struct moed_conn *c,
                       size_t errlen)
 {
     const struct moed_backend_ops *ops = d->be->ops;
-    if (d->max_per_conn == 0)
+    if (d->max_per_conn == 0 && rq->n_bufs > 0) /* an arena alone needs none */
         return moed_seterr(err, errlen, MOED_E_UNSUPPORTED,
                            "doorbell channels name registered buffers, and registration is off "
                            "(server.max_registered_buffers is 0)");
@@ -416,6 +425,12 @@ static int chan_check(struct moed_desc *d, struct moed_conn *c,
         return moed_seterr(err, errlen, MOED_E_UNSUPPORTED,
                            "doorbell channels need the cuda backend (backend %s has none)",
                            ops->name);
+    const uint64_t limit = moed_desc_arena_limit(d->max_tokens, d->hidden, d->top_k);
+    if (rq->arena_bytes > limit)
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "CHAN_OPEN arena_bytes %" PRIu64 " is over the limit %" PRIu64
+                           " (max_tokens rows of x, ids, w and y for this model)",
+                           rq->arena_bytes, limit);
     uint32_t mine = 0;
     for (const struct desc_chan *o = d->chans; o; o = o->next)
         mine += o->conn == c;
@@ -470,7 +485,7 @@ int moed_desc_chan_open(struct moed_desc *d, struct moed_conn *c,
         bufs[i] = (struct moed_chan_buf){(uint8_t *)b->map->mem.ptr + b->off, b->size};
     }
     if (rc == 0)
-        rc = d->be->ops->chan_open(d->be, bufs, rq->n_bufs, &info, err, errlen);
+        rc = d->be->ops->chan_open(d->be, bufs, rq->n_bufs, rq->arena_bytes, &info, err, errlen);
     if (rc < 0) {
         free(ch);
         d->st.chan_refused++;
@@ -481,6 +496,7 @@ int moed_desc_chan_open(struct moed_desc *d, struct moed_conn *c,
     ch->id = d->next_chan_id++;
     ch->index = info.index;
     ch->n_bufs = rq->n_bufs;
+    ch->arena_bytes = info.arena_bytes;
     ch->conn = c;
     moed_server_conn_hold(c, 1); /* used on the GPU: the connection is not idle */
     for (uint32_t i = 0; i < ch->n_bufs; i++)
@@ -488,6 +504,7 @@ int moed_desc_chan_open(struct moed_desc *d, struct moed_conn *c,
     ch->next = d->chans;
     d->chans = ch;
     d->st.chans_open++;
+    d->st.arena_bytes += ch->arena_bytes;
     if (info.kernel_bytes == 0 || info.kernel_bytes > MOED_PROTO_MAX_CHAN_KERNEL) {
         /* a build without the client kernel: nothing a client could call */
         chan_drain(d, ch);
@@ -501,10 +518,13 @@ int moed_desc_chan_open(struct moed_desc *d, struct moed_conn *c,
     *rep = (struct moed_chan_open_rep){.chan_id = ch->id, .slots = MOE_GPU_CHAN_SLOTS,
                                        .key = info.key, .size = info.size,
                                        .abi_version = MOE_GPU_ABI_VERSION,
-                                       .kernel_bytes = (uint32_t)info.kernel_bytes};
+                                       .kernel_bytes = (uint32_t)info.kernel_bytes,
+                                       .arena_off = info.arena_off,
+                                       .arena_bytes = info.arena_bytes};
     memcpy(rep->handle, info.handle, sizeof rep->handle);
     *kernel = info.kernel;
-    LOG_D("channels: channel %u open (entry %u, %u buffers)", ch->id, ch->index, ch->n_bufs);
+    LOG_D("channels: channel %u open (entry %u, %u buffers, a %" PRIu64 "-byte arena)", ch->id,
+          ch->index, ch->n_bufs, ch->arena_bytes);
     return 0;
 }
 
@@ -526,7 +546,8 @@ uint32_t moed_desc_chan_rows(const struct moed_desc *d, struct moed_desc_chan_ro
     const struct desc_chan *lists[2] = {d ? d->chans : NULL, d ? d->draining : NULL};
     for (int i = 0; i < 2; i++)
         for (const struct desc_chan *ch = lists[i]; ch && n < max; ch = ch->next, n++) {
-            out[n] = (struct moed_desc_chan_row){ch->id, ch->index, ch->n_bufs, i == 1, {0}};
+            out[n] = (struct moed_desc_chan_row){ch->id, ch->index, ch->n_bufs, i == 1,
+                                                 ch->arena_bytes, {0}};
             chan_stats(d, ch, &out[n].st);
         }
     return n;

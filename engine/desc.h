@@ -16,9 +16,12 @@
  * left to process exit, as pinned buffers are).
  *
  * Doorbell channels (PROTOCOL.md section 10) belong here too: CHAN_OPEN
- * names up to MOED_PROTO_CHAN_BUFS registrations of its connection; once the
- * checks pass (registration and channels on, a backend with chan ops, every
- * id registered here, the client's GPU this daemon's GPU under MPS) the
+ * names up to MOED_PROTO_CHAN_BUFS registrations of its connection, or an
+ * arena (memory the backend allocates next to the channel's ring, so that a
+ * client's death frees nothing the kernel touches) and up to one fewer;
+ * once the checks pass (registration on when ids are named, channels on, a
+ * backend with chan ops, the arena within moed_desc_arena_limit, every id
+ * registered here, the client's GPU this daemon's GPU under MPS) the
  * backend's chan_open takes a table entry and the channel holds a reference
  * on each registration, which then cannot be unregistered (MOED_E_BUSY)
  * while the channel is open. CHAN_CLOSE, or the connection's close, closes
@@ -50,6 +53,7 @@ struct moed_desc_stats {
     uint64_t requests;       /* FORWARD_DESC taken */
     /* doorbell channels */
     uint64_t chans_open, chans_draining; /* now */
+    uint64_t arena_bytes;                /* the arenas of those, now */
     uint64_t chan_opens, chan_refused;   /* CHAN_OPEN accepted / refused since start */
     /* descriptors served / refused and their kernel ns, every channel since
      * start (the backend's counters; those of reaped channels kept) */
@@ -60,6 +64,7 @@ struct moed_desc_stats {
 struct moed_desc_chan_row {
     uint32_t id, index, n_bufs;
     int draining;                /* closed, the backend not yet quiet */
+    uint64_t arena_bytes;        /* its arena (0: none) */
     struct moed_chan_stats st;   /* the backend's counters (zero without chan_stats) */
 };
 
@@ -68,7 +73,7 @@ struct moed_desc_chan_row {
  * server.max_channels_per_client (channels one connection may have open). */
 int moed_desc_open(struct moed_backend *be, uint32_t max_per_conn, uint32_t max_chans,
                    uint32_t max_chans_per_conn, uint32_t hidden, uint32_t top_k,
-                   struct moed_desc **out);
+                   uint32_t max_tokens, struct moed_desc **out);
 /* The backend is about to close: what is still mapped (abandoned batches
  * only, after a drain) is left to process exit from here on. */
 void moed_desc_detach(struct moed_desc *d);
@@ -104,6 +109,10 @@ int moed_desc_chan_open(struct moed_desc *d, struct moed_conn *c,
  * MOED_E_INVAL for a channel that is not open on c. */
 int moed_desc_chan_close(struct moed_desc *d, struct moed_conn *c, uint32_t chan_id, char *err,
                          size_t errlen);
+/* The largest CHAN_OPEN arena_bytes: max_tokens rows of x (bf16 [T, H]),
+ * ids (int32 [T, k]), w (fp32 [T, k]) and y (bf16 [T, H]), + 64 for each
+ * part's 16-byte alignment. */
+uint64_t moed_desc_arena_limit(uint32_t max_tokens, uint32_t hidden, uint32_t top_k);
 /* Poll the draining channels (backend chan_quiet, never waiting): free the
  * quiet ones. Returns how many still drain (0: the caller stops polling). */
 uint32_t moed_desc_chan_reap(struct moed_desc *d);

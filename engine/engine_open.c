@@ -126,7 +126,7 @@ int moed_engine_open(uv_loop_t *loop, struct moed_model *model, const struct moe
         goto fail_backend;
     if (moed_desc_open(e->be, cfg->max_registered_buffers, cfg->max_channels,
                        cfg->max_channels_per_client, e->dims->hidden,
-                       e->dims->top_k, &e->desc) < 0) {
+                       e->dims->top_k, cfg->max_tokens, &e->desc) < 0) {
         rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
         moed_bufpool_close(e->pool);
         goto fail_backend;
@@ -255,6 +255,7 @@ struct moed_stats *moed_engine_stats(struct moed_engine *e)
         e->stats.zc_requests = ds.requests;
         e->stats.ch_open = ds.chans_open;
         e->stats.ch_draining = ds.chans_draining;
+        e->stats.ch_arena_bytes = ds.arena_bytes;
         e->stats.ch_opens = ds.chan_opens;
         e->stats.ch_refused = ds.chan_refused;
         e->stats.db_served = ds.db_served;
@@ -265,7 +266,8 @@ struct moed_stats *moed_engine_stats(struct moed_engine *e)
         for (uint32_t i = 0; i < n; i++)
             e->stats.chans[i] = (struct moed_stats_chan){
                 rows[i].id, rows[i].index, rows[i].n_bufs, (uint32_t)rows[i].draining,
-                rows[i].st.served, rows[i].st.refused, rows[i].st.kernel_ns, rows[i].st.last};
+                rows[i].arena_bytes, rows[i].st.served, rows[i].st.refused,
+                rows[i].st.kernel_ns, rows[i].st.last};
         e->stats.n_chans = n;
     }
     if (e->be && e->be->ops->heartbeat) {

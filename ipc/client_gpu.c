@@ -100,6 +100,7 @@ struct moedc_chan {
     void *module, *fn;
     uint64_t key;
     uint32_t slots;
+    uint64_t arena_off, arena_bytes; /* the arena in that mapping (0, 0: none) */
 };
 
 int moedc_chan_attach(const struct moedc_chan_info *info, struct moedc_chan **out, char *err,
@@ -121,6 +122,11 @@ int moedc_chan_attach(const struct moedc_chan_info *info, struct moedc_chan **ou
                            "moedc_chan_attach: not an open channel's info (kernel %zu bytes, "
                            "size %" PRIu64 ", slots %" PRIu32 ")",
                            info->kernel_bytes, info->size, info->slots);
+    if (info->arena_bytes && info->arena_off < info->size)
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "moedc_chan_attach: an arena at offset %" PRIu64
+                           " overlaps the %" PRIu64 "-byte channel",
+                           info->arena_off, info->size);
     int rc = cu_ready("moedc_chan_attach", err, errlen);
     if (rc)
         return rc;
@@ -129,6 +135,8 @@ int moedc_chan_attach(const struct moedc_chan_info *info, struct moedc_chan **ou
         return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory for a channel");
     ch->key = info->key;
     ch->slots = info->slots;
+    ch->arena_off = info->arena_off;
+    ch->arena_bytes = info->arena_bytes;
     cu_ipc_handle h;
     memcpy(h.reserved, info->handle, sizeof h.reserved);
     cu_result r = cu.ipc_open(&ch->chan, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
@@ -151,6 +159,14 @@ int moedc_chan_attach(const struct moedc_chan_info *info, struct moedc_chan **ou
     }
     *out = ch;
     return 0;
+}
+
+uint64_t moedc_chan_arena(const struct moedc_chan *ch, uint64_t *bytes)
+{
+    const int has = ch && ch->arena_bytes;
+    if (bytes)
+        *bytes = has ? ch->arena_bytes : 0;
+    return has ? (uint64_t)ch->chan + ch->arena_off : 0;
 }
 
 void moedc_chan_detach(struct moedc_chan *ch)

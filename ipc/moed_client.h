@@ -180,14 +180,22 @@ MOEDC_API int moedc_forward_desc(struct moedc *c, uint32_t layer, uint32_t n_tok
  * A channel lets the client's own kernels, on its CUDA stream and inside a
  * CUDA graph, submit layers over its registered buffers to moed's
  * persistent kernel through device memory, with no host round trip.
- * moedc_chan_open names 1..16 buffers registered on this connection (the
- * descriptors then name them by index 0..n-1) and the 16-byte UUID of the
- * GPU the client's kernels run on (moed's GPU, under MPS); *out gets the
- * channel's id, descriptor key, the CUDA IPC handle of its memory and a
- * malloc'd copy of the client kernel's fatbin (cuModuleLoadData; entry
- * moed_chan_call): give it back with moedc_chan_info_free. The buffers it
- * names cannot be unregistered while it is open. Blocking; HELLO first if
- * needed. The channel ends with moedc_chan_close or the connection. */
+ * moedc_chan_open asks for an arena of arena_bytes (0: none; at most
+ * max_tokens rows of x, ids, w and y, PROTOCOL.md 10.1) and names n buffers
+ * registered on this connection: without an arena 1..16, the descriptors
+ * then name them by index 0..n-1; with one 0..15, the arena is index 0 and
+ * buf_ids[i] index i + 1. The arena is daemon memory next to the channel's
+ * ring, in the same mapping (moedc_chan_arena): the client copies its
+ * inputs in and y out on its own stream, and its death, even mid-graph,
+ * can never free memory moed's kernel is touching, which a registered
+ * buffer's can (docs/ZERO_COPY.md). Also the 16-byte UUID of the GPU the
+ * client's kernels run on (moed's GPU, under MPS); *out gets the channel's
+ * id, descriptor key, the CUDA IPC handle of its memory, the arena's place
+ * in it and a malloc'd copy of the client kernel's fatbin
+ * (cuModuleLoadData; entry moed_chan_call): give it back with
+ * moedc_chan_info_free. The buffers it names cannot be unregistered while
+ * it is open. Blocking; HELLO first if needed. The channel ends with
+ * moedc_chan_close or the connection. */
 struct moedc_chan_info {
     uint32_t chan_id;        /* > 0: names the channel in moedc_chan_close */
     uint32_t slots;          /* descriptors in flight at most */
@@ -195,12 +203,14 @@ struct moedc_chan_info {
     uint8_t handle[64];      /* cudaIpcMemHandle_t of the channel's memory */
     uint64_t size;           /* bytes of the channel at the handle's offset 0 */
     uint32_t abi_version;    /* the kernel ABI the daemon speaks */
+    uint64_t arena_off;      /* the arena's offset in the mapping (0: no arena) */
+    uint64_t arena_bytes;    /* its bytes (0: no arena), zeroed at open */
     void *kernel;            /* the client kernel's fatbin (malloc'd) */
     size_t kernel_bytes;
 };
 MOEDC_API int moedc_chan_open(struct moedc *c, const uint32_t *buf_ids, uint32_t n,
-                              const uint8_t uuid[16], struct moedc_chan_info *out, char *err,
-                              size_t errlen);
+                              uint64_t arena_bytes, const uint8_t uuid[16],
+                              struct moedc_chan_info *out, char *err, size_t errlen);
 MOEDC_API int moedc_chan_close(struct moedc *c, uint32_t chan_id, char *err, size_t errlen);
 /* Free what moedc_chan_open gave (the fatbin copy); NULL is fine. */
 MOEDC_API void moedc_chan_info_free(struct moedc_chan_info *info);
@@ -219,10 +229,15 @@ MOEDC_API int moedc_chan_attach(const struct moedc_chan_info *info, struct moedc
 /* Unload the kernel and unmap the channel (after its last call completed;
  * CHAN_CLOSE is separate). NULL is fine. */
 MOEDC_API void moedc_chan_detach(struct moedc_chan *ch);
+/* The channel's arena as mapped here (a CUdeviceptr, in the attaching
+ * context) and its bytes into *bytes (may be NULL); 0 without an arena.
+ * Reads and writes of it go on the caller's stream like any device
+ * memory; a moedc_chan_call names it as buffer 0. */
+MOEDC_API uint64_t moedc_chan_arena(const struct moedc_chan *ch, uint64_t *bytes);
 
-/* A range of one of the channel's buffers: buf is its index in
- * moedc_chan_open's buf_ids, offset bytes from the registered range's
- * start. */
+/* A range of one of the channel's buffers: buf is its index (the arena 0
+ * and buf_ids[i] i + 1 with an arena, buf_ids[i] i without), offset bytes
+ * from the start of the arena or of the registered range. */
 struct moedc_chanref {
     uint32_t buf;
     uint64_t offset;

@@ -42,7 +42,7 @@ enum moed_msg_type {
     MOED_MSG_REGISTER_BUF = 16,
     MOED_MSG_UNREGISTER_BUF = 17,
     MOED_MSG_FORWARD_DESC = 18, /* FORWARD by descriptor: x, ids, w, y in registered buffers */
-    MOED_MSG_CHAN_OPEN = 19,    /* a GPU doorbell channel over registered buffers */
+    MOED_MSG_CHAN_OPEN = 19,    /* a GPU doorbell channel (arena, registered buffers) */
     MOED_MSG_CHAN_CLOSE = 20,
 };
 
@@ -181,30 +181,41 @@ int moed_forward_desc_decode(const uint8_t *payload, uint64_t len, uint32_t top_
 /* ---- version 2: GPU doorbell channels (PROTOCOL.md section 10) ---- */
 #define MOED_PROTO_CHAN_BUFS 16 /* buffers a channel names (MOE_GPU_CHAN_BUFS) */
 
-/* CHAN_OPEN request payload (88 bytes): the GPU the client's kernels run on
- * and the registered buffers (REGISTER_BUF ids of this connection) its
- * descriptors name, by index: descriptor buffer i is buf_ids[i]. */
+/* CHAN_OPEN request payload: 88 bytes (no arena), or 96 with arena_bytes.
+ * The GPU the client's kernels run on and the registered buffers
+ * (REGISTER_BUF ids of this connection) its descriptors name, by index.
+ * Without an arena descriptor buffer i is buf_ids[i] (n_bufs 1..16); with
+ * one (arena_bytes > 0: memory the daemon allocates next to the channel's
+ * ring, in the same allocation) buffer 0 is the arena and buffer i + 1 is
+ * buf_ids[i] (n_bufs 0..15). */
+#define MOED_PROTO_CHAN_OPEN_SHORT 88 /* the form without arena_bytes */
 struct moed_chan_open_req {
     uint8_t uuid[MOED_PROTO_UUID_BYTES];
-    uint32_t n_bufs;                         /* 1..MOED_PROTO_CHAN_BUFS */
+    uint32_t n_bufs;                         /* 1..16, with an arena 0..15 */
     uint32_t flags;                          /* 0 */
     uint32_t buf_ids[MOED_PROTO_CHAN_BUFS];  /* [n_bufs] non-zero, the rest 0 */
+    uint64_t arena_bytes;                    /* 0: none (and the 88-byte form) */
 };
-_Static_assert(sizeof(struct moed_chan_open_req) == 88, "channel open request");
+_Static_assert(sizeof(struct moed_chan_open_req) == 96, "channel open request");
 
-/* CHAN_OPEN reply payload: this head (96 bytes), then kernel_bytes bytes of
- * the client kernel's fatbin (cuModuleLoadData; kernels/moe_chan_client.cu,
+/* CHAN_OPEN reply payload: this head (112 bytes), then kernel_bytes bytes
+ * of the client kernel's fatbin (cuModuleLoadData; kernels/moe_chan_client.cu,
  * entry moed_chan_call). */
 struct moed_chan_open_rep {
     uint32_t chan_id;                        /* > 0; CHAN_CLOSE names it */
     uint32_t slots;                          /* descriptors in flight (MOE_GPU_CHAN_SLOTS) */
     uint64_t key;                            /* every descriptor carries it */
-    uint8_t handle[MOED_PROTO_IPC_HANDLE_BYTES]; /* the channel's allocation */
+    uint8_t handle[MOED_PROTO_IPC_HANDLE_BYTES]; /* the channel's allocation: ring + arena */
     uint64_t size;                           /* bytes of struct moe_gpu_chan at offset 0 */
     uint32_t abi_version;                    /* MOE_GPU_ABI_VERSION */
     uint32_t kernel_bytes;
+    uint64_t arena_off;                      /* the arena's offset in the mapping (4096-
+                                                aligned, past the ring); 0 without one */
+    uint64_t arena_bytes;                    /* the arena's bytes; 0 without one */
 };
-_Static_assert(sizeof(struct moed_chan_open_rep) == 96, "channel open reply head");
+_Static_assert(sizeof(struct moed_chan_open_rep) == 112, "channel open reply head");
+/* An arena starts this far into the channel's allocation. */
+#define MOED_PROTO_CHAN_ARENA_OFF 4096
 
 /* CHAN_CLOSE request payload (8 bytes); the reply has no payload. */
 struct moed_chan_close_req {
@@ -217,22 +228,25 @@ _Static_assert(sizeof(struct moed_chan_close_req) == 8, "channel close request")
  * bytes (a client refuses a longer one). */
 #define MOED_PROTO_MAX_CHAN_KERNEL (16u << 20)
 
-/* Decode and check a CHAN_OPEN payload (pure): length 88, flags 0, n_bufs in
- * [1, MOED_PROTO_CHAN_BUFS], buf_ids[0..n_bufs) non-zero and the rest 0.
- * Whether the ids are registered is the daemon's to check. MOED_E_INVAL with
- * a message. */
+/* Decode and check a CHAN_OPEN payload (pure): length 88 (arena_bytes 0)
+ * or 96, flags 0, n_bufs in [1, MOED_PROTO_CHAN_BUFS] (with an arena [0,
+ * MOED_PROTO_CHAN_BUFS - 1]), buf_ids[0..n_bufs) non-zero and the rest 0.
+ * Whether the ids are registered and arena_bytes is within the model's
+ * limit is the daemon's to check. MOED_E_INVAL with a message. */
 int moed_chan_open_decode(const uint8_t *payload, uint64_t len, struct moed_chan_open_req *out,
                           char *err, size_t errlen);
 /* Decode and check a CHAN_CLOSE payload (pure): length 8, reserved 0.
  * MOED_E_INVAL with a message. */
 int moed_chan_close_decode(const uint8_t *payload, uint64_t len, struct moed_chan_close_req *out,
                            char *err, size_t errlen);
-/* Write a CHAN_OPEN reply head (96 bytes, little-endian). */
+/* Write a CHAN_OPEN reply head (112 bytes, little-endian). */
 void moed_chan_open_rep_encode(uint8_t out[sizeof(struct moed_chan_open_rep)],
                                const struct moed_chan_open_rep *r);
 /* Decode a CHAN_OPEN reply payload (pure, the client's side): the head,
  * then exactly kernel_bytes (1..MOED_PROTO_MAX_CHAN_KERNEL) bytes, chan_id
- * > 0, slots > 0, size > 0. MOED_E_PROTO with a message otherwise. */
+ * > 0, slots > 0, size > 0; an arena (arena_bytes > 0) at a 4096-aligned
+ * arena_off >= size, none with arena_off 0. MOED_E_PROTO with a message
+ * otherwise. */
 int moed_chan_open_rep_decode(const uint8_t *payload, uint64_t len,
                               struct moed_chan_open_rep *out, char *err, size_t errlen);
 

@@ -327,24 +327,29 @@ int moed_forward_desc_decode(const uint8_t *payload, uint64_t len, uint32_t top_
 int moed_chan_open_decode(const uint8_t *payload, uint64_t len, struct moed_chan_open_req *out,
                           char *err, size_t errlen)
 {
-    if (len != sizeof(struct moed_chan_open_req))
+    if (len != MOED_PROTO_CHAN_OPEN_SHORT && len != sizeof(struct moed_chan_open_req))
         return moed_seterr(err, errlen, MOED_E_INVAL,
-                           "CHAN_OPEN payload is %" PRIu64 " bytes; expected %zu", len,
-                           sizeof(struct moed_chan_open_req));
+                           "CHAN_OPEN payload is %" PRIu64 " bytes; expected %d or %zu", len,
+                           MOED_PROTO_CHAN_OPEN_SHORT, sizeof(struct moed_chan_open_req));
     struct moed_chan_open_req r;
     memcpy(r.uuid, payload, sizeof r.uuid);
     r.n_bufs = le_get32(payload + 16);
     r.flags = le_get32(payload + 20);
     for (uint32_t i = 0; i < MOED_PROTO_CHAN_BUFS; i++)
         r.buf_ids[i] = le_get32(payload + 24 + 4 * i);
+    r.arena_bytes = len > MOED_PROTO_CHAN_OPEN_SHORT ? le_get64(payload + 88) : 0;
     *out = r;
     if (r.flags != 0)
         return moed_seterr(err, errlen, MOED_E_INVAL, "CHAN_OPEN flags 0x%" PRIx32 " are not 0",
                            r.flags);
-    if (r.n_bufs < 1 || r.n_bufs > MOED_PROTO_CHAN_BUFS)
+    /* with an arena, buffer 0 is the arena and the ids are buffers 1.. */
+    const uint32_t lo = r.arena_bytes ? 0 : 1, hi = MOED_PROTO_CHAN_BUFS - (r.arena_bytes != 0);
+    if (r.n_bufs < lo || r.n_bufs > hi)
         return moed_seterr(err, errlen, MOED_E_INVAL,
-                           "CHAN_OPEN n_bufs %" PRIu32 " is out of range [1, %d]", r.n_bufs,
-                           MOED_PROTO_CHAN_BUFS);
+                           "CHAN_OPEN n_bufs %" PRIu32 " is out of range [%" PRIu32 ", %" PRIu32
+                           "]%s",
+                           r.n_bufs, lo, hi,
+                           r.arena_bytes ? " (with an arena, buffer 0 is the arena)" : "");
     for (uint32_t i = 0; i < MOED_PROTO_CHAN_BUFS; i++) {
         if (i < r.n_bufs && r.buf_ids[i] == 0)
             return moed_seterr(err, errlen, MOED_E_INVAL,
@@ -385,6 +390,8 @@ void moed_chan_open_rep_encode(uint8_t out[sizeof(struct moed_chan_open_rep)],
     le_put64(out + 80, r->size);
     le_put32(out + 88, r->abi_version);
     le_put32(out + 92, r->kernel_bytes);
+    le_put64(out + 96, r->arena_off);
+    le_put64(out + 104, r->arena_bytes);
 }
 
 int moed_chan_open_rep_decode(const uint8_t *payload, uint64_t len,
@@ -403,6 +410,8 @@ int moed_chan_open_rep_decode(const uint8_t *payload, uint64_t len,
         .size = le_get64(payload + 80),
         .abi_version = le_get32(payload + 88),
         .kernel_bytes = le_get32(payload + 92),
+        .arena_off = le_get64(payload + 96),
+        .arena_bytes = le_get64(payload + 104),
     };
     memcpy(r.handle, payload + 16, sizeof r.handle);
     *out = r;
@@ -417,6 +426,14 @@ int moed_chan_open_rep_decode(const uint8_t *payload, uint64_t len,
                            "CHAN_OPEN reply: chan_id %" PRIu32 ", slots %" PRIu32 ", size %" PRIu64
                            " (each must be > 0)",
                            r.chan_id, r.slots, r.size);
+    if (r.arena_bytes ? r.arena_off < r.size || r.arena_off % MOED_PROTO_CHAN_ARENA_OFF != 0 ||
+                            r.arena_bytes > UINT64_MAX - r.arena_off
+                      : r.arena_off != 0)
+        return moed_seterr(err, errlen, MOED_E_PROTO,
+                           "CHAN_OPEN reply: arena_off %" PRIu64 " for arena_bytes %" PRIu64
+                           " (an arena lies 4096-aligned past the %" PRIu64
+                           "-byte channel; none has offset 0)",
+                           r.arena_off, r.arena_bytes, r.size);
     return 0;
 }
 

@@ -185,7 +185,12 @@ struct moe_gpu_params {
                                  dispatcher keeps a pointer and a seq per entry in
                                  every CTA's static shared memory */
 #define MOE_GPU_CHAN_ALLOC (2u << 20) /* bytes of a channel's allocation (one granule:
-                                          its IPC handle exposes nothing else) */
+                                          its IPC handle exposes nothing else); with an
+                                          arena, 4096 + its bytes rounded up to this */
+#define MOE_GPU_CHAN_ARENA_OFF 4096u  /* a channel's arena (daemon memory the client
+                                          copies x in / y out of, CHAN_OPEN arena_bytes)
+                                          starts here in its allocation; the kernel sees
+                                          it as table range 0, like any other */
 
 enum moe_gpu_chan_status {
     MOE_GPU_CHAN_OK = 0,
@@ -398,7 +403,8 @@ MOE_GPU_STATIC_ASSERT(offsetof(struct moe_gpu_chan, bell) == 0 &&
                           offsetof(struct moe_gpu_chan, slot) == 128 + 8 * MOE_GPU_CHAN_SLOTS &&
                           sizeof(struct moe_gpu_chan) ==
                               128 + 8 * MOE_GPU_CHAN_SLOTS + MOE_GPU_CHAN_SLOTS * 96 &&
-                          sizeof(struct moe_gpu_chan) <= MOE_GPU_CHAN_ALLOC,
+                          sizeof(struct moe_gpu_chan) <= MOE_GPU_CHAN_ARENA_OFF &&
+                          MOE_GPU_CHAN_ARENA_OFF < MOE_GPU_CHAN_ALLOC,
                       "chan: bell and done on their own lines, status words, slots");
 MOE_GPU_STATIC_ASSERT(offsetof(struct moe_gpu_chan, slot) % 16 == 0, "chan slots: uint4 loads");
 MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_chan_ent) == 64 + 16 * MOE_GPU_CHAN_BUFS &&

@@ -122,8 +122,10 @@ struct moed_stats {
      * accepted / refused since start, descriptors served / refused and their
      * kernel ns since start; the live channels, open then draining */
     uint64_t ch_open, ch_draining, ch_opens, ch_refused, db_served, db_refused, db_kernel_ns;
+    uint64_t ch_arena_bytes; /* the arenas of the open and draining channels */
     struct moed_stats_chan {
         uint32_t id, index, n_bufs, draining;
+        uint64_t arena_bytes;
         uint64_t served, refused, kernel_ns, last;
     } chans[MOED_STATS_MAX_CHANS];
     uint32_t n_chans;

@@ -15,6 +15,7 @@ static int json_channel(cJSON *list, const struct moed_stats_chan *ch)
         return -1;
     }
     if (jnum(o, "id", ch->id) || jnum(o, "index", ch->index) || jnum(o, "buffers", ch->n_bufs) ||
+        jnum(o, "arena_bytes", (double)ch->arena_bytes) ||
         !cJSON_AddBoolToObject(o, "draining", ch->draining != 0) ||
         jnum(o, "requests", (double)ch->served) || jnum(o, "refused", (double)ch->refused) ||
         jnum(o, "kernel_seconds", (double)ch->kernel_ns / 1e9) ||
@@ -37,6 +38,7 @@ int moed_status_json_zero_copy(cJSON *root, const struct moed_stats *s)
     cJSON *ch = cJSON_AddObjectToObject(root, "channels");
     if (!ch || jnum(ch, "open", (double)s->ch_open) ||
         jnum(ch, "draining", (double)s->ch_draining) ||
+        jnum(ch, "arena_bytes", (double)s->ch_arena_bytes) ||
         jnum(ch, "opened", (double)s->ch_opens) || jnum(ch, "refused", (double)s->ch_refused) ||
         jnum(ch, "doorbell_requests", (double)s->db_served) ||
         jnum(ch, "doorbell_refused", (double)s->db_refused) ||
@@ -69,6 +71,9 @@ void moed_status_prom_zero_copy(struct moed_sbuf *b, const struct moed_stats *s)
              s->ch_open);
     prom_u64(b, "moed_channels_draining", "gauge",
              "Doorbell channels closed that the kernel has not let go of yet.", s->ch_draining);
+    prom_u64(b, "moed_channel_arena_bytes", "gauge",
+             "Bytes of the daemon-owned arenas of the open and draining channels.",
+             s->ch_arena_bytes);
     prom_u64(b, "moed_channel_opens_total", "counter", "CHAN_OPEN requests accepted since start.",
              s->ch_opens);
     prom_u64(b, "moed_channel_refused_total", "counter",

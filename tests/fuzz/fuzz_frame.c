@@ -117,7 +117,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (rc != 0 && (rc != MOED_E_INVAL || err[0] == 0))
             abort();
         if (rc == 0) {
-            if (n != sizeof co || co.flags || co.n_bufs < 1 || co.n_bufs > MOED_PROTO_CHAN_BUFS)
+            /* with an arena (only in the 96-byte form) 0..15 ids, else 1..16 */
+            uint32_t lo = co.arena_bytes ? 0 : 1, hi = MOED_PROTO_CHAN_BUFS - !!co.arena_bytes;
+            if ((n != sizeof co && n != MOED_PROTO_CHAN_OPEN_SHORT) ||
+                (n == MOED_PROTO_CHAN_OPEN_SHORT && co.arena_bytes) || co.flags ||
+                co.n_bufs < lo || co.n_bufs > hi)
                 abort();
             for (uint32_t i = 0; i < MOED_PROTO_CHAN_BUFS; i++)
                 if ((i < co.n_bufs) != (co.buf_ids[i] != 0))
@@ -136,7 +140,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (rc != 0 && (rc != MOED_E_PROTO || err[0] == 0))
             abort();
         if (rc == 0) {
-            if (n != sizeof cr + cr.kernel_bytes || !cr.chan_id || !cr.slots || !cr.size)
+            if (n != sizeof cr + cr.kernel_bytes || !cr.chan_id || !cr.slots || !cr.size ||
+                (cr.arena_bytes ? cr.arena_off < cr.size || cr.arena_off % 4096
+                                : cr.arena_off != 0))
                 abort();
             uint8_t re2[sizeof cr];
             moed_chan_open_rep_encode(re2, &cr);

@@ -10,7 +10,10 @@
  * and the next good call still right; counters; a CUDA graph of calls
  * replayed (each answered once: done advances by exactly the calls); host
  * batches and doorbell calls at the same time; close, drain, reopen with a
- * fresh key (the old key refused); the table full (MOED_E_BUSY).
+ * fresh key (the old key refused); the table full (MOED_E_BUSY); a channel
+ * with a daemon-owned arena over 2 MiB (the reused entry's allocation
+ * grows; zeroed; x, ids, w in the arena and y at its far end or in the
+ * registered buffer after it, index 1).
  * Prints "gpu tests: N passed, N failed" (scripts/run-gpu-tests.sh).
  */
 #include <cuda.h>
@@ -272,7 +275,7 @@ int main(void)
     result(ci == 0, "client kernel loaded from the fatbin (%d)", ci);
     g_stage = "chan_open";
     struct moed_chan_info info;
-    int rc = be->ops->chan_open(be, bufs, 1, &info, err, sizeof err);
+    int rc = be->ops->chan_open(be, bufs, 1, 0, &info, err, sizeof err);
     result(rc == 0 && info.kernel == moe_chan_client_fatbin &&
                info.kernel_bytes == (uint64_t)(moe_chan_client_fatbin_end - moe_chan_client_fatbin) &&
                info.size == sizeof(struct moe_gpu_chan),
@@ -498,8 +501,8 @@ int main(void)
     /* 8. table full; close, drain, reopen: a fresh key, the old one refused */
     {
         struct moed_chan_info i2, i3;
-        int r2 = be->ops->chan_open(be, bufs, 2, &i2, err, sizeof err);
-        int r3 = be->ops->chan_open(be, bufs, 1, &i3, err, sizeof err);
+        int r2 = be->ops->chan_open(be, bufs, 2, 0, &i2, err, sizeof err);
+        int r3 = be->ops->chan_open(be, bufs, 1, 0, &i3, err, sizeof err);
         result(r2 == 0 && r3 == MOED_E_BUSY, "a second channel opens; a third: %s (%s)",
                moed_strerror(r3), err);
         if (r2 == 0) { /* the second channel serves, its y in its second buffer */
@@ -528,7 +531,7 @@ int main(void)
                 usleep(10);
         }
         struct moed_chan_info i4;
-        int r4 = quiet ? be->ops->chan_open(be, bufs, 1, &i4, err, sizeof err) : -1;
+        int r4 = quiet ? be->ops->chan_open(be, bufs, 1, 0, &i4, err, sizeof err) : -1;
         result(quiet && r4 == 0 && i4.index == info.index && i4.key != info.key,
                "closed channel drains (quiet), reopens at index %u with a fresh key", i4.index);
         if (r4 == 0) {
@@ -554,6 +557,67 @@ int main(void)
             result(e == moe_gpu_chan_word(seq, MOE_GPU_CHAN_E_CLOSED) &&
                        chan_word(&c2, offsetof(struct moe_gpu_chan, bell)) == seq - 1,
                    "a call on a closed channel: err 0x%llx (E_CLOSED, not rung) after %.1f ms", e, ms);
+        }
+    }
+    g_stage = "9";
+    /* 9. an arena of 3 MiB: the entry's 2 MiB allocation is outgrown (a new
+     * one; the old one freed later with no kernel resident) */
+    {
+        int quiet = 0;
+        for (int i = 0; i < 100000 && !quiet; i++) {
+            quiet = be->ops->chan_quiet(be, 0) && be->ops->chan_quiet(be, 1);
+            if (!quiet)
+                usleep(10);
+        }
+        const uint64_t ab = 3u << 20;
+        struct moed_chan_info i5;
+        int r5 = quiet ? be->ops->chan_open(be, bufs, 1, ab, &i5, err, sizeof err) : -1;
+        result(r5 == 0 && i5.arena_off == MOE_GPU_CHAN_ARENA_OFF && i5.arena_bytes == ab,
+               "a channel with a %llu-byte arena and one buffer opens: %s",
+               (unsigned long long)ab, r5 ? err : "ok");
+        if (r5 == 0) {
+            uint8_t *mem = (uint8_t *)moed_backend_cuda_chan_ptr(be, i5.index);
+            uint8_t *ar = mem + i5.arena_off;
+            uint8_t *probe = malloc(ab);
+            cudaMemcpy(probe, ar, ab, cudaMemcpyDeviceToHost);
+            size_t nz = 0;
+            for (size_t i = 0; i < ab; i++)
+                nz += probe[i] != 0;
+            free(probe);
+            result(nz == 0, "the arena comes zeroed (%zu bytes not 0)", nz);
+            struct client c5 = {(struct moe_gpu_chan *)mem, i5.key, c.err, c.stream};
+            struct io io;
+            const uint32_t T = 8;
+            io_alloc(&io, T, H, k);
+            io_fill(&io, E, R_UNIFORM, 909);
+            run_batch(be, &wt, &io, 3);
+            const size_t xb = (size_t)T * H * 2, ib = (size_t)T * k * 4, yoff = ab - xb;
+            cudaMemcpy(ar, io.x, xb, cudaMemcpyHostToDevice);
+            cudaMemcpy(ar + xb, io.ids, ib, cudaMemcpyHostToDevice);
+            cudaMemcpy(ar + xb + ib, io.w, ib, cudaMemcpyHostToDevice);
+            struct moe_gpu_chan_desc d;
+            memset(&d, 0, sizeof d);
+            d.layer = 3;
+            d.n_tokens = T;
+            d.key = i5.key;
+            d.x = (struct moe_gpu_chan_ref){0, 0, 0};
+            d.ids = (struct moe_gpu_chan_ref){0, 0, xb};
+            d.w = (struct moe_gpu_chan_ref){0, 0, xb + ib};
+            d.y = (struct moe_gpu_chan_ref){0, 0, yoff}; /* past 2 MiB */
+            call(&c5, &d);
+            cudaMemset(a.dev + a.y_off, 0x7f, xb);
+            d.y = (struct moe_gpu_chan_ref){1, 0, a.y_off}; /* the registered buffer */
+            call(&c5, &d);
+            unsigned long long e = take_err(&c5);
+            uint16_t *got = malloc(xb);
+            cudaMemcpy(got, ar + yoff, xb, cudaMemcpyDeviceToHost);
+            result(e == 0 && !memcmp(got, io.y, xb) && y_equal(&a, io.y, (size_t)T * H) &&
+                       chan_word(&c5, offsetof(struct moe_gpu_chan, done)) == 2,
+                   "arena channel %u: y at arena offset %zu and in buffer 1 = the host ring's "
+                   "(err 0x%llx)", i5.index, yoff, e);
+            free(got);
+            io_free(&io);
+            be->ops->chan_close(be, i5.index);
         }
     }
 out: {

@@ -1,5 +1,7 @@
 """GPU: the doorbell channel (protocol version 2, CHAN_OPEN) driven by torch
-clients on the daemon's GPU, inside CUDA graphs.
+clients on the daemon's GPU, inside CUDA graphs. DoorbellSession runs on the
+channel's arena (moed's memory, CHAN_OPEN arena_bytes); one test drives a
+channel over the client's own registered tensors, alone and with an arena.
 
 Run by scripts/run-gpu-tests.sh under MPS (it starts and stops the MPS
 control daemon); skips cleanly without torch, a GPU or MPS. The daemon
@@ -69,13 +71,14 @@ def wait_counts(daemon, chan_id, **want):
 
 
 def wait_idle(daemon):
-    """No registration, mapping or channel left (a closed or killed client)."""
+    """No registration, mapping, channel or arena left (a closed or killed
+    client)."""
     deadline = time.monotonic() + du.wait_s(30)
     while True:
         st = status(daemon)
         rb, db = st["registered_buffers"], st["channels"]
         if rb["registered"] == 0 and rb["mappings"] == 0 and db["open"] == 0 and \
-                db["draining"] == 0:
+                db["draining"] == 0 and db["arena_bytes"] == 0:
             return st
         assert time.monotonic() < deadline, (rb, db)
         time.sleep(0.02)
@@ -131,6 +134,111 @@ def test_graph_of_layers_equals_inline_and_reference(daemon):
             assert np.array_equal(bits(ys[-1]), x_in)
             s.check()
             del g
+
+
+def test_channel_over_registered_tensors(daemon):
+    """A Channel over the client's own registered tensor (no arena: buffer 0
+    is the tensor), eager and replayed in a graph, and one with an arena and
+    the tensor (buffer 0 the arena, 1 the tensor: x, ids, w read from the
+    tensor, y written into the arena): each call equals the inline path bit
+    for bit."""
+    with mc.Client(daemon.sock_path, timeout=du.wait_s(60)) as c, \
+            mc.Client(daemon.sock_path, timeout=du.wait_s(60)) as cc:
+        info = c.hello()
+        T = 6
+        layer = info.moe_layers[-1]
+        x, ids, w = batch(info, T, 17, "cuda")
+        want = inline(c, layer, x, ids, w)
+        own = mcc._Arena.alloc(info, 8, "cuda")
+        ch = mcc.Channel(cc, [own.mem])
+        try:
+            assert ch.arena is None and ch.ref(own.y[:T]) == (0, own.off_y)
+            xr, idr, wr, yr = own.fill(x, w, ids, info, 8)
+            ch.call(xr, idr, wr, yr, layer)
+            torch.cuda.synchronize()
+            ch.check()
+            assert np.array_equal(bits(yr), want)
+            yr.zero_()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                ch.call(xr, idr, wr, yr, layer)
+            g.replay()
+            torch.cuda.synchronize()
+            ch.check()
+            assert np.array_equal(bits(yr), want)
+            del g
+        finally:
+            ch.close()
+        mixed = mcc.Channel(cc, [own.mem], arena_bytes=2 * T * info.hidden)
+        try:
+            y = mixed.arena.view(torch.bfloat16).view(T, info.hidden)
+            assert mixed.ref(y) == (0, 0) and mixed.ref(own.x[:T]) == (1, 0)
+            assert mixed.ref(own.ids[:T]) == (1, own.off_ids)
+            assert int(torch.count_nonzero(mixed.arena)) == 0  # zeroed at open
+            mixed.call(own.x[:T], own.ids[:T], own.w[:T], y, layer)
+            torch.cuda.synchronize()
+            mixed.check()
+            assert np.array_equal(bits(y), want)
+        finally:
+            mixed.close()
+    wait_idle(daemon)
+
+
+def test_arena_zeroed_for_a_new_owner(daemon):
+    """A channel's allocation (ring and arena) is zeroed at every open: after
+    one session filled its arena and closed, the next session's whole
+    mapping reads 0 before its first call (the table entry and its
+    allocation are reused)."""
+    with mcc.DoorbellSession(mc.Client(daemon.sock_path, timeout=du.wait_s(60)),
+                             max_tokens=8) as s:
+        x, ids, w = batch(s.info, 8, 23, "cuda")
+        s.fused_experts(x, w, ids, s.info.moe_layers[0])
+        torch.cuda.synchronize()
+        s.check()
+        assert int(torch.count_nonzero(s.channel.arena)) > 0
+    wait_idle(daemon)
+    with mcc.DoorbellSession(mc.Client(daemon.sock_path, timeout=du.wait_s(60)),
+                             max_tokens=8) as s:
+        raw = mcc._cudrv.read_device(s.channel._chan, 2 << 20)  # MOE_GPU_CHAN_ALLOC
+        assert raw.count(0) == len(raw), len(raw) - raw.count(0)
+    wait_idle(daemon)
+
+
+def test_arena_outgrows_its_allocation(tmp_path_factory):
+    """engine.max_tokens 4096: a first channel with a small arena gets the
+    entry a 2 MiB allocation; once it is closed, a channel with the largest
+    arena (about 4.3 MB on the tiny model) needs more, so the entry gets a
+    new allocation and the old one is freed later with no kernel resident
+    (the debug log says so). A call whose y lies past 2 MiB into the arena
+    is answered bit for bit like the inline path."""
+    tmp = tmp_path_factory.mktemp("db-grow")
+    cfg = doorbell_config(tmp, du.models_dir(tmp_path_factory), engine__max_tokens=4096,
+                          engine__max_channels=1)
+    cfg["log"]["level"] = "debug"
+    with du.Daemon(tmp, cfg) as d, mc.Client(d.sock_path, timeout=du.wait_s(60)) as c:
+        info = c.hello()
+        with mcc.DoorbellSession(mc.Client(d.sock_path, timeout=du.wait_s(60)),
+                                 max_tokens=4) as s:
+            x, ids, w = batch(info, 4, 31, "cuda")
+            s.fused_experts(x, w, ids, info.moe_layers[0])
+            torch.cuda.synchronize()
+            s.check()
+        wait_idle(d)
+        with mcc.DoorbellSession(mc.Client(d.sock_path, timeout=du.wait_s(60)),
+                                 max_tokens=4096) as s:
+            assert s.arena.off_y > 2 << 20 and s.channel.arena.numel() > 4 << 20
+            x, ids, w = batch(info, 8, 37, "cuda")
+            y = s.fused_experts(x, w, ids, info.moe_layers[0])
+            torch.cuda.synchronize()
+            s.check()
+            assert np.array_equal(bits(y), inline(c, info.moe_layers[0], x, ids, w))
+            deadline = time.monotonic() + du.wait_s(20)
+            while "1 channel allocations freed" not in d.log():
+                assert time.monotonic() < deadline, d.log()[-4000:]
+                time.sleep(0.02)
+        wait_idle(d)
+        assert d.alive()
+        assert d.stop() == 0, d.log()[-4000:]
 
 
 def test_replays_each_answered_once(daemon):
@@ -194,9 +302,12 @@ while True:
 
 
 def test_killed_clients_mid_graph_leave_nothing(daemon):
-    """Clients killed with SIGKILL while their graph of doorbell calls runs:
-    each time the daemon closes their channels and registrations (/status back
-    to 0), device memory does not grow, and the daemon keeps serving."""
+    """Clients (DoorbellSession: the channel's arena, nothing registered)
+    killed with SIGKILL while their graph of doorbell calls runs: each time
+    the daemon closes their channels (/status back to 0, arenas included),
+    device memory does not grow, and the daemon keeps serving. (With
+    registered tensors a killed client's memory was freed under moed's
+    kernel: an illegal memory access killed the daemon on the H200.)"""
     n = int(os.environ.get("MOED_TEST_KILLS", "100"))
     par = max(1, int(os.environ.get("MOED_TEST_KILL_PAR", "10")))
     path = os.pathsep.join(p for p in sys.path if p)

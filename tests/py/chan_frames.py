@@ -10,24 +10,28 @@ import daemon_util as du
 MSG_CHAN_OPEN = 19
 MSG_CHAN_CLOSE = 20
 CHAN_BUFS = 16              # MOED_PROTO_CHAN_BUFS
-OPEN_REQ_BYTES = 88         # struct moed_chan_open_req
-OPEN_REP_BYTES = 96         # struct moed_chan_open_rep (the head)
+OPEN_REQ_BYTES = 96         # struct moed_chan_open_req (with arena_bytes)
+OPEN_REQ_SHORT = 88         # MOED_PROTO_CHAN_OPEN_SHORT: the form without arena_bytes
+OPEN_REP_BYTES = 112        # struct moed_chan_open_rep (the head)
+ARENA_OFF = 4096            # MOED_PROTO_CHAN_ARENA_OFF, MOE_GPU_CHAN_ARENA_OFF
 CLOSE_REQ_BYTES = 8         # struct moed_chan_close_req
 MAX_CHAN_KERNEL = 16 << 20  # MOED_PROTO_MAX_CHAN_KERNEL
 CHAN_SLOTS = 8              # MOE_GPU_CHAN_SLOTS
 # struct moe_gpu_chan: bell + 7 pad, done + 7 pad, status[8], slot[8] of 96 bytes
 CHAN_BYTES = 8 * 8 + 8 * 8 + 8 * CHAN_SLOTS + 96 * CHAN_SLOTS
 
-OPEN_REP = struct.Struct("<IIQ64sQII")
+OPEN_REP = struct.Struct("<IIQ64sQIIQQ")
 assert OPEN_REP.size == OPEN_REP_BYTES
 
 
-def open_payload(uuid, ids, n_bufs=None, flags=0):
+def open_payload(uuid, ids, n_bufs=None, flags=0, arena_bytes=None):
     """CHAN_OPEN payload: uuid, n_bufs (default len(ids)), flags, 16 ids
-    (ids padded with 0; a longer list is packed as given, for bad input)."""
+    (ids padded with 0; a longer list is packed as given, for bad input),
+    then arena_bytes as a u64 if given (the 96-byte form; None: 88 bytes)."""
     ids = list(ids) + [0] * (CHAN_BUFS - len(ids))
     n = len([i for i in ids if i]) if n_bufs is None else n_bufs
-    return struct.pack("<16sII%dI" % len(ids), uuid, n, flags, *ids)
+    p = struct.pack("<16sII%dI" % len(ids), uuid, n, flags, *ids)
+    return p if arena_bytes is None else p + struct.pack("<Q", arena_bytes)
 
 
 def close_payload(chan_id, reserved=0):
@@ -36,10 +40,12 @@ def close_payload(chan_id, reserved=0):
 
 def parse_open_reply(p):
     """-> dict of the reply head, and the kernel bytes after it."""
-    chan_id, slots, key, handle, size, abi, kbytes = OPEN_REP.unpack_from(p)
+    chan_id, slots, key, handle, size, abi, kbytes, arena_off, arena_bytes = \
+        OPEN_REP.unpack_from(p)
     assert len(p) == OPEN_REP_BYTES + kbytes, (len(p), kbytes)
     return dict(chan_id=chan_id, slots=slots, key=key, handle=handle, size=size,
-                abi_version=abi, kernel=p[OPEN_REP_BYTES:])
+                abi_version=abi, arena_off=arena_off, arena_bytes=arena_bytes,
+                kernel=p[OPEN_REP_BYTES:])
 
 
 class Raw:

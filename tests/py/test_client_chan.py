@@ -40,22 +40,30 @@ def hello_v2(rid):
 
 
 def chan_rep(rid, chan_id=5, slots=8, key=0x1122334455667788, size=960, abi=mc.GPU_ABI_VERSION, kernel=FATBIN,
-             kernel_bytes=None):
+             kernel_bytes=None, arena_off=0, arena_bytes=0):
     head = (chan_id.to_bytes(4, "little") + slots.to_bytes(4, "little") +
             key.to_bytes(8, "little") + bytes(range(100, 164)) + size.to_bytes(8, "little") +
             abi.to_bytes(4, "little") +
-            (len(kernel) if kernel_bytes is None else kernel_bytes).to_bytes(4, "little"))
-    assert len(head) == 96
-    return hdr(0x8013, rid, 96 + len(kernel)) + head + kernel
+            (len(kernel) if kernel_bytes is None else kernel_bytes).to_bytes(4, "little") +
+            arena_off.to_bytes(8, "little") + arena_bytes.to_bytes(8, "little"))
+    assert len(head) == 112
+    return hdr(0x8013, rid, 112 + len(kernel)) + head + kernel
 
 
-def v2_daemon(chan_reply=chan_rep):
-    """HELLO answers version 2; CHAN_OPEN chan_reply(rid); CHAN_CLOSE empty."""
+def arena_rep(rid, p, **kw):
+    """A reply with the arena the request asked for (its u64 at 88, if any)."""
+    n = u64(p, 88) if len(p) == 96 else 0
+    return chan_rep(rid, arena_off=4096 if n else 0, arena_bytes=n, **kw)
+
+
+def v2_daemon(chan_reply=arena_rep):
+    """HELLO answers version 2; CHAN_OPEN chan_reply(rid, payload); CHAN_CLOSE
+    empty."""
     def script(conn, mtype, rid, p):
         if mtype == 1:
             conn.sendall(hello_v2(rid))
         elif mtype == 19:
-            conn.sendall(chan_reply(rid))
+            conn.sendall(chan_reply(rid, p))
         elif mtype == 20:
             conn.sendall(hdr(0x8014, rid, 0))
         else:
@@ -91,16 +99,35 @@ def test_chan_open_request_and_reply_layout(d2):
     (f,) = frames_of(d2, 20)
     assert u32(f, 4) & 0xFFFF == 2 and u64(f, 24) == 8
     assert u32(f, 32) == 5 and u32(f, 36) == 0
+    assert (ci.arena_off, ci.arena_bytes) == (0, 0)
 
 
-@pytest.mark.parametrize("ids,uuid", [([], UUID), (list(range(1, 18)), UUID), ([1, 0], UUID),
-                                      ([1 << 32], UUID), ([1], b"short")])
-def test_chan_open_bad_arguments_send_nothing(d2, ids, uuid):
+@pytest.mark.parametrize("ids", [[], [7], list(range(1, 16))])
+def test_chan_open_with_an_arena(d2, ids):
+    """arena_bytes: the 96-byte form (the u64 at 88), with 0..15 ids; the
+    reply's arena_off and arena_bytes come back in the ChanInfo."""
+    with mc.Client(d2.path, timeout=5) as c:
+        ci = c.chan_open(ids, UUID, arena_bytes=0x123456789)
+        assert (ci.arena_off, ci.arena_bytes) == (4096, 0x123456789)
+        assert "arena=4886718345 bytes at 4096" in repr(ci)
+    (f,) = frames_of(d2, 19)
+    assert u64(f, 24) == 96
+    p = f[32:]
+    assert u32(p, 16) == len(ids) and u32(p, 20) == 0
+    assert [u32(p, 24 + 4 * i) for i in range(16)] == ids + [0] * (16 - len(ids))
+    assert u64(p, 88) == 0x123456789
+
+@pytest.mark.parametrize("ids,uuid,arena", [
+    ([], UUID, 0), (list(range(1, 18)), UUID, 0), ([1, 0], UUID, 0), ([1 << 32], UUID, 0),
+    ([1], b"short", 0),
+    (list(range(1, 17)), UUID, 64),  # the arena and 16 ids: 17 buffers
+    ([1], UUID, -1), ([1], UUID, 1 << 64)])
+def test_chan_open_bad_arguments_send_nothing(d2, ids, uuid, arena):
     with mc.Client(d2.path, timeout=5) as c:
         c.hello()
         n = len(d2.seen)
         with pytest.raises(mc.MoedError) as e:
-            c.chan_open(ids, uuid)
+            c.chan_open(ids, uuid, arena)
         assert e.value.name == "inval" and e.value.request_id is None
         assert len(d2.seen) == n
         assert c.ping() >= 0
@@ -112,13 +139,20 @@ def test_chan_open_bad_arguments_send_nothing(d2, ids, uuid):
     (dict(kernel_bytes=len(FATBIN) + 1), "fatbin in"),
     (dict(slots=4), "slots 4, expected 8"),
     (dict(size=64), "size 64, under 960"),
+    # the arena: as asked (64 bytes here), 4096-aligned past the ring, none at 0
+    (dict(arena_off=4096, arena_bytes=128), "an arena of 128 bytes for the 64 asked"),
+    (dict(arena_off=4096 + 16, arena_bytes=64), "arena_off 4112 for arena_bytes 64"),
+    (dict(arena_off=0, arena_bytes=64), "arena_off 0 for arena_bytes 64"),
+    (dict(arena_off=4096, arena_bytes=0, arena=0), "arena_off 4096 for arena_bytes 0"),
+    (dict(arena_off=0, arena_bytes=0), "an arena of 0 bytes for the 64 asked"),
 ])
 def test_malformed_chan_open_reply_closes_the_client(kw, match):
-    d = v2_daemon(lambda rid: chan_rep(rid, **kw))
+    arena = kw.pop("arena", 64)
+    d = v2_daemon(lambda rid, p: chan_rep(rid, **kw))
     try:
         c = mc.Client(d.path, timeout=5)
         with pytest.raises(mc.MoedError, match=match) as e:
-            c.chan_open([1], UUID)
+            c.chan_open([1], UUID, arena)
         assert e.value.name == "proto"
         with pytest.raises(mc.MoedError, match="closed"):
             c.ping()
@@ -127,7 +161,7 @@ def test_malformed_chan_open_reply_closes_the_client(kw, match):
 
 
 def test_chan_open_reply_over_the_fatbin_bound_is_refused():
-    d = v2_daemon(lambda rid: hdr(0x8013, rid, 96 + mc.MAX_CHAN_KERNEL_BYTES + 1))
+    d = v2_daemon(lambda rid, p: hdr(0x8013, rid, 112 + mc.MAX_CHAN_KERNEL_BYTES + 1))
     try:
         with pytest.raises(mc.MoedError, match="over its bound"):
             mc.Client(d.path, timeout=5).chan_open([1], UUID)
@@ -138,7 +172,7 @@ def test_chan_open_reply_over_the_fatbin_bound_is_refused():
 def test_chan_open_other_abi_is_closed_again():
     """A channel of an ABI this client cannot drive: closed at once, a typed
     error, the connection still usable."""
-    d = v2_daemon(lambda rid: chan_rep(rid, chan_id=3, abi=mc.GPU_ABI_VERSION + 1))
+    d = v2_daemon(lambda rid, p: chan_rep(rid, chan_id=3, abi=mc.GPU_ABI_VERSION + 1))
     try:
         with mc.Client(d.path, timeout=5) as c:
             with pytest.raises(mc.MoedError, match="ABI is version %d" % (mc.GPU_ABI_VERSION + 1)) as e:
@@ -152,7 +186,7 @@ def test_chan_open_other_abi_is_closed_again():
 
 
 def test_chan_open_error_reply_is_typed():
-    d = v2_daemon(lambda rid: error_frame(rid, -17, "doorbell channels need the cuda backend"))
+    d = v2_daemon(lambda rid, p: error_frame(rid, -17, "doorbell channels need the cuda backend"))
     try:
         with mc.Client(d.path, timeout=5) as c:
             with pytest.raises(mc.MoedError, match="need the cuda backend") as e:
@@ -187,6 +221,40 @@ def test_range_lookup_by_address():
         _chan.RangeTable([])
     with pytest.raises(mc.MoedError):
         _chan.RangeTable([(0x1000, 16)] * 17)
+
+
+def test_range_lookup_with_an_arena_first():
+    """A channel with an arena (moed_client.cuda.Channel): the arena as
+    mapped here is index 0, the registered tensors follow from 1; a range in
+    the arena is named (0, offset into the arena), one in a tensor (i + 1,
+    offset), one straddling the arena's end in none."""
+    arena, n = 0x7F0000001000, 4096 * 3
+    t = _chan.RangeTable([(arena, n), (0x1000, 0x100), (0x9000, 0x40)])
+    assert t.find(arena, 16) == (0, 0)
+    assert t.find(arena + 0x2000, 0x100) == (0, 0x2000)
+    assert t.find(arena + n - 16, 16) == (0, n - 16)
+    assert t.find(0x1010, 0x10) == (1, 0x10)
+    assert t.find(0x9000, 0x40) == (2, 0)
+    with pytest.raises(ValueError, match="none of the channel's 3"):
+        t.find(arena + n - 8, 16)
+    _chan.RangeTable([(arena, n)])  # an arena alone: a channel of one buffer
+    _chan.RangeTable([(arena, n)] + [(0x1000, 16)] * 15)
+
+
+@pytest.mark.parametrize("H,k,T", [(64, 4, 8), (7168, 8, 256), (2048, 8, 1), (4096, 6, 33),
+                                   (72, 3, 5)])
+def test_arena_layout_within_the_daemons_limit(H, k, T):
+    """The DoorbellSession arena (moed_client.cuda.arena_layout): x at 0,
+    ids, w, y each 16-aligned after the one before, in at most the bytes the
+    daemon allows for CHAN_OPEN arena_bytes (PROTOCOL.md 10.1:
+    max_tokens * (4 H + 8 k) + 64)."""
+    from moed_client import cuda as mcc  # torch is imported only when used
+    off_ids, off_w, off_y, n = mcc.arena_layout(H, k, T)
+    assert off_ids >= 2 * T * H and off_w >= off_ids + 4 * T * k
+    assert off_y >= off_w + 4 * T * k and n >= off_y + 2 * T * H
+    assert off_ids % 16 == off_w % 16 == off_y % 16 == n % 16 == 0
+    assert n - (4 * T * H + 8 * T * k) < 64
+    assert n <= T * (4 * H + 8 * k) + 64
 
 
 def test_status_names_and_channel_error():
@@ -307,3 +375,53 @@ def test_chan_open_against_the_daemon(tmp_path_factory):
             assert d.stop() == 0, d.log()[-4000:]
     finally:
         shm.close()
+
+
+def test_arena_views_and_fill_on_host_memory():
+    """_Arena (the DoorbellSession's x | ids | w | y views, over the
+    channel's arena on the GPU) on a host uint8 tensor: the views lie at
+    arena_layout's offsets, fill() copies T rows into them and returns
+    those rows; a buffer too small or of another dtype is refused."""
+    torch = pytest.importorskip("torch")
+
+    class Info:
+        hidden, top_k = 24, 3
+    from moed_client import cuda as mcc
+    off_ids, off_w, off_y, n = mcc.arena_layout(24, 3, 5)
+    mem = torch.zeros(n, dtype=torch.uint8)
+    a = mcc._Arena(Info, 5, mem)
+    base = mem.data_ptr()
+    assert (a.x.data_ptr() - base, a.ids.data_ptr() - base, a.w.data_ptr() - base,
+            a.y.data_ptr() - base) == (0, off_ids, off_w, off_y)
+    assert tuple(a.x.shape) == (5, 24) and tuple(a.ids.shape) == (5, 3)
+    x = torch.randn(2, 24).to(torch.bfloat16)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32)
+    w = torch.rand(2, 3)
+    xr, ir, wr, yr = a.fill(x, w, ids, Info, 5)
+    assert torch.equal(xr, x) and torch.equal(ir, ids) and torch.equal(wr, w)
+    assert yr.data_ptr() == base + off_y and tuple(yr.shape) == (2, 24)
+    assert torch.equal(a.x[:2], x) and int(torch.count_nonzero(a.x[2:])) == 0
+    with pytest.raises(ValueError, match="shapes"):
+        a.fill(torch.zeros(6, 24, dtype=torch.bfloat16), torch.zeros(6, 3),
+               torch.zeros(6, 3, dtype=torch.int32), Info, 5)
+    with pytest.raises(ValueError, match="needs %d bytes of uint8, got %d" % (n, n - 1)):
+        mcc._Arena(Info, 5, torch.zeros(n - 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        mcc._Arena(Info, 5, torch.zeros(n, dtype=torch.int16))
+
+
+def test_channel_needs_an_arena_or_cuda_tensors(d2):
+    """Channel(): neither an arena nor a tensor, a host tensor, or 16
+    tensors besides an arena are refused before anything is registered or
+    opened (the fake daemon sees only HELLO)."""
+    torch = pytest.importorskip("torch")
+    from moed_client import cuda as mcc
+    with mc.Client(d2.path, timeout=5) as c:
+        for kw in (dict(), dict(tensors=[torch.zeros(16, dtype=torch.uint8)]),
+                   dict(tensors=[torch.zeros(16, dtype=torch.uint8)], arena_bytes=64)):
+            with pytest.raises(mc.MoedError, match="a channel needs an arena or 1..16 CUDA "
+                               "tensors") as e:
+                mcc.Channel(c, **kw)
+            assert e.value.name == "inval"
+        assert not frames_of(d2, 19) and not frames_of(d2, 3)
+        assert c.ping() >= 0

@@ -105,7 +105,10 @@ def test_channel_constants_match_the_headers():
     m = re.search(r"#define MOED_PROTO_MAX_CHAN_KERNEL \((\d+)u << (\d+)\)", proto)
     assert int(m.group(1)) << int(m.group(2)) == cf.MAX_CHAN_KERNEL
     assert struct_size(proto, "moed_chan_open_req") == cf.OPEN_REQ_BYTES == \
-        len(cf.open_payload(b"u" * 16, [1]))
+        len(cf.open_payload(b"u" * 16, [1], arena_bytes=0))
+    assert d["CHAN_OPEN_SHORT"] == cf.OPEN_REQ_SHORT == len(cf.open_payload(b"u" * 16, [1]))
+    assert d["CHAN_ARENA_OFF"] == cf.ARENA_OFF == c_defines(abi, "MOE_GPU_")["CHAN_ARENA_OFF"] \
+        == mc.CHAN_ARENA_OFF
     assert struct_size(proto, "moed_chan_open_rep") == cf.OPEN_REP_BYTES == cf.OPEN_REP.size
     assert struct_size(proto, "moed_chan_close_req") == cf.CLOSE_REQ_BYTES == \
         len(cf.close_payload(1))

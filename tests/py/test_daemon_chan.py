@@ -133,9 +133,15 @@ def test_chan_open_and_close_check_every_input(daemon, dims, shm, cases):
         ch0, _ = status(daemon)
         good = cf.open_payload(UUID, [bid])
         bad = [
-            (good[:-1], "inval", "CHAN_OPEN payload is 87 bytes; expected 88"),
-            (good + b"\0", "inval", "CHAN_OPEN payload is 89 bytes; expected 88"),
+            (good[:-1], "inval", "CHAN_OPEN payload is 87 bytes; expected 88 or 96"),
+            (good + b"\0", "inval", "CHAN_OPEN payload is 89 bytes; expected 88 or 96"),
+            (good + bytes(9), "inval", "CHAN_OPEN payload is 97 bytes; expected 88 or 96"),
+            (good + bytes(7), "inval", "CHAN_OPEN payload is 95 bytes; expected 88 or 96"),
             (b"", "inval", "CHAN_OPEN payload is 0 bytes"),
+            # with an arena it is buffer 0: 15 ids at most
+            (cf.open_payload(UUID, [bid] * 16, arena_bytes=64), "inval",
+             "CHAN_OPEN n_bufs 16 is out of range [0, 15] (with an arena, buffer 0 is the "
+             "arena)"),
             (cf.open_payload(UUID, [], n_bufs=0), "inval", "n_bufs 0 is out of range [1, 16]"),
             (cf.open_payload(UUID, [bid] * 16, n_bufs=17), "inval",
              "n_bufs 17 is out of range [1, 16]"),
@@ -197,6 +203,76 @@ def test_chan_open_and_close_check_every_input(daemon, dims, shm, cases):
         a.close()
         b.close()
         other.close()
+    wait_idle(daemon)
+
+
+def arena_limit(info):
+    """CHAN_OPEN's arena_bytes limit (PROTOCOL.md 10.1): max_tokens rows of
+    x, ids, w and y, + 64."""
+    return info.max_tokens * (4 * info.hidden + 8 * info.top_k) + 64
+
+
+def test_chan_open_with_an_arena(daemon, shm):
+    """CHAN_OPEN with arena_bytes through the Python client: the reply's
+    arena_off (4096) and arena_bytes, with no ids (the arena alone) or with
+    15 (the table's other entries); /status lists each channel's arena and
+    the total, /metrics the gauge; the limit is accepted, one byte more
+    refused with its message; closed and reaped, the arenas are gone from
+    the totals."""
+    with mc.Client(daemon.sock_path, timeout=du.wait_s(30)) as c:
+        info = c.hello()
+        limit = arena_limit(info)
+        bid = c.register_buf(shm.handle, 0, 4096, UUID)
+        ch0, _ = status(daemon)
+        a = c.chan_open([], UUID, arena_bytes=limit)
+        assert (a.arena_off, a.arena_bytes) == (cf.ARENA_OFF, limit), a
+        assert a.chan_id > 0 and a.size == cf.CHAN_BYTES and a.kernel == KERNEL
+        b = c.chan_open([bid] * 15, UUID, arena_bytes=4096)
+        assert (b.arena_off, b.arena_bytes) == (cf.ARENA_OFF, 4096), b
+        ch, _ = status(daemon)
+        assert ch["arena_bytes"] == limit + 4096 and ch["open"] == 2, ch
+        assert sorted((x["id"], x["buffers"], x["arena_bytes"]) for x in ch["list"]) == \
+            sorted([(a.chan_id, 0, limit), (b.chan_id, 15, 4096)]), ch
+        m = dict(line.split() for line in get(daemon, "/metrics").splitlines()
+                 if line.startswith("moed_channel_arena_bytes "))
+        assert float(m["moed_channel_arena_bytes"]) == limit + 4096, m
+        c.chan_close(a.chan_id)
+        # one byte over the limit: refused, counted, nothing taken
+        with pytest.raises(mc.MoedError) as e:
+            c.chan_open([], UUID, arena_bytes=limit + 1)
+        assert (e.value.name, e.value.message) == (
+            "inval", "CHAN_OPEN arena_bytes %d is over the limit %d (max_tokens rows of x, ids, "
+            "w and y for this model)" % (limit + 1, limit)), e.value
+        ch, _ = status(daemon)
+        assert ch["refused"] == ch0["refused"] + 1 and ch["open"] == 1, ch
+        # draining, the closed channel's arena still counts until it is reaped
+        c.chan_close(b.chan_id)
+        c.unregister_buf(bid)
+    ch = wait_idle(daemon)
+    assert ch["arena_bytes"] == 0 and ch["opened"] == ch0["opened"] + 2, ch
+
+
+def test_chan_open_both_forms_without_an_arena(daemon, shm):
+    """The 88-byte form (no arena_bytes) and the 96-byte form with
+    arena_bytes 0 both open a channel without an arena (arena_off and
+    arena_bytes 0 in the reply), over the registered buffers as before."""
+    a = cf.Raw(daemon)
+    try:
+        bid = a.register(shm.handle, 0, 4096, UUID)
+        short = a.chan_open(UUID, [bid])
+        assert len(cf.open_payload(UUID, [bid])) == cf.OPEN_REQ_SHORT
+        zero = a.chan_open(UUID, [bid], arena_bytes=0)
+        for r in (short, zero):
+            assert (r["arena_off"], r["arena_bytes"]) == (0, 0), r
+            assert r["chan_id"] > 0 and r["kernel"] == KERNEL
+        ch, _ = status(daemon)
+        assert ch["arena_bytes"] == 0 and [x["arena_bytes"] for x in ch["list"]] == [0, 0], ch
+        for r in (short, zero):
+            a.chan_close(r["chan_id"])
+        t, p = a.unregister(bid)
+        assert t == du.MSG_UNREGISTER_BUF | du.REPLY, du.parse_error(p)
+    finally:
+        a.close()
     wait_idle(daemon)
 
 
@@ -372,6 +448,23 @@ def test_chan_open_unsupported(tmp_path_factory, shm, env, over, text):
         assert d.stop() == 0, d.log()[-4000:]
 
 
+def test_arena_channel_needs_no_registration(tmp_path_factory):
+    """Registration off (server.max_registered_buffers 0): a channel with an
+    arena alone names nothing registered and opens; one that names an id is
+    refused as before."""
+    with start(tmp_path_factory, "chan-arena-noreg", ENV, server__max_registered_buffers=0,
+               engine__max_channels=MAX_CHANS) as d:
+        with mc.Client(d.sock_path, timeout=du.wait_s(30)) as c:
+            ci = c.chan_open([], UUID, arena_bytes=256)
+            assert (ci.arena_off, ci.arena_bytes) == (cf.ARENA_OFF, 256)
+            with pytest.raises(mc.MoedError) as e:
+                c.chan_open([1], UUID, arena_bytes=256)
+            assert e.value.name == "unsupported" and "registration is off" in e.value.message
+            assert status(d)[0]["arena_bytes"] == 256
+            c.chan_close(ci.chan_id)
+        assert d.stop() == 0, d.log()[-4000:]
+
+
 def test_chan_open_needs_registration(tmp_path_factory):
     """Plain CPU backend, registration off: CHAN_OPEN is unsupported, saying
     why, before any buffer id is looked at."""
@@ -399,6 +492,12 @@ def test_c_client_chan_open_and_close(daemon, shm):
     assert lines["unregister named"].startswith("busy (buffer id"), lines
     assert lines["unknown id"].startswith("inval (buf_ids[0]: buffer id 999"), lines
     assert lines["n_bufs 17"].startswith("inval (moedc_chan_open: 17 buffers"), lines
+    # an arena alone (no ids); the local and the daemon's arena checks
+    assert lines["arena"] == "4096 at 4096", lines
+    assert lines["arena and 16"] == "inval (moedc_chan_open: 16 buffers; a channel names 0..15 " \
+        "besides its arena)", lines
+    assert lines["arena over"].startswith("inval (CHAN_OPEN arena_bytes 1099511627776 is over "
+                                          "the limit "), lines
     assert lines["close again"].startswith("inval (unknown channel"), lines
     wait_idle(daemon)
 

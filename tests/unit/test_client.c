@@ -532,6 +532,15 @@ START_TEST(test_chan_gpu_errors)
     ck_assert_str_eq(err, "moedc_chan_attach: not an open channel's info (kernel 13 bytes, "
                           "size 959, slots 8)");
     info.size = 960;
+    info.arena_bytes = 64; /* an arena inside the ring */
+    info.arena_off = 512;
+    ck_assert_int_eq(moedc_chan_attach(&info, &ch, err, sizeof err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "moedc_chan_attach: an arena at offset 512 overlaps the 960-byte "
+                          "channel");
+    info.arena_off = 4096;
+    uint64_t ab = 7;
+    ck_assert_uint_eq(moedc_chan_arena(NULL, &ab), 0); /* no channel: no arena */
+    ck_assert_uint_eq(ab, 0);
     int rc = moedc_chan_attach(&info, &ch, err, sizeof err);
     ck_assert_int_eq(rc, MOED_E_UNSUPPORTED);
     ck_assert_ptr_null(ch);

@@ -406,10 +406,12 @@ START_TEST(test_chan_open_decode)
     ck_assert_int_eq(moed_chan_open_decode(b, 88, &r, err, sizeof err), 0);
     ck_assert_uint_eq(r.buf_ids[15], 115);
 
+    ck_assert_uint_eq(r.arena_bytes, 0); /* the 88-byte form has none */
+
     ck_assert_int_eq(moed_chan_open_decode(b, 87, &r, err, sizeof err), MOED_E_INVAL);
-    ck_assert_str_eq(err, "CHAN_OPEN payload is 87 bytes; expected 88");
+    ck_assert_str_eq(err, "CHAN_OPEN payload is 87 bytes; expected 88 or 96");
     ck_assert_int_eq(moed_chan_open_decode(b, 89, &r, err, sizeof err), MOED_E_INVAL);
-    ck_assert_str_eq(err, "CHAN_OPEN payload is 89 bytes; expected 88");
+    ck_assert_str_eq(err, "CHAN_OPEN payload is 89 bytes; expected 88 or 96");
     ck_assert_int_eq(moed_chan_open_decode(b, 0, &r, err, sizeof err), MOED_E_INVAL);
     chan_req(b, 0, 0);
     ck_assert_int_eq(moed_chan_open_decode(b, 88, &r, err, sizeof err), MOED_E_INVAL);
@@ -445,6 +447,52 @@ START_TEST(test_chan_open_decode)
 }
 END_TEST
 
+/* The 96-byte form: arena_bytes at 88; with an arena n_bufs is 0..15 (the
+ * arena is buffer 0), without one (0 there) 1..16 as in the 88-byte form. */
+START_TEST(test_chan_open_decode_arena)
+{
+    uint8_t b[97];
+    struct moed_chan_open_req r;
+    char err[256];
+    chan_req(b, 2, 0);
+    memset(b + 88, 0, 9);
+    put32(b + 88, 0x1000);
+    put32(b + 92, 0x2); /* arena_bytes 0x200001000 */
+    ck_assert_int_eq(moed_chan_open_decode(b, 96, &r, err, sizeof err), 0);
+    ck_assert_uint_eq(r.arena_bytes, 0x200001000ull);
+    ck_assert_uint_eq(r.n_bufs, 2);
+    ck_assert_uint_eq(r.buf_ids[1], 101);
+    /* the same bytes as the 88-byte form: no arena */
+    ck_assert_int_eq(moed_chan_open_decode(b, 88, &r, err, sizeof err), 0);
+    ck_assert_uint_eq(r.arena_bytes, 0);
+    ck_assert_int_eq(moed_chan_open_decode(b, 97, &r, err, sizeof err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "CHAN_OPEN payload is 97 bytes; expected 88 or 96");
+    ck_assert_int_eq(moed_chan_open_decode(b, 95, &r, err, sizeof err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "CHAN_OPEN payload is 95 bytes; expected 88 or 96");
+    /* an arena alone */
+    chan_req(b, 0, 0);
+    put32(b + 88, 64);
+    put32(b + 92, 0);
+    ck_assert_int_eq(moed_chan_open_decode(b, 96, &r, err, sizeof err), 0);
+    ck_assert_uint_eq(r.n_bufs, 0);
+    ck_assert_uint_eq(r.arena_bytes, 64);
+    /* without one, n_bufs 0 is refused as before */
+    ck_assert_int_eq(moed_chan_open_decode(b, 88, &r, err, sizeof err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "CHAN_OPEN n_bufs 0 is out of range [1, 16]");
+    /* 15 ids and the arena fill the table; 16 do not fit */
+    chan_req(b, 15, 0);
+    put32(b + 88, 64);
+    ck_assert_int_eq(moed_chan_open_decode(b, 96, &r, err, sizeof err), 0);
+    chan_req(b, 16, 0);
+    put32(b + 88, 64);
+    ck_assert_int_eq(moed_chan_open_decode(b, 96, &r, err, sizeof err), MOED_E_INVAL);
+    ck_assert_str_eq(err, "CHAN_OPEN n_bufs 16 is out of range [0, 15] (with an arena, buffer 0 "
+                          "is the arena)");
+    put32(b + 88, 0); /* 16 ids and arena_bytes 0: no arena, fine */
+    ck_assert_int_eq(moed_chan_open_decode(b, 96, &r, err, sizeof err), 0);
+}
+END_TEST
+
 START_TEST(test_chan_close_decode)
 {
     uint8_t b[9] = {0};
@@ -464,14 +512,16 @@ END_TEST
 
 START_TEST(test_chan_open_reply)
 {
-    uint8_t b[96 + 5];
+    uint8_t b[112 + 5];
     struct moed_chan_open_rep in = {.chan_id = 3, .slots = 8, .key = 0x1122334455667788ull,
-                                    .size = 960, .abi_version = 2, .kernel_bytes = 5}, out;
+                                    .size = 960, .abi_version = 2, .kernel_bytes = 5,
+                                    .arena_off = 4096, .arena_bytes = 0x10203}, out;
     for (int i = 0; i < 64; i++)
         in.handle[i] = (uint8_t)(i + 1);
     moed_chan_open_rep_encode(b, &in);
-    memcpy(b + 96, "FATBN", 5);
-    /* the layout by hand: chan_id, slots, key, handle, size, abi, kernel_bytes */
+    memcpy(b + 112, "FATBN", 5);
+    /* the layout by hand: chan_id, slots, key, handle, size, abi, kernel_bytes,
+     * arena_off, arena_bytes */
     ck_assert_uint_eq(b[0], 3);
     ck_assert_uint_eq(b[4], 8);
     ck_assert_uint_eq(b[8], 0x88);
@@ -482,17 +532,37 @@ START_TEST(test_chan_open_reply)
     ck_assert_uint_eq(b[81], 960 >> 8);
     ck_assert_uint_eq(b[88], 2);
     ck_assert_uint_eq(b[92], 5);
+    ck_assert_uint_eq(b[96], 0);
+    ck_assert_uint_eq(b[97], 4096 >> 8);
+    ck_assert_uint_eq(b[104], 0x03);
+    ck_assert_uint_eq(b[105], 0x02);
+    ck_assert_uint_eq(b[106], 0x01);
     char err[256];
     ck_assert_int_eq(moed_chan_open_rep_decode(b, sizeof b, &out, err, sizeof err), 0);
     ck_assert_int_eq(memcmp(&in, &out, sizeof in), 0);
     ck_assert_int_eq(moed_chan_open_rep_decode(b, sizeof b - 1, &out, err, sizeof err),
                      MOED_E_PROTO);
-    ck_assert_str_eq(err, "CHAN_OPEN reply is 100 bytes for kernel_bytes 5 (expected 96 + "
+    ck_assert_str_eq(err, "CHAN_OPEN reply is 116 bytes for kernel_bytes 5 (expected 112 + "
                           "kernel_bytes, kernel_bytes in [1, 16777216])");
-    ck_assert_int_eq(moed_chan_open_rep_decode(b, 95, &out, err, sizeof err), MOED_E_PROTO);
-    ck_assert_str_eq(err, "CHAN_OPEN reply is 95 bytes, shorter than its 96-byte head");
+    ck_assert_int_eq(moed_chan_open_rep_decode(b, 111, &out, err, sizeof err), MOED_E_PROTO);
+    ck_assert_str_eq(err, "CHAN_OPEN reply is 111 bytes, shorter than its 112-byte head");
+    /* the arena: 4096-aligned past the ring, or no arena at offset 0 */
+    put32(b + 96, 4096 + 16);
+    ck_assert_int_eq(moed_chan_open_rep_decode(b, sizeof b, &out, err, sizeof err),
+                     MOED_E_PROTO);
+    ck_assert_str_eq(err, "CHAN_OPEN reply: arena_off 4112 for arena_bytes 66051 (an arena lies "
+                          "4096-aligned past the 960-byte channel; none has offset 0)");
+    put32(b + 96, 0);
+    ck_assert_int_eq(moed_chan_open_rep_decode(b, sizeof b, &out, err, sizeof err),
+                     MOED_E_PROTO);
+    memset(b + 104, 0, 8); /* no arena */
+    ck_assert_int_eq(moed_chan_open_rep_decode(b, sizeof b, &out, err, sizeof err), 0);
+    put32(b + 96, 4096); /* an offset without an arena */
+    ck_assert_int_eq(moed_chan_open_rep_decode(b, sizeof b, &out, err, sizeof err),
+                     MOED_E_PROTO);
+    put32(b + 96, 0);
     put32(b + 92, 0); /* no kernel */
-    ck_assert_int_eq(moed_chan_open_rep_decode(b, 96, &out, err, sizeof err), MOED_E_PROTO);
+    ck_assert_int_eq(moed_chan_open_rep_decode(b, 112, &out, err, sizeof err), MOED_E_PROTO);
     put32(b + 92, 5);
     put32(b, 0); /* chan_id 0 */
     ck_assert_int_eq(moed_chan_open_rep_decode(b, sizeof b, &out, err, sizeof err),
@@ -524,6 +594,7 @@ static Suite *proto_suite(void)
     tcase_add_test(tc, test_unaligned);
     tcase_add_test(tc, test_hello_parse);
     tcase_add_test(tc, test_chan_open_decode);
+    tcase_add_test(tc, test_chan_open_decode_arena);
     tcase_add_test(tc, test_chan_close_decode);
     tcase_add_test(tc, test_chan_open_reply);
     suite_add_tcase(s, tc);

@@ -82,6 +82,7 @@ CHAN_SLOTS = 8             # descriptors in flight per channel (MOE_GPU_CHAN_SLO
 GPU_ABI_VERSION = 3        # MOE_GPU_ABI_VERSION the channel layout below follows
 CHAN_STRUCT_BYTES = 128 + 8 * CHAN_SLOTS + 96 * CHAN_SLOTS  # sizeof(struct moe_gpu_chan)
 MAX_CHAN_KERNEL_BYTES = 16 << 20  # the client kernel's fatbin in a CHAN_OPEN reply, at most
+CHAN_ARENA_OFF = 4096      # a channel's arena starts here in its mapping (MOE_GPU_CHAN_ARENA_OFF)
 
 DEFAULT_SOCKET = "/tmp/moed.sock"
 
@@ -99,13 +100,14 @@ _REG_REQ = struct.Struct("<64sQQ16s")
 _REG_REP = struct.Struct("<II")
 # FORWARD_DESC: the FORWARD head, then (buf_id u32, reserved u32, offset u64) for x, ids, w, y
 _DESC_REQ = struct.Struct("<IIII" + "IIQ" * 4)
-# CHAN_OPEN: uuid 16s, n_bufs u32, flags u32, buf_ids u32[16]; reply head: chan_id u32,
-# slots u32, key u64, handle 64s, size u64, abi_version u32, kernel_bytes u32 (then the fatbin)
-_CHAN_OPEN_REQ = struct.Struct("<16sII%dI" % CHAN_BUFS)
-_CHAN_OPEN_REP = struct.Struct("<IIQ64sQII")
+# CHAN_OPEN: uuid 16s, n_bufs u32, flags u32, buf_ids u32[16], arena_bytes u64 (the 88-byte
+# form leaves it out); reply head: chan_id u32, slots u32, key u64, handle 64s, size u64,
+# abi_version u32, kernel_bytes u32, arena_off u64, arena_bytes u64 (then the fatbin)
+_CHAN_OPEN_REQ = struct.Struct("<16sII%dIQ" % CHAN_BUFS)
+_CHAN_OPEN_REP = struct.Struct("<IIQ64sQIIQQ")
 _CHAN_CLOSE_REQ = struct.Struct("<II")
 assert _REG_REQ.size == 96 and _DESC_REQ.size == 80
-assert _CHAN_OPEN_REQ.size == 88 and _CHAN_OPEN_REP.size == 96
+assert _CHAN_OPEN_REQ.size == 96 and _CHAN_OPEN_REP.size == 112
 assert _HDR.size == HDR_SIZE and _HELLO_REP.size == 64 and _HELLO_REQ.size == 8
 
 # MOED_E_* codes (common/moed_err.h) -> stable names (common/moed_err.c).
@@ -145,11 +147,14 @@ class MoedError(Exception):
 class ChanInfo:
     """The CHAN_OPEN reply: chan_id (CHAN_CLOSE names it), slots (descriptors
     in flight), key (every descriptor carries it), handle (64-byte CUDA IPC
-    handle of the channel's allocation), size (bytes of struct moe_gpu_chan at
-    its start), abi_version (MOE_GPU_ABI_VERSION) and kernel (the client
-    kernel's fatbin bytes, entry moed_chan_call)."""
+    handle of the channel's allocation: ring and arena), size (bytes of
+    struct moe_gpu_chan at its start), abi_version (MOE_GPU_ABI_VERSION),
+    arena_off and arena_bytes (the arena's place in that mapping; 0, 0
+    without one) and kernel (the client kernel's fatbin bytes, entry
+    moed_chan_call)."""
 
-    __slots__ = ("chan_id", "slots", "key", "handle", "size", "abi_version", "kernel")
+    __slots__ = ("chan_id", "slots", "key", "handle", "size", "abi_version", "arena_off",
+                 "arena_bytes", "kernel")
 
     def __init__(self, **kw):
         for k in self.__slots__:
@@ -157,8 +162,9 @@ class ChanInfo:
 
     def __repr__(self):
         return "ChanInfo(chan_id=%d, slots=%d, key=0x%x, size=%d, abi_version=%d, " \
-            "kernel=%d bytes)" % (self.chan_id, self.slots, self.key, self.size,
-                                  self.abi_version, len(self.kernel))
+            "arena=%d bytes at %d, kernel=%d bytes)" % (
+                self.chan_id, self.slots, self.key, self.size, self.abi_version,
+                self.arena_bytes, self.arena_off, len(self.kernel))
 
 
 class Hello:
@@ -506,30 +512,44 @@ class Client:
         if len(rep) != 8 or _FWD_REP.unpack(rep)[0] != n_tokens:
             self._fail(E_PROTO, "FORWARD_DESC reply does not echo T=%d" % n_tokens)
 
-    def chan_open(self, buf_ids, uuid):
-        """CHAN_OPEN: a GPU doorbell channel whose descriptors name the
-        registered buffers `buf_ids` (1..16 ids of this connection; a
-        descriptor's buffer i is buf_ids[i]) for kernels on the GPU with the
-        16-byte `uuid`. Returns a ChanInfo. Most callers want
-        moed_client.cuda.Channel, which also maps and drives the channel."""
+    def chan_open(self, buf_ids, uuid, arena_bytes=0):
+        """CHAN_OPEN: a GPU doorbell channel for kernels on the GPU with the
+        16-byte `uuid`, whose descriptors name an arena of `arena_bytes` (0:
+        none; daemon memory in the channel's own mapping, buffer 0) and the
+        registered buffers `buf_ids` (ids of this connection: without an
+        arena 1..16, buffer i is buf_ids[i]; with one 0..15, buffer i + 1).
+        Returns a ChanInfo. Most callers want moed_client.cuda.Channel, which
+        also maps and drives the channel."""
         self._v2()
-        buf_ids, uuid = [int(b) for b in buf_ids], bytes(uuid)
-        if not 1 <= len(buf_ids) <= CHAN_BUFS or len(uuid) != 16 or \
-                any(not 0 < b < 1 << 32 for b in buf_ids):
-            raise MoedError(E_INVAL, "chan_open needs 1..%d buffer ids (non-zero u32) and a "
-                            "16-byte uuid (got %d ids, %d bytes)"
-                            % (CHAN_BUFS, len(buf_ids), len(uuid)))
-        rep = self._call(MSG_CHAN_OPEN, _CHAN_OPEN_REQ.pack(
-            uuid, len(buf_ids), 0, *(buf_ids + [0] * (CHAN_BUFS - len(buf_ids)))))
+        buf_ids, uuid, arena_bytes = [int(b) for b in buf_ids], bytes(uuid), int(arena_bytes)
+        lo, hi = (0, CHAN_BUFS - 1) if arena_bytes else (1, CHAN_BUFS)
+        if not lo <= len(buf_ids) <= hi or len(uuid) != 16 or \
+                any(not 0 < b < 1 << 32 for b in buf_ids) or not 0 <= arena_bytes < 1 << 64:
+            raise MoedError(E_INVAL, "chan_open needs %d..%d buffer ids (non-zero u32)%s, a "
+                            "16-byte uuid and arena_bytes a u64 (got %d ids, %d bytes, "
+                            "arena_bytes %d)" % (lo, hi, " besides the arena" if arena_bytes
+                                                 else "", len(buf_ids), len(uuid),
+                                                 arena_bytes))
+        req = _CHAN_OPEN_REQ.pack(uuid, len(buf_ids), 0,
+                                  *(buf_ids + [0] * (CHAN_BUFS - len(buf_ids))), arena_bytes)
+        # without an arena the 88-byte form
+        rep = self._call(MSG_CHAN_OPEN, req if arena_bytes else req[:88])
         if len(rep) < _CHAN_OPEN_REP.size:
             self._fail(E_PROTO, "CHAN_OPEN reply is %d bytes, shorter than its head" % len(rep))
-        cid, slots, key, handle, size, abi, kbytes = _CHAN_OPEN_REP.unpack_from(rep)
+        cid, slots, key, handle, size, abi, kbytes, a_off, a_bytes = \
+            _CHAN_OPEN_REP.unpack_from(rep)
         for bad, why in ((cid == 0, "chan_id 0"),
                          (kbytes == 0 or len(rep) != _CHAN_OPEN_REP.size + kbytes,
-                          "a %d-byte fatbin in %d bytes" % (kbytes, len(rep) - 96)),
+                          "a %d-byte fatbin in %d bytes"
+                          % (kbytes, len(rep) - _CHAN_OPEN_REP.size)),
                          (slots != CHAN_SLOTS, "slots %d, expected %d" % (slots, CHAN_SLOTS)),
                          (size < CHAN_STRUCT_BYTES, "size %d, under %d"
-                          % (size, CHAN_STRUCT_BYTES))):
+                          % (size, CHAN_STRUCT_BYTES)),
+                         (a_bytes != arena_bytes, "an arena of %d bytes for the %d asked"
+                          % (a_bytes, arena_bytes)),
+                         ((a_off < size or a_off % CHAN_ARENA_OFF) if a_bytes else a_off,
+                          "arena_off %d for arena_bytes %d (an arena lies 4096-aligned past "
+                          "the channel; none has offset 0)" % (a_off, a_bytes))):
             if bad:
                 self._fail(E_PROTO, "malformed CHAN_OPEN reply: " + why)
         if abi != GPU_ABI_VERSION:  # the daemon is fine; this client cannot drive it
@@ -537,7 +557,8 @@ class Client:
             raise MoedError(E_VERSION, "the daemon's channel ABI is version %d; this client "
                             "knows %d" % (abi, GPU_ABI_VERSION))
         return ChanInfo(chan_id=cid, slots=slots, key=key, handle=handle, size=size,
-                        abi_version=abi, kernel=rep[_CHAN_OPEN_REP.size:])
+                        abi_version=abi, arena_off=a_off, arena_bytes=a_bytes,
+                        kernel=rep[_CHAN_OPEN_REP.size:])
 
     def chan_close(self, chan_id):
         """CHAN_CLOSE: the channel ends (its buffers can be unregistered

@@ -70,7 +70,8 @@ def call_flags(routed_only=False, empty_slots=False):
 class RangeTable:
     """The channel's buffers as the client sees them: index i is the range
     [base, base + size) of its process's address space that buffer i of the
-    channel (CHAN_OPEN's buf_ids[i]) registered."""
+    channel is: with an arena, 0 is the arena as mapped here and i + 1 what
+    CHAN_OPEN's buf_ids[i] registered; without, i is buf_ids[i]."""
 
     def __init__(self, ranges):
         if not 1 <= len(ranges) <= CHAN_BUFS:

@@ -320,8 +320,9 @@ class Experts:
         self._sessions = {} if sessions is None else sessions  # device -> DoorbellSession
 
     def doorbell(self, device):
-        """This process's doorbell session on `device` (made on first use:
-        a registered arena and a channel; moed_client.cuda.DoorbellSession)."""
+        """This process's doorbell session on `device` (made on first use: a
+        doorbell channel with its arena in moed's memory;
+        moed_client.cuda.DoorbellSession)."""
         key = str(device)
         s = self._sessions.get(key)
         if s is None:

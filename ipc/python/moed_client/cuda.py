@@ -20,18 +20,22 @@ there); the GPU doorbell is the path for graphs:
     y = s.fused_experts(x, topk_weights, topk_ids, layer=3)   # capturable
     s.check()                                 # after the graph ran: any refused call
 
-A ``DoorbellSession`` registers the same kind of arena, opens a doorbell
-channel over it (CHAN_OPEN: a small ring in moed's device memory, mapped
-here through CUDA IPC) and runs each layer as a one-thread kernel on the
-caller's stream that rings moed's persistent kernel and spins until it has
-answered; ``Channel`` is the layer under it, for callers that manage their
-own registered tensors. The driver calls go through ctypes on libcuda.so.1
-(moed_client._cudrv); torch is imported only here.
+A ``DoorbellSession`` opens a doorbell channel with an arena of the same
+layout (CHAN_OPEN: a small ring and the arena in one allocation of moed's
+device memory, mapped here through CUDA IPC), copies the inputs into the
+arena and y out of it on the caller's stream, and runs each layer as a
+one-thread kernel there that rings moed's persistent kernel and spins until
+it has answered. The arena is moed's memory: a client killed mid-graph
+frees nothing moed's kernel may still be reading or writing (a registered
+tensor of the client's own is freed with its process, under moed's kernel:
+docs/ZERO_COPY.md). ``Channel`` is the layer under it, for callers that
+manage their own registered tensors as well. The driver calls go through
+ctypes on libcuda.so.1 (moed_client._cudrv); torch is imported only here.
 """
 
 import uuid as _uuid
 
-from . import Client, MoedError, E_INVAL
+from . import Client, MoedError, E_INVAL, CHAN_BUFS
 from . import _cudrv
 from ._chan import (ChannelError, RangeTable, CHAN_HEAD, pack_desc, call_flags,  # noqa: F401
                     check_flags, status_name)
@@ -88,19 +92,33 @@ def _align(n):
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-class _Arena:
-    """One device buffer of max_tokens rows of x bf16 [T, H] | ids int32 [T, k]
-    | w fp32 [T, k] | y bf16 [T, H] (each 16-aligned), with full-size views of
-    the four; rows(T) slices them (views: no allocation)."""
+def arena_layout(hidden, top_k, max_tokens):
+    """(off_ids, off_w, off_y, bytes) of an arena of max_tokens rows of x
+    bf16 [T, H] at 0 | ids int32 [T, k] | w fp32 [T, k] | y bf16 [T, H], each
+    16-aligned: at most the daemon's limit for CHAN_OPEN arena_bytes,
+    max_tokens * (4 H + 8 k) + 64."""
+    H, k, T = hidden, top_k, max_tokens
+    off_ids = _align(2 * T * H)
+    off_w = _align(off_ids + 4 * T * k)
+    off_y = _align(off_w + 4 * T * k)
+    return off_ids, off_w, off_y, _align(off_y + 2 * T * H)
 
-    def __init__(self, info, device, max_tokens):
+
+class _Arena:
+    """Views of x | ids | w | y (arena_layout) over `mem`, a uint8 CUDA
+    tensor of at least that many bytes (a buffer of the caller's, or a
+    channel's arena), full-size; fill() copies inputs into the first T rows
+    (views: no allocation)."""
+
+    def __init__(self, info, max_tokens, mem):
         torch = _torch()
         H, k, T = info.hidden, info.top_k, max_tokens
         self.off_x = 0
-        self.off_ids = _align(2 * T * H)
-        self.off_w = _align(self.off_ids + 4 * T * k)
-        self.off_y = _align(self.off_w + 4 * T * k)
-        self.mem = torch.zeros(_align(self.off_y + 2 * T * H), dtype=torch.uint8, device=device)
+        self.off_ids, self.off_w, self.off_y, nbytes = arena_layout(H, k, T)
+        if mem.dtype != torch.uint8 or mem.numel() < nbytes:
+            raise ValueError("an arena of %d rows needs %d bytes of uint8, got %d of %s"
+                             % (T, nbytes, mem.numel(), mem.dtype))
+        self.mem = mem
 
         def view(off, n, dtype, shape):
             return self.mem[off:off + n].view(dtype).view(shape)
@@ -108,6 +126,14 @@ class _Arena:
         self.ids = view(self.off_ids, 4 * T * k, torch.int32, (T, k))
         self.w = view(self.off_w, 4 * T * k, torch.float32, (T, k))
         self.y = view(self.off_y, 2 * T * H, torch.bfloat16, (T, H))
+
+    @classmethod
+    def alloc(cls, info, max_tokens, device):
+        """An arena over a new zeroed buffer of the caller's on `device`
+        (to register: CudaSession, a Channel over registered tensors)."""
+        torch = _torch()
+        nbytes = arena_layout(info.hidden, info.top_k, max_tokens)[3]
+        return cls(info, max_tokens, torch.zeros(nbytes, dtype=torch.uint8, device=device))
 
     def fill(self, hidden_states, topk_weights, topk_ids, info, max_tokens):
         """Copy the inputs into the first T rows (on the current stream);
@@ -149,7 +175,7 @@ class CudaSession:
         self.info = info = _v2_info(self.client)
         self.device = _device(device)
         self.max_tokens = min(max_tokens or info.max_tokens, info.max_tokens)
-        self.arena = a = _Arena(info, self.device, self.max_tokens)
+        self.arena = a = _Arena.alloc(info, self.max_tokens, self.device)
         self.mem, self.off_x, self.off_ids, self.off_w, self.off_y = \
             a.mem, a.off_x, a.off_ids, a.off_w, a.off_y
         handle, off, size = ipc_range(self.mem)
@@ -193,19 +219,39 @@ class CudaSession:
 DEFAULT_CALL_TIMEOUT_S = 10.0  # a call with no answer in this long records E_TIMEOUT
 
 
-class Channel:
-    """A doorbell channel over registered CUDA tensors.
+class _DeviceRange:
+    """Device memory mapped here, as __cuda_array_interface__ (version 2: no
+    stream to synchronize with), for torch.as_tensor to view in place."""
 
-    Channel(client, tensors) registers each tensor's bytes (ipc_range,
-    REGISTER_BUF; buffer i of the channel is tensors[i]), opens the channel
-    (CHAN_OPEN), maps its ring (cuIpcOpenMemHandle), loads the client kernel
-    the daemon sent (cuModuleLoadData) and keeps an 8-byte err word on the
-    tensors' GPU. The tensors are kept alive until close().
+    def __init__(self, ptr, nbytes):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (ptr, False), "strides": None, "version": 2}
+
+
+class Channel:
+    """A doorbell channel with a daemon-owned arena, registered CUDA
+    tensors, or both.
+
+    Channel(client, tensors, arena_bytes=N) registers each tensor's bytes
+    (ipc_range, REGISTER_BUF), opens the channel (CHAN_OPEN) with an arena of
+    N bytes (0: none), maps its ring and arena (one cuIpcOpenMemHandle),
+    loads the client kernel the daemon sent (cuModuleLoadData) and keeps an
+    8-byte err word on the channel's GPU (`device`, or the tensors'). With
+    an arena, `arena` is a uint8 tensor over it (moed's memory, mapped here,
+    zeroed at open; valid until close()) and is the channel's buffer 0, the
+    tensors 1..; without one the tensors are 0... The tensors are kept alive
+    until close().
+
+    Prefer the arena: moed's kernel reads x and writes y where the
+    descriptor points, so a registered tensor must outlive every call in
+    flight, and a client killed mid-graph frees its tensors while moed's
+    kernel may still be touching them (undefined behaviour in CUDA IPC:
+    docs/ZERO_COPY.md); its death frees nothing of an arena.
 
     call(x, ids, w, y, layer) enqueues one MoE layer on the current torch
     stream: x bf16 [T, H], ids int32 [T, k], w fp32 [T, k], y bf16 [T, H]
-    (written by moed), each contiguous and inside one of the registered
-    tensors. It launches one small kernel that rings moed and spins until
+    (written by moed), each contiguous and inside the arena or one of the
+    registered tensors. It launches one small kernel that rings moed and spins until
     moed has answered, so it can be captured in a CUDA graph and replayed; it
     neither synchronizes nor allocates. Calls on one channel must be
     serialized (one stream at a time). A call moed refuses (its descriptor
@@ -216,33 +262,54 @@ class Channel:
     connection closes, moed closes the channel and its registrations.
     """
 
-    def __init__(self, client, tensors, timeout_s=DEFAULT_CALL_TIMEOUT_S):
+    def __init__(self, client, tensors=(), timeout_s=DEFAULT_CALL_TIMEOUT_S, arena_bytes=0,
+                 device=None):
         torch = _torch()
         self.client, self.tensors = client, list(tensors)
         self.info = _v2_info(client)
         self.chan_id, self.buf_ids, self._chan, self._mod = 0, [], 0, None
-        if not self.tensors or any(not t.is_cuda for t in self.tensors) or \
-                len({t.device for t in self.tensors}) != 1:
-            raise MoedError(E_INVAL, "a channel needs 1..16 CUDA tensors on one GPU")
-        self.device = _device(self.tensors[0].device)
+        self.arena, self._arena_range = None, None
+        n_max = CHAN_BUFS - 1 if arena_bytes else CHAN_BUFS
+        if not (arena_bytes or self.tensors) or len(self.tensors) > n_max or \
+                any(not t.is_cuda for t in self.tensors) or \
+                len({t.device for t in self.tensors} |
+                    ({_device(device)} if device is not None else set())) > 1:
+            raise MoedError(E_INVAL, "a channel needs an arena or 1..16 CUDA tensors (0..15 "
+                            "besides an arena), on one GPU")
+        self.device = _device(self.tensors[0].device if self.tensors else device)
         try:
             uuid = device_uuid(self.device)
-            self.table = RangeTable([(t.data_ptr(), t.numel() * t.element_size())
-                                     for t in self.tensors])
             for t in self.tensors:
                 self.buf_ids.append(client.register_buf(*ipc_range(t), uuid))
-            ci = client.chan_open(self.buf_ids, uuid)
+            ci = client.chan_open(self.buf_ids, uuid, arena_bytes)
             self.chan_id, self.key, self.slots = ci.chan_id, ci.key, ci.slots
             with torch.cuda.device(self.device):
                 _cudrv.ensure_context(self.device.index)
                 self._chan = _cudrv.ipc_open(ci.handle)
                 self._mod, fn = _cudrv.module_load(ci.kernel)
                 self.err = torch.zeros(1, dtype=torch.int64, device=self.device)
+                ranges = [(t.data_ptr(), t.numel() * t.element_size()) for t in self.tensors]
+                if ci.arena_bytes:
+                    self.arena = self._view_arena(self._chan + ci.arena_off, ci.arena_bytes)
+                    ranges.insert(0, (self._chan + ci.arena_off, ci.arena_bytes))
+            self.table = RangeTable(ranges)
             self._launch = _cudrv.ChanLaunch(fn, self._chan, self.err.data_ptr(),
                                              int(timeout_s * 1e9) if timeout_s else 0)
         except BaseException:
             self.close()
             raise
+
+    def _view_arena(self, ptr, nbytes):
+        """A uint8 tensor over the mapped arena, in place (the range object
+        stays referenced; torch.as_tensor with no device asked never
+        copies, and the view must be of this very memory on this GPU)."""
+        self._arena_range = _DeviceRange(ptr, nbytes)
+        t = _torch().as_tensor(self._arena_range)
+        if t.data_ptr() != ptr or t.numel() != nbytes or t.device != self.device:
+            raise MoedError(E_INVAL, "torch sees the mapped arena as %d bytes at 0x%x on %s, "
+                            "not %d at 0x%x on %s" % (t.numel(), t.data_ptr(), t.device, nbytes,
+                                                      ptr, self.device))
+        return t
 
     def ref(self, t, what="tensor"):
         """(table index, offset) of tensor t's bytes (host only)."""
@@ -314,6 +381,7 @@ class Channel:
         if self.chan_id and self.client._sock is not None:
             attempt(self.client.chan_close, self.chan_id)
         self.chan_id = 0
+        self.arena, self._arena_range = None, None  # views of the mapping, about to go
         if self._chan:
             attempt(_cudrv.ipc_close, self._chan)
             self._chan = 0
@@ -336,17 +404,18 @@ class Channel:
 
 
 class DoorbellSession:
-    """The doorbell behind a framework's fused-experts call: one registered
-    arena of max_tokens rows of x | ids | w | y on the caller's GPU and a
-    Channel over it.
+    """The doorbell behind a framework's fused-experts call: a Channel with
+    an arena (moed's memory, mapped here) of max_tokens rows of x | ids | w |
+    y, and nothing of the caller's registered.
 
     fused_experts(hidden_states, topk_weights, topk_ids, layer) copies the
     inputs into the arena, rings moed and returns a new tensor (a copy of y,
     in hidden_states' dtype) on the caller's device; all of it is enqueued
     on the current stream, so it can be captured in a CUDA graph. A refused
     call leaves its output as the arena's last y: check() after the step
-    (or the graph's replay) raises it. close() closes the channel and the
-    client."""
+    (or the graph's replay) raises it. The process may die at any point
+    (SIGKILL mid-graph included): moed's kernel touches only moed's memory.
+    close() closes the channel and the client."""
 
     def __init__(self, client=None, max_tokens=None, device=None,
                  timeout_s=DEFAULT_CALL_TIMEOUT_S):
@@ -356,10 +425,12 @@ class DoorbellSession:
             self.info = info = _v2_info(self.client)
             self.device = _device(device)
             self.max_tokens = min(max_tokens or info.max_tokens, info.max_tokens)
-            self.arena = _Arena(info, self.device, self.max_tokens)
-            self.channel = Channel(self.client, [self.arena.mem], timeout_s)
+            nbytes = arena_layout(info.hidden, info.top_k, self.max_tokens)[3]
+            self.channel = Channel(self.client, (), timeout_s, arena_bytes=nbytes,
+                                   device=self.device)
+            self.arena = _Arena(info, self.max_tokens, self.channel.arena)
         except BaseException:
-            self.client.close()
+            self.close()
             raise
 
     def fused_experts(self, hidden_states, topk_weights, topk_ids, layer, *,
@@ -375,6 +446,7 @@ class DoorbellSession:
         self.channel.check(reset)
 
     def close(self):
+        self.arena = None  # views of the channel's mapping
         try:
             if self.channel is not None:
                 self.channel.close()
