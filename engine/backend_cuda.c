@@ -321,7 +321,7 @@ static int64_t age_ns(uint64_t now, uint64_t then) { return (int64_t)(now - then
  * ring empty; a busy doorbell channel does not keep it from stopping, see
  * cuda_chan_wake_locked) and relaunched by the state machine after, as it
  * would be after an idle exit. NULL or why the backend fails. */
-static const char *unmap_step(struct cuda_backend *cb)
+static const char *release_step(struct cuda_backend *cb)
 {
     pthread_mutex_lock(&cb->mu);
     int go = cb->n_rel && !cb->failed && !cb->closing && cb->next_seq == cb->delivered;
@@ -329,7 +329,6 @@ static const char *unmap_step(struct cuda_backend *cb)
     if (stop) {
         cb->running = 0;  /* submits queue meanwhile */
         cb->stopping = 1; /* a channel opens after */
-        cb->unmap_stops++;
         moe_gpu_request_stop(cb->ctrl);
         cuda_chan_wake_locked(cb);
     }
@@ -399,7 +398,7 @@ static void *completion_thread(void *arg)
             backoff_us = 0;
         }
 
-        const char *why = unmap_step(cb);
+        const char *why = release_step(cb);
 
         /* ---- state machine under mu ---- */
         pthread_mutex_lock(&cb->mu);

@@ -111,7 +111,6 @@ struct cuda_backend {
      * for them, mu) */
     struct cuda_release *rel;
     uint32_t n_rel, cap_rel;
-    uint64_t unmap_stops;    /* kernel stops made for them */
 };
 
 /* One deferred release (cuda_release_later). */

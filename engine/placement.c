@@ -175,12 +175,10 @@ int moed_placement_from_lists(uint32_t n_experts, uint32_t n_shared, uint32_t n_
 }
 
 int moed_ep_assign(const struct moed_placement *p, uint32_t T, uint32_t top_k,
-                   const int32_t *ids, uint8_t *dev_of, uint32_t *count)
+                   const int32_t *ids, uint8_t *dev_of, uint32_t *count, uint32_t *seen)
 {
     const uint32_t KS = top_k + p->n_shared;
-    uint32_t *seen = calloc(p->n_experts, sizeof *seen); /* pairs of e so far, token order */
-    if (!seen)
-        return MOED_E_NOMEM;
+    memset(seen, 0, p->n_experts * sizeof *seen); /* pairs of e so far, token order */
     memset(count, 0, p->n_dev * sizeof *count);
     int rc = 0;
     for (uint32_t t = 0; t < T && !rc; t++) {
@@ -205,7 +203,6 @@ int moed_ep_assign(const struct moed_placement *p, uint32_t T, uint32_t top_k,
             count[d]++;
         }
     }
-    free(seen);
     return rc;
 }
 

@@ -58,10 +58,12 @@ void moed_placement_free(struct moed_placement *p);
 
 /* The device of every entry of a batch of T tokens: dev_of[T * (k + S)]
  * (ids [T, k]; an id < 0 is an empty slot, its entry gets device 0xFF and
- * no device computes it), count[n_dev] the entries per device. ids must be
- * in [-1, n_experts) (the engine validated them): else MOED_E_INVAL. */
+ * no device computes it), count[n_dev] the entries per device; seen
+ * [n_experts] is the caller's scratch (per batch: no allocation here). ids
+ * must be in [-1, n_experts) (the engine validated them): else
+ * MOED_E_INVAL. */
 int moed_ep_assign(const struct moed_placement *p, uint32_t T, uint32_t top_k,
-                   const int32_t *ids, uint8_t *dev_of, uint32_t *count);
+                   const int32_t *ids, uint8_t *dev_of, uint32_t *count, uint32_t *seen);
 
 /* The placement's load per device for load[] (replica shares summed, shared
  * experts not counted) into dev_load[n_dev]; replicas per device into

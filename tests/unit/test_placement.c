@@ -88,8 +88,8 @@ START_TEST(test_hot_expert_is_replicated_and_split)
         ids[t * K + 1] = (int32_t)(t % E == 3 ? 4 : t % E);
     }
     uint8_t dev_of[T * K];
-    uint32_t count[ND];
-    ck_assert_int_eq(moed_ep_assign(&p, T, K, ids, dev_of, count), 0);
+    uint32_t count[ND], seen[E];
+    ck_assert_int_eq(moed_ep_assign(&p, T, K, ids, dev_of, count, seen), 0);
     uint32_t per[ND] = {0};
     for (uint32_t t = 0; t < T; t++) {
         ck_assert_uint_eq(dev_of[t * K], DEV(&p, 3, t % ND));
@@ -150,8 +150,8 @@ START_TEST(test_every_pair_goes_where_its_expert_is)
         ck_assert(ids && dev_of);
         for (uint32_t i = 0; i < T * K; i++)
             ids[i] = next() % 9 == 0 ? -1 : (int32_t)(next() % E);
-        uint32_t count[ND], sum = 0, empty = 0;
-        ck_assert_int_eq(moed_ep_assign(&p, T, K, ids, dev_of, count), 0);
+        uint32_t count[ND], seen[E], sum = 0, empty = 0;
+        ck_assert_int_eq(moed_ep_assign(&p, T, K, ids, dev_of, count, seen), 0);
         for (uint32_t t = 0; t < T; t++)
             for (uint32_t j = 0; j < KS; j++) {
                 const uint8_t d = dev_of[t * KS + j];
@@ -188,8 +188,8 @@ START_TEST(test_assign_refuses_out_of_range_ids)
     ck_assert_int_eq(moed_placement_balanced(4, 0, 2, load, 1, 1.0, &p, err, sizeof err), 0);
     int32_t ids[2] = {1, 4};
     uint8_t dev_of[2];
-    uint32_t count[2];
-    ck_assert_int_eq(moed_ep_assign(&p, 1, 2, ids, dev_of, count), MOED_E_INVAL);
+    uint32_t count[2], seen[4];
+    ck_assert_int_eq(moed_ep_assign(&p, 1, 2, ids, dev_of, count, seen), MOED_E_INVAL);
     moed_placement_free(&p);
 }
 END_TEST

@@ -15,12 +15,13 @@
 #include "moectl_int.h"
 #include "placement.h"
 
-/* One layer's row of counts into load[] (n entries); -1 if malformed. */
+/* One layer's row of counts into load[] (n entries, each 0..1e18: a
+ * count, cast to an integer); -1 if malformed. */
 static int row_loads(const cJSON *row, uint64_t *load, uint32_t n)
 {
     uint32_t i = 0;
     for (const cJSON *v = row ? row->child : NULL; v; v = v->next, i++)
-        if (i >= n || !cJSON_IsNumber(v) || v->valuedouble < 0)
+        if (i >= n || !cJSON_IsNumber(v) || !(v->valuedouble >= 0 && v->valuedouble <= 1e18))
             return -1;
         else
             load[i] = (uint64_t)v->valuedouble;
