@@ -55,6 +55,18 @@ struct moed_batch {
     struct moed_buf w;    /* fp32 [T, k] */
     struct moed_buf y;    /* bf16 [T, H] output */
     uint32_t flags;       /* MOED_BATCH_* */
+    /* MOED_BATCH_ROWS / _COMBINE only: fp32 [T * (k + S), H] (S the
+     * model's shared experts, also with ROUTED_ONLY), entry t * (k + S) + j
+     * the expert output row d_j of token t's slot j (routed slots j < k,
+     * then shared), unweighted. ROWS writes exactly the entries it computes:
+     * routed slot j of token t when ids[t * k + j] >= 0 (the engine gives a
+     * device only its own entries' ids, the others -1), and the shared slots
+     * of token t when t % ep_n == ep_shard (none with ROUTED_ONLY); y is not
+     * touched. COMBINE reads every entry the sum uses: routed slots whose
+     * id (the batch's, -1 an empty slot that adds nothing) is >= 0, shared
+     * slots unless ROUTED_ONLY; x is not read. */
+    struct moed_buf rows;
+    uint32_t ep_n, ep_shard; /* ROWS: devices, this device's index (< ep_n) */
     int status;           /* set by the backend before done(): 0 or MOED_E_* */
     uint64_t kernel_ns;   /* set by the backend before done() of a batch it completed
                              (submit it 0): the batch's kernel time in ns, 0 when not
@@ -68,6 +80,13 @@ struct moed_batch {
 /* moed_batch.flags: the batch leaves out the shared experts (every request
  * in it asked for the routed experts only). */
 #define MOED_BATCH_ROUTED_ONLY 0x1u
+/* Expert parallelism (moed_backend_ep_open): the two halves of a batch split
+ * over devices. ROWS: compute this device's expert output rows into
+ * `rows` instead of y (see moed_batch.rows); COMBINE: compute nothing, y
+ * from the rows as the contract sums them (kernels/moe_ref.h). A backend
+ * that cannot do them refuses either with MOED_E_UNSUPPORTED. */
+#define MOED_BATCH_ROWS 0x2u
+#define MOED_BATCH_COMBINE 0x4u
 
 /* A doorbell channel (chan_open): one registered range it may name. */
 struct moed_chan_buf {
@@ -91,6 +110,7 @@ struct moed_chan_stats {
 };
 
 struct moed_backend;
+struct moed_placement; /* placement.h */
 typedef void (*moed_backend_done_fn)(void *ctx, struct moed_batch *b);
 
 struct moed_backend_ops {
@@ -174,6 +194,12 @@ struct moed_backend_cfg {
     uint32_t batch_deadline_ms; /* CUDA: a batch over this fails the backend */
     uint32_t idle_exit_ms;  /* CUDA: persistent kernel exits after idle (0 = never) */
     uint32_t max_channels;  /* CUDA: doorbell channel table entries (0: none) */
+    /* A child of moed_backend_ep_open (NULL: not one): the placement of
+     * each MoE layer (absolute layer id, NULL for the others); the backend
+     * needs only the routed experts with a replica on device ep_shard (and
+     * the shared experts) and computes only those. */
+    const struct moed_placement *const *ep_place;
+    uint32_t ep_shard;
     /* Optional: weight placement progress (bytes placed, bytes to place),
      * called from the opening thread during open. */
     moed_progress_fn progress;
@@ -183,6 +209,36 @@ struct moed_backend_cfg {
 int moed_backend_cpu_open(struct moed_model *m, const struct moed_backend_cfg *cfg,
                           moed_backend_done_fn done, void *done_ctx,
                           struct moed_backend **out, char *err, size_t errlen);
+/* Expert parallelism over n devices (backend_ep.c, docs/MULTI_GPU.md): a
+ * backend that computes every batch of the engine by submitting a ROWS
+ * batch to each child that holds one of its entries (moed_ep_assign over
+ * the layer's placement) and, once all are done, a COMBINE batch to child
+ * 0, the device the output is combined on. The result is the one-device
+ * result bit for bit whatever the placement (the rows do not depend on
+ * the device or the other tokens; the sum runs in slot order). Batches run
+ * one at a time, in submission order. */
+struct moed_ep_cfg {
+    uint32_t n_dev;         /* children, 1..MOED_PLACE_MAX_DEVS */
+    /* Open child i (its own device), delivering its batches to done/done_ctx
+     * (the wrapper's); 0 or a negative code with err. */
+    int (*open_child)(void *ctx, uint32_t i, moed_backend_done_fn done, void *done_ctx,
+                      struct moed_backend **out, char *err, size_t errlen);
+    void *open_ctx;
+    /* The placement of each MoE layer (indexed by absolute layer id, NULL
+     * for the others), n_dev devices each; the wrapper copies nothing: they
+     * must outlive it. */
+    const struct moed_placement *const *place;
+    uint32_t n_layers;
+    /* fp32 [max_tokens * (k + S) * H]: every child's ROWS write here and
+     * child 0's COMBINE reads it (host memory for CPU children; device memory
+     * of child 0 that the other children can write for CUDA ones). */
+    struct moed_buf rows;
+    uint32_t max_tokens;
+};
+int moed_backend_ep_open(struct moed_model *m, const struct moed_ep_cfg *cfg,
+                         moed_backend_done_fn done, void *done_ctx, struct moed_backend **out,
+                         char *err, size_t errlen);
+
 /* Returns MOED_E_UNSUPPORTED in builds without CUDA. */
 int moed_backend_cuda_open(struct moed_model *m, const struct moed_backend_cfg *cfg,
                            moed_backend_done_fn done, void *done_ctx,
