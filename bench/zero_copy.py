@@ -132,6 +132,10 @@ def bench_t(torch, d, c, ch, arena, info, t, iters, per):
     s1 = chan_kernel(status(d), ch.chan_id)
     row["doorbell"] = p50([e0.elapsed_time(e1) * 1e3 / per for e0, e1 in evs])
     row["k_doorbell"] = (s1[1] - s0[1]) * 1e6 / (s1[0] - s0[0]) if s1[0] > s0[0] else None
+    # the last calls' %globaltimer stamps: where the doorbell's time over the kernel goes
+    st = ch.stamps(ch.ring()[1])
+    row["stamps"] = [p50([(a[i + 1] - a[i]) / 1e3 for a in st]) for i in range(3)] + \
+        [p50([(b[0] - a[3]) / 1e3 for a, b in zip(st, st[1:])])]
     del graph
     return row
 
@@ -217,6 +221,18 @@ def main():
             over(r["desc"], r["k_desc"], TARGET_DESC_US),
             fmt(r["doorbell"]), fmt(r["k_doorbell"]),
             over(r["doorbell"], r["k_doorbell"], TARGET_DOORBELL_US)))
+    print()
+    print("doorbell calls by their stamps (moe_gpu_chan.stamp, %globaltimer), p50 us of the "
+          "last 8 calls of a graph: rang -> taken (the persistent kernel sees the bell, "
+          "checks the descriptor, stages ids and w), taken -> answered (kernel time), "
+          "answered -> seen (the client kernel sees done), seen -> next ring (the client "
+          "kernel's exit and the next graph node's launch)")
+    print()
+    print("| model | T | rang->taken | kernel | answered->seen | seen->next ring |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for m, t, r in rows:
+        if r is not None:
+            print("| %s | %d | %s |" % (m, t, " | ".join(fmt(v) for v in r["stamps"])))
     if any(r and "k_desc_note" in r for _, _, r in rows):
         print("\n\\* the inline path's kernel time of the same batch (the daemon timed no "
               "descriptor request's kernel)")

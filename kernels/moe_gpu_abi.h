@@ -244,6 +244,13 @@ struct moe_gpu_chan {
     uint64_t status[MOE_GPU_CHAN_SLOTS]; /* kernel: seq << 8 | moe_gpu_chan_status of
                                             the answer to seq, at seq % SLOTS */
     struct moe_gpu_chan_desc slot[MOE_GPU_CHAN_SLOTS];
+    /* %globaltimer stamps of the call at seq % SLOTS (ns, the GPU's one
+     * clock): [0] client, just before it rang; [1] kernel, the descriptor
+     * taken (the start of its kernel time); [2] kernel, the answer
+     * published; [3] client, the answer seen. Plain stores, one writer per
+     * word, read by tools and tests after the calls (where a call's time
+     * over the kernel goes: tests/gpu/test_chan_gpu.c, bench/NOTES.md). */
+    uint64_t stamp[MOE_GPU_CHAN_SLOTS][4];
 };
 
 /* A registration table entry (host-written, device-read): the registered
@@ -401,8 +408,10 @@ MOE_GPU_STATIC_ASSERT(offsetof(struct moe_gpu_chan, bell) == 0 &&
                           offsetof(struct moe_gpu_chan, done) == 64 &&
                           offsetof(struct moe_gpu_chan, status) == 128 &&
                           offsetof(struct moe_gpu_chan, slot) == 128 + 8 * MOE_GPU_CHAN_SLOTS &&
-                          sizeof(struct moe_gpu_chan) ==
+                          offsetof(struct moe_gpu_chan, stamp) ==
                               128 + 8 * MOE_GPU_CHAN_SLOTS + MOE_GPU_CHAN_SLOTS * 96 &&
+                          sizeof(struct moe_gpu_chan) ==
+                              128 + 8 * MOE_GPU_CHAN_SLOTS + MOE_GPU_CHAN_SLOTS * (96 + 32) &&
                           sizeof(struct moe_gpu_chan) <= MOE_GPU_CHAN_ARENA_OFF &&
                           MOE_GPU_CHAN_ARENA_OFF < MOE_GPU_CHAN_ALLOC,
                       "chan: bell and done on their own lines, status words, slots");

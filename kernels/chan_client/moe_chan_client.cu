@@ -57,13 +57,16 @@ extern "C" __global__ void moed_chan_call(struct moe_gpu_chan *ch, struct moe_gp
 #pragma unroll
     for (unsigned i = 0; i < sizeof d / 16; i++)
         __stcg(dst + i, src[i]);
+    uint64_t *stamp = ch->stamp[seq % MOE_GPU_CHAN_SLOTS];
+    const unsigned long long t0 = globaltimer_ns();
+    __stcg(&stamp[0], t0);
     st_release_sys(&ch->bell, seq); /* release: the slot before the bell, at system scope */
 
-    const unsigned long long t0 = globaltimer_ns();
     unsigned ns = 32;
     unsigned long long word;
     for (;;) {
         if (ld_acquire_sys(&ch->done) >= seq) {
+            __stcg(&stamp[3], globaltimer_ns());
             word = ld_acquire_sys(&ch->status[seq % MOE_GPU_CHAN_SLOTS]);
             if (word == moe_gpu_chan_word(seq, MOE_GPU_CHAN_OK))
                 return;

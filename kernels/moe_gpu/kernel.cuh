@@ -61,6 +61,9 @@ __device__ __forceinline__ void batch_end(const struct moe_gpu_params &p, unsign
                 st_release_sys(&p.ctrl->done_seq, seq);
             } else {
                 struct moe_gpu_chan *ch = (struct moe_gpu_chan *)__ldcg(&p.chans[src - 1].chan);
+                const unsigned long long t0 = __ldcg(&st->t0);
+                __stcg(&ch->stamp[seq % MOE_GPU_CHAN_SLOTS][1], t0);
+                __stcg(&ch->stamp[seq % MOE_GPU_CHAN_SLOTS][2], now);
                 st_relaxed_sys(&ch->status[seq % MOE_GPU_CHAN_SLOTS],
                                moe_gpu_chan_word(seq, MOE_GPU_CHAN_OK));
                 st_release_sys(&ch->done, seq);
@@ -68,7 +71,7 @@ __device__ __forceinline__ void batch_end(const struct moe_gpu_params &p, unsign
                 struct moe_gpu_chan_ent *e = &p.chans[src - 1];
                 struct moe_gpu_chan_stat *cs = &p.chanctl->stat[src - 1];
                 const unsigned long long served = __ldcg(&e->served) + 1;
-                const unsigned long long kns = __ldcg(&e->kernel_ns) + (now - __ldcg(&st->t0));
+                const unsigned long long kns = __ldcg(&e->kernel_ns) + (now - t0);
                 e->served = served;
                 e->kernel_ns = kns;
                 st_relaxed_sys(&cs->served, served);

@@ -99,6 +99,49 @@ static uint64_t chan_word(struct client *c, size_t off)
     return v;
 }
 
+static int cmp_u64(const void *a, const void *b)
+{
+    const uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double median_us(uint64_t *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, cmp_u64);
+    return n ? (n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2.0) / 1e3 : 0.0;
+}
+
+/* Where the last MOE_GPU_CHAN_SLOTS calls' time went, from the channel's
+ * %globaltimer stamps (moe_gpu_chan.stamp: rang, taken, answered, seen):
+ * the medians of rang -> taken, taken -> answered (the kernel), answered ->
+ * seen and seen -> the next call's ring (the client kernel's exit and the
+ * next graph node's launch). 1 if every stamp is in order. The calls must
+ * be back to back in one graph replay (seq `last` the last of them). */
+static int stamp_breakdown(struct client *c, uint64_t last, char *out, size_t len)
+{
+    enum { N = MOE_GPU_CHAN_SLOTS };
+    uint64_t st[N][4], take[N], kern[N], seen[N], gap[N - 1];
+    cudaMemcpy(st, (uint8_t *)c->chan + offsetof(struct moe_gpu_chan, stamp), sizeof st,
+               cudaMemcpyDeviceToHost);
+    int ordered = 1;
+    for (int i = 0; i < N; i++) {
+        const uint64_t *a = st[(last - N + 1 + i) % N];
+        ordered &= a[0] && a[0] <= a[1] && a[1] <= a[2] && a[2] <= a[3];
+        take[i] = a[1] - a[0];
+        kern[i] = a[2] - a[1];
+        seen[i] = a[3] - a[2];
+        if (i) {
+            const uint64_t *prev = st[(last - N + i) % N];
+            ordered &= prev[3] <= a[0];
+            gap[i - 1] = a[0] - prev[3];
+        }
+    }
+    snprintf(out, len, "medians of %d calls: rang->taken %.2f us, kernel %.2f us, "
+             "answered->seen %.2f us, seen->next ring %.2f us", N, median_us(take, N),
+             median_us(kern, N), median_us(seen, N), median_us(gap, N - 1));
+    return ordered;
+}
+
 /* ---------------- progress (a hang says where it is) ---------------- */
 
 static const char *volatile g_stage = "start";
@@ -460,6 +503,9 @@ int main(void)
                "graph of 10 calls x 1000 replays: done +%llu, served +%llu, err 0x%llx; "
                "%.2f us per call, kernel %.2f us (tiny, T=16)", (unsigned long long)(done1 - done0),
                (unsigned long long)(cs.served - served0), e, us, kus);
+        char bd[256];
+        result(stamp_breakdown(&c, done1, bd, sizeof bd), "graph calls' stamps in order; %s",
+               bd);
         if (ce == cudaSuccess) {
             cudaGraphExecDestroy(ge);
             cudaGraphDestroy(g);

@@ -17,8 +17,9 @@ ARENA_OFF = 4096            # MOED_PROTO_CHAN_ARENA_OFF, MOE_GPU_CHAN_ARENA_OFF
 CLOSE_REQ_BYTES = 8         # struct moed_chan_close_req
 MAX_CHAN_KERNEL = 16 << 20  # MOED_PROTO_MAX_CHAN_KERNEL
 CHAN_SLOTS = 8              # MOE_GPU_CHAN_SLOTS
-# struct moe_gpu_chan: bell + 7 pad, done + 7 pad, status[8], slot[8] of 96 bytes
-CHAN_BYTES = 8 * 8 + 8 * 8 + 8 * CHAN_SLOTS + 96 * CHAN_SLOTS
+# struct moe_gpu_chan: bell + 7 pad, done + 7 pad, status[8], slot[8] of 96 bytes,
+# stamp[8][4] u64
+CHAN_BYTES = 8 * 8 + 8 * 8 + 8 * CHAN_SLOTS + 96 * CHAN_SLOTS + 32 * CHAN_SLOTS
 
 OPEN_REP = struct.Struct("<IIQ64sQIIQQ")
 assert OPEN_REP.size == OPEN_REP_BYTES

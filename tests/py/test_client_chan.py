@@ -39,7 +39,7 @@ def hello_v2(rid):
     return hdr(0x8001, rid, len(rep)) + rep
 
 
-def chan_rep(rid, chan_id=5, slots=8, key=0x1122334455667788, size=960, abi=mc.GPU_ABI_VERSION, kernel=FATBIN,
+def chan_rep(rid, chan_id=5, slots=8, key=0x1122334455667788, size=mc.CHAN_STRUCT_BYTES, abi=mc.GPU_ABI_VERSION, kernel=FATBIN,
              kernel_bytes=None, arena_off=0, arena_bytes=0):
     head = (chan_id.to_bytes(4, "little") + slots.to_bytes(4, "little") +
             key.to_bytes(8, "little") + bytes(range(100, 164)) + size.to_bytes(8, "little") +
@@ -87,7 +87,7 @@ def test_chan_open_request_and_reply_layout(d2):
     with mc.Client(d2.path, timeout=5) as c:
         ci = c.chan_open([7, 9, 11], UUID)
         assert (ci.chan_id, ci.slots, ci.key, ci.size, ci.abi_version) == \
-            (5, 8, 0x1122334455667788, 960, mc.GPU_ABI_VERSION)
+            (5, 8, 0x1122334455667788, mc.CHAN_STRUCT_BYTES, mc.GPU_ABI_VERSION)
         assert ci.handle == bytes(range(100, 164)) and ci.kernel == FATBIN
         c.chan_close(ci.chan_id)
         assert c.ping() >= 0
@@ -138,7 +138,7 @@ def test_chan_open_bad_arguments_send_nothing(d2, ids, uuid, arena):
     (dict(kernel=b""), "a 0-byte fatbin"),
     (dict(kernel_bytes=len(FATBIN) + 1), "fatbin in"),
     (dict(slots=4), "slots 4, expected 8"),
-    (dict(size=64), "size 64, under 960"),
+    (dict(size=64), "size 64, under %d" % mc.CHAN_STRUCT_BYTES),
     # the arena: as asked (64 bytes here), 4096-aligned past the ring, none at 0
     (dict(arena_off=4096, arena_bytes=128), "an arena of 128 bytes for the 64 asked"),
     (dict(arena_off=4096 + 16, arena_bytes=64), "arena_off 4112 for arena_bytes 64"),

@@ -146,4 +146,7 @@ def test_doorbell_constants_match_the_headers():
     assert "offsetof(struct moe_gpu_chan, done) == 64" in abi
     assert "offsetof(struct moe_gpu_chan, status) == 128" in abi
     assert _chan.CHAN_HEAD.size == 128 + 8 * mc.CHAN_SLOTS
-    assert mc.CHAN_STRUCT_BYTES == 128 + 8 * mc.CHAN_SLOTS + 96 * mc.CHAN_SLOTS
+    assert mc.CHAN_STRUCT_BYTES == 128 + 8 * mc.CHAN_SLOTS + (96 + 32) * mc.CHAN_SLOTS
+    assert "offsetof(struct moe_gpu_chan, stamp) ==\n" \
+        "                              128 + 8 * MOE_GPU_CHAN_SLOTS + MOE_GPU_CHAN_SLOTS * 96" in abi
+    assert _chan.STAMPS_OFF == 128 + 8 * mc.CHAN_SLOTS + 96 * mc.CHAN_SLOTS

@@ -515,7 +515,8 @@ START_TEST(test_chan_gpu_errors)
     char err[MOED_ERRLEN];
     struct moedc_chan *ch = (struct moedc_chan *)&err; /* must be cleared */
     static const char fatbin[] = "not a fatbin";
-    struct moedc_chan_info info = {.chan_id = 1, .slots = 8, .key = 5, .size = 960,
+    struct moedc_chan_info info = {.chan_id = 1, .slots = 8, .key = 5,
+                                   .size = sizeof(struct moe_gpu_chan),
                                    .abi_version = MOE_GPU_ABI_VERSION, .kernel = (void *)fatbin,
                                    .kernel_bytes = sizeof fatbin};
     ck_assert_int_eq(moedc_chan_attach(NULL, &ch, err, sizeof err), MOED_E_INVAL);
@@ -527,15 +528,15 @@ START_TEST(test_chan_gpu_errors)
              (unsigned)MOE_GPU_ABI_VERSION);
     ck_assert_str_eq(err, want);
     info.abi_version = MOE_GPU_ABI_VERSION;
-    info.size = 959;
+    info.size = sizeof(struct moe_gpu_chan) - 1; /* 1215 */
     ck_assert_int_eq(moedc_chan_attach(&info, &ch, err, sizeof err), MOED_E_INVAL);
     ck_assert_str_eq(err, "moedc_chan_attach: not an open channel's info (kernel 13 bytes, "
-                          "size 959, slots 8)");
-    info.size = 960;
+                          "size 1215, slots 8)");
+    info.size = sizeof(struct moe_gpu_chan);
     info.arena_bytes = 64; /* an arena inside the ring */
     info.arena_off = 512;
     ck_assert_int_eq(moedc_chan_attach(&info, &ch, err, sizeof err), MOED_E_INVAL);
-    ck_assert_str_eq(err, "moedc_chan_attach: an arena at offset 512 overlaps the 960-byte "
+    ck_assert_str_eq(err, "moedc_chan_attach: an arena at offset 512 overlaps the 1216-byte "
                           "channel");
     info.arena_off = 4096;
     uint64_t ab = 7;

@@ -80,7 +80,7 @@ MSG_CHAN_CLOSE = 20
 CHAN_BUFS = 16             # registered buffers a channel names (MOED_PROTO_CHAN_BUFS)
 CHAN_SLOTS = 8             # descriptors in flight per channel (MOE_GPU_CHAN_SLOTS)
 GPU_ABI_VERSION = 3        # MOE_GPU_ABI_VERSION the channel layout below follows
-CHAN_STRUCT_BYTES = 128 + 8 * CHAN_SLOTS + 96 * CHAN_SLOTS  # sizeof(struct moe_gpu_chan)
+CHAN_STRUCT_BYTES = 128 + 8 * CHAN_SLOTS + (96 + 32) * CHAN_SLOTS  # sizeof(struct moe_gpu_chan)
 MAX_CHAN_KERNEL_BYTES = 16 << 20  # the client kernel's fatbin in a CHAN_OPEN reply, at most
 CHAN_ARENA_OFF = 4096      # a channel's arena starts here in its mapping (MOE_GPU_CHAN_ARENA_OFF)
 

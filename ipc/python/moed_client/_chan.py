@@ -25,6 +25,9 @@ assert DESC.size == 96
 # struct moe_gpu_chan: bell, closed, pad[6], done, pad[7], status[SLOTS], slot[SLOTS]
 CHAN_HEAD = struct.Struct("<QQ48xQ56x%dQ" % CHAN_SLOTS)
 assert CHAN_HEAD.size == 128 + 8 * CHAN_SLOTS
+# then stamp[SLOTS][4] u64 (%globaltimer ns: rang, taken, answered, seen)
+STAMPS_OFF = CHAN_HEAD.size + DESC.size * CHAN_SLOTS
+STAMPS = struct.Struct("<%dQ" % (4 * CHAN_SLOTS))
 
 
 def status_name(code):

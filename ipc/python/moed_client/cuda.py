@@ -364,6 +364,15 @@ class Channel:
         f = CHAN_HEAD.unpack(_cudrv.read_device(self._chan, CHAN_HEAD.size))
         return f[0], f[2], list(f[3:])  # bell, done (f[1]: closed), status words
 
+    def stamps(self, last):
+        """The %globaltimer stamps (ns) of the calls seq last-7..last, oldest
+        first: (rang, taken, answered, seen) each, as moed's memory holds them
+        now (a synchronous read; the calls must have completed). taken ->
+        answered is moed's kernel time; the rest is the doorbell's own."""
+        from ._chan import CHAN_SLOTS as n, STAMPS, STAMPS_OFF
+        w = STAMPS.unpack(_cudrv.read_device(self._chan + STAMPS_OFF, STAMPS.size))
+        return [tuple(w[4 * (s % n):4 * (s % n) + 4]) for s in range(last - n + 1, last + 1)]
+
     def close(self):
         """Wait for the device (no call of this channel may still run), close
         the channel and unregister its buffers, then unmap and unload. Safe to
