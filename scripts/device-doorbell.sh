@@ -4,7 +4,8 @@
 # .device): the one-process channel test, then under MPS the torch doorbell
 # tests named by DB_TESTS (a pytest -k expression), the three-path table
 # (BENCH_ZC_* settings, default qwen3 only) and the SM-share table
-# (BENCH_MPS_*). Logs in $OUT (the daemons' own logs in daemon-logs.tgz, at
+# (BENCH_MPS_*); CHAN_AB names a second build whose channel test runs
+# beside this one's. Logs in $OUT (the daemons' own logs in daemon-logs.tgz, at
 # MOED_TEST_LOG_LEVEL, default debug); a line per stage with its exit status.
 # Every stage has a hard limit (SIGINT, then SIGKILL 20 s later).
 set -u
@@ -22,6 +23,15 @@ T0=$(date +%s)
 el() { echo $(( $(date +%s) - T0 )); }
 timeout -k 10 60 "$BUILD/tests/gpu_test_chan_gpu" > "$OUT/chan.log" 2>&1
 echo "== chan (C, one process) rc=$? at $(el) s: $(tail -1 "$OUT/chan.log")"
+# CHAN_AB=<another build dir>: its channel test and this build's, twice each,
+# alternating (the doorbell figure and its stamps, A/B of a kernel variant)
+for i in ${CHAN_AB:+1 2}; do
+    for b in "$BUILD" "$CHAN_AB"; do
+        log="$OUT/chan-ab-$(basename "$b")-$i.log"
+        timeout -k 10 60 "$b/tests/gpu_test_chan_gpu" > "$log" 2>&1
+        echo "== chan A/B $b #$i rc=$?: $(grep -E 'graph of 10|stamps' "$log" | tr '\n' ' ')"
+    done
+done
 . scripts/mps.sh
 mps_start
 if [ -n "${DB_TESTS:-}" ]; then
