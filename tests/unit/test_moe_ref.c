@@ -10,6 +10,7 @@
 #include "moe_ref.h"
 #include "moed_err.h"
 #include "check_main.h"
+#include "gen_fixture.h"
 
 /* One expert whose three matrices hold a single E2M1 code everywhere, with
  * block scale 1.0 (0x38) and the given scale_2. Buffers are static per
@@ -227,6 +228,48 @@ START_TEST(test_zero_tokens)
 }
 END_TEST
 
+/* moe_ref_forward over many random batches of a genmodel layer (T 1..1100:
+ * one chunk and two; shared experts, routed-only, empty slots): the hash of
+ * every output, printed so that a change to moe_ref.c can be checked to
+ * leave forward's results as they were, bit for bit. */
+static const uint32_t gen_T[] = {1, 2, 3, 5, 7, 16, 64, 256, 1100};
+static const unsigned gen_flags[] = {0, MOE_REF_ROUTED_ONLY, MOE_REF_EMPTY_SLOTS,
+                                     MOE_REF_ROUTED_ONLY | MOE_REF_EMPTY_SLOTS};
+
+START_TEST(test_forward_hash)
+{
+    struct gen_fx fx;
+    gen_fx_open(&fx, 7);
+    const uint32_t TMAX = 1100;
+    const struct moe_layer *L0 = moed_model_layer(fx.m, 0);
+    const size_t H = L0->hidden, k = L0->top_k;
+    uint16_t *x = malloc(TMAX * H * sizeof *x), *y = malloc(TMAX * H * sizeof *y);
+    int32_t *ids = malloc(TMAX * k * sizeof *ids);
+    float *w = malloc(TMAX * k * sizeof *w);
+    ck_assert(x && y && ids && w);
+    uint64_t s = 0x9e3779b97f4a7c15ull, h = 1469598103934665603ull;
+    for (uint32_t l = 0; l < GEN_LAYERS; l++) {
+        const struct moe_layer *L = moed_model_layer(fx.m, l);
+        for (size_t ti = 0; ti < sizeof gen_T / sizeof gen_T[0]; ti++)
+            for (size_t fi = 0; fi < sizeof gen_flags / sizeof gen_flags[0]; fi++) {
+                const uint32_t T = gen_T[ti];
+                const unsigned fl = gen_flags[fi];
+                gen_batch(L, T, &s, fl & MOE_REF_EMPTY_SLOTS ? 4 : 0, x, ids, w);
+                ck_assert_int_eq(moe_ref_forward_flags(L, T, x, ids, w, y, 2, fl), 0);
+                h = gen_hash(h, y, T * H * sizeof *y);
+            }
+    }
+    printf("moe_ref_forward hash over %zu batches: %016llx\n",
+           GEN_LAYERS * (sizeof gen_T / sizeof gen_T[0]) * (sizeof gen_flags / sizeof gen_flags[0]),
+           (unsigned long long)h);
+    free(x);
+    free(y);
+    free(ids);
+    free(w);
+    gen_fx_close(&fx);
+}
+END_TEST
+
 static Suite *moe_ref_suite(void)
 {
     Suite *s = suite_create("moe_ref");
@@ -236,6 +279,7 @@ static Suite *moe_ref_suite(void)
     tcase_add_test(tc, test_invalid);
     tcase_add_test(tc, test_threads_identical_and_naive);
     tcase_add_test(tc, test_zero_tokens);
+    tcase_add_test(tc, test_forward_hash);
     suite_add_tcase(s, tc);
     return s;
 }
