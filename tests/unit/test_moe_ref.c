@@ -104,6 +104,18 @@ START_TEST(test_invalid)
     int32_t ok[2] = {1, 0};
     ck_assert_int_eq(moe_ref_forward(&L, 2, x, ok, w, y, 1), 0);
     ck_assert_int_eq(moe_ref_forward(NULL, 2, x, ok, w, y, 1), MOED_E_INVAL);
+    /* rows / combine: an id -1 is fine for rows (another device's slot),
+     * for combine only with MOE_REF_EMPTY_SLOTS; the shard must be < ep_n */
+    float rows[2 * HH];
+    int32_t part[2] = {-1, 0};
+    ck_assert_int_eq(moe_ref_rows(&L, 2, x, part, rows, 2, 1, 1, 0), 0);
+    ck_assert_int_eq(moe_ref_rows(&L, 2, x, part, rows, 2, 2, 1, 0), MOED_E_INVAL);
+    ck_assert_int_eq(moe_ref_rows(&L, 2, x, part, rows, 0, 0, 1, 0), MOED_E_INVAL);
+    ck_assert_int_eq(moe_ref_rows(&L, 2, x, bad[0], rows, 1, 0, 1, 0), MOED_E_INVAL);
+    ck_assert_int_eq(moe_ref_combine(&L, 2, part, w, rows, y, 0), MOED_E_INVAL);
+    ck_assert_int_eq(moe_ref_combine(&L, 2, part, w, rows, y, MOE_REF_EMPTY_SLOTS), 0);
+    ck_assert_int_eq(moe_ref_combine(&L, 2, bad[0], w, rows, y, MOE_REF_EMPTY_SLOTS),
+                     MOED_E_INVAL);
     L.top_k = 3; /* more slots than experts */
     ck_assert_int_eq(moe_ref_forward(&L, 1, x, ok, w, y, 1), MOED_E_INVAL);
     L.top_k = 1;
