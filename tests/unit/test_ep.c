@@ -308,6 +308,41 @@ static void make_place(int pk, uint32_t n_dev, uint32_t l, struct moed_placement
         ck_assert_uint_eq(out->n_rep[1 + l], n_dev); /* the hot expert is on every device */
 }
 
+/* Both MoE layers placed on n_dev devices, kind pk. */
+struct places {
+    struct moed_placement pl[GEN_LAYERS];
+    const struct moed_placement *p[GEN_LAYERS];
+};
+
+static void places_make(struct places *P, int pk, uint32_t n_dev)
+{
+    for (uint32_t l = 0; l < GEN_LAYERS; l++) {
+        make_place(pk, n_dev, l, &P->pl[l]);
+        P->p[l] = &P->pl[l];
+    }
+}
+
+static void places_free(struct places *P)
+{
+    for (uint32_t l = 0; l < GEN_LAYERS; l++)
+        moed_placement_free(&P->pl[l]);
+}
+
+/* The EP backend over ch's children (n_dev devices, ch->place), up to
+ * max_tokens, done() into ew. */
+static struct moed_backend *ep_open_ok(struct children *ch, uint32_t n_dev, uint32_t max_tokens,
+                                       struct waiter *ew)
+{
+    waiter_init(ew);
+    struct moed_ep_cfg cfg = ep_cfg(ch, n_dev, ch->place);
+    cfg.max_tokens = max_tokens;
+    struct moed_backend *ep = NULL;
+    char err[MOED_ERRLEN] = "";
+    ck_assert_msg(moed_backend_ep_open(fx.m, &cfg, on_done, ew, &ep, err, sizeof err) == 0, "%s",
+                  err);
+    return ep;
+}
+
 /* ---- EP == one CPU backend, bit for bit ---------------------------------- */
 
 static const uint32_t Ts[] = {1, 2, 5, 16, 64, 256};
@@ -317,20 +352,11 @@ START_TEST(test_ep_equals_one_device)
     const uint32_t n_dev = (uint32_t)_i;
     uint64_t seed = 1000 + n_dev;
     for (int pk = 0; pk < PL__COUNT; pk++) {
-        struct moed_placement pl[GEN_LAYERS];
-        const struct moed_placement *place[GEN_LAYERS];
-        for (uint32_t l = 0; l < GEN_LAYERS; l++) {
-            make_place(pk, n_dev, l, &pl[l]);
-            place[l] = &pl[l];
-        }
-        struct children ch = {.m = fx.m, .place = place, .fail_open = UINT32_MAX};
+        struct places P;
+        places_make(&P, pk, n_dev);
+        struct children ch = {.m = fx.m, .place = P.p, .fail_open = UINT32_MAX};
         struct waiter ew;
-        waiter_init(&ew);
-        struct moed_ep_cfg cfg = ep_cfg(&ch, n_dev, place);
-        struct moed_backend *ep = NULL;
-        char err[MOED_ERRLEN] = "";
-        ck_assert_msg(moed_backend_ep_open(fx.m, &cfg, on_done, &ew, &ep, err, sizeof err) == 0,
-                      "%s", err);
+        struct moed_backend *ep = ep_open_ok(&ch, n_dev, TMAX, &ew);
         /* the ops: healthy while the children are, no heartbeat (child 0 is a
          * CPU backend), no host memory, zero-copy or channels under EP */
         const struct moed_backend_ops *ops = ep->ops;
@@ -363,8 +389,7 @@ START_TEST(test_ep_equals_one_device)
             }
         ck_assert_uint_eq(ew.n_done, n);
         moed_backend_close(ep);
-        for (uint32_t l = 0; l < GEN_LAYERS; l++)
-            moed_placement_free(&pl[l]);
+        places_free(&P);
     }
 }
 END_TEST
@@ -376,21 +401,12 @@ END_TEST
  * that code, the second (queued behind it) is right. */
 static void child_fails(uint32_t dev, enum stub_mode mode, int code)
 {
-    struct moed_placement pl[GEN_LAYERS];
-    const struct moed_placement *place[GEN_LAYERS];
-    for (uint32_t l = 0; l < GEN_LAYERS; l++) {
-        make_place(PL_BALANCED, 3, l, &pl[l]);
-        place[l] = &pl[l];
-    }
-    struct children ch = {.m = fx.m, .place = place, .fail_open = UINT32_MAX, .stub_dev = dev,
+    struct places P;
+    places_make(&P, PL_BALANCED, 3);
+    struct children ch = {.m = fx.m, .place = P.p, .fail_open = UINT32_MAX, .stub_dev = dev,
                           .mode = mode, .code = code, .times = 1};
     struct waiter ew;
-    waiter_init(&ew);
-    struct moed_ep_cfg cfg = ep_cfg(&ch, 3, place);
-    struct moed_backend *ep = NULL;
-    char err[MOED_ERRLEN] = "";
-    ck_assert_msg(moed_backend_ep_open(fx.m, &cfg, on_done, &ew, &ep, err, sizeof err) == 0,
-                  "%s", err);
+    struct moed_backend *ep = ep_open_ok(&ch, 3, TMAX, &ew);
     uint64_t seed = 77;
     const uint32_t T = 16;
     static uint16_t y1[TMAX * 256], y2[TMAX * 256];
@@ -412,8 +428,7 @@ static void child_fails(uint32_t dev, enum stub_mode mode, int code)
     moed_backend_close(ep);
     ck_assert_int_eq(ch.closes, 1);
     ck_assert_uint_eq(ew.n_done, 2);
-    for (uint32_t l = 0; l < GEN_LAYERS; l++)
-        moed_placement_free(&pl[l]);
+    places_free(&P);
 }
 
 START_TEST(test_child_fails_rows)
@@ -438,20 +453,11 @@ END_TEST
 
 START_TEST(test_close_with_queued)
 {
-    struct moed_placement pl[GEN_LAYERS];
-    const struct moed_placement *place[GEN_LAYERS];
-    for (uint32_t l = 0; l < GEN_LAYERS; l++) {
-        make_place(PL_BALANCED, 2, l, &pl[l]);
-        place[l] = &pl[l];
-    }
-    struct children ch = {.m = fx.m, .place = place, .fail_open = UINT32_MAX};
+    struct places P;
+    places_make(&P, PL_BALANCED, 2);
+    struct children ch = {.m = fx.m, .place = P.p, .fail_open = UINT32_MAX};
     struct waiter ew;
-    waiter_init(&ew);
-    struct moed_ep_cfg cfg = ep_cfg(&ch, 2, place);
-    struct moed_backend *ep = NULL;
-    char err[MOED_ERRLEN] = "";
-    ck_assert_msg(moed_backend_ep_open(fx.m, &cfg, on_done, &ew, &ep, err, sizeof err) == 0,
-                  "%s", err);
+    struct moed_backend *ep = ep_open_ok(&ch, 2, TMAX, &ew);
     uint64_t seed = 5;
     const uint32_t T = 16;
     gen_batch(moed_model_layer(fx.m, 1), T, &seed, 5, xb, idb, wb);
@@ -474,8 +480,7 @@ START_TEST(test_close_with_queued)
         ck_assert_msg(b[i].status == 0, "batch %u: status %d", i, b[i].status);
         ck_assert_msg(memcmp(y[i], yref, (size_t)T * H * 2) == 0, "batch %u differs", i);
     }
-    for (uint32_t l = 0; l < GEN_LAYERS; l++)
-        moed_placement_free(&pl[l]);
+    places_free(&P);
 }
 END_TEST
 
@@ -484,12 +489,8 @@ END_TEST
 
 START_TEST(test_kernel_time)
 {
-    struct moed_placement pl[GEN_LAYERS];
-    const struct moed_placement *place[GEN_LAYERS];
-    for (uint32_t l = 0; l < GEN_LAYERS; l++) {
-        make_place(PL_BALANCED, 3, l, &pl[l]);
-        place[l] = &pl[l];
-    }
+    struct places P;
+    places_make(&P, PL_BALANCED, 3);
     uint64_t seed = 11;
     const uint32_t T = 16; /* shared slots put entries on every device */
     gen_batch(moed_model_layer(fx.m, 0), T, &seed, 0, xb, idb, wb);
@@ -499,16 +500,11 @@ START_TEST(test_kernel_time)
     const int ktime[3] = {1, 1, 0};
     const uint64_t want[3] = {3007, 0, 0};
     for (int c = 0; c < 3; c++) {
-        struct children ch = {.m = fx.m, .place = place, .fail_open = UINT32_MAX,
+        struct children ch = {.m = fx.m, .place = P.p, .fail_open = UINT32_MAX,
                               .stub_dev = UINT32_MAX, .ktime = ktime[c],
                               .ktime_unknown = unknown[c], .sick_dev = c == 1 ? 2 : UINT32_MAX};
         struct waiter ew;
-        waiter_init(&ew);
-        struct moed_ep_cfg cfg = ep_cfg(&ch, 3, place);
-        struct moed_backend *ep = NULL;
-        char err[MOED_ERRLEN] = "";
-        ck_assert_msg(moed_backend_ep_open(fx.m, &cfg, on_done, &ew, &ep, err, sizeof err) == 0,
-                      "%s", err);
+        struct moed_backend *ep = ep_open_ok(&ch, 3, TMAX, &ew);
         /* heartbeat: child 0's when it has one; healthy: every child is */
         if (ktime[c])
             ck_assert_uint_eq(ep->ops->heartbeat(ep), 42);
@@ -522,8 +518,7 @@ START_TEST(test_kernel_time)
                       (unsigned long long)b.kernel_ns, (unsigned long long)want[c]);
         moed_backend_close(ep);
     }
-    for (uint32_t l = 0; l < GEN_LAYERS; l++)
-        moed_placement_free(&pl[l]);
+    places_free(&P);
 }
 END_TEST
 
@@ -531,21 +526,11 @@ END_TEST
 
 START_TEST(test_submit_refused)
 {
-    struct moed_placement pl[GEN_LAYERS];
-    const struct moed_placement *place[GEN_LAYERS];
-    for (uint32_t l = 0; l < GEN_LAYERS; l++) {
-        make_place(PL_BALANCED, 2, l, &pl[l]);
-        place[l] = &pl[l];
-    }
-    struct children ch = {.m = fx.m, .place = place, .fail_open = UINT32_MAX};
+    struct places P;
+    places_make(&P, PL_BALANCED, 2);
+    struct children ch = {.m = fx.m, .place = P.p, .fail_open = UINT32_MAX};
     struct waiter ew;
-    waiter_init(&ew);
-    struct moed_ep_cfg cfg = ep_cfg(&ch, 2, place);
-    cfg.max_tokens = 8;
-    struct moed_backend *ep = NULL;
-    char err[MOED_ERRLEN] = "";
-    ck_assert_msg(moed_backend_ep_open(fx.m, &cfg, on_done, &ew, &ep, err, sizeof err) == 0,
-                  "%s", err);
+    struct moed_backend *ep = ep_open_ok(&ch, 2, 8, &ew);
     uint64_t seed = 3;
     gen_batch(moed_model_layer(fx.m, 0), 9, &seed, 0, xb, idb, wb);
     struct moed_batch b = batch(0, 9, 0, yep, 0); /* over max_tokens */
@@ -563,8 +548,7 @@ START_TEST(test_submit_refused)
     ck_assert_int_eq(run_on(ep, &ew, &b), 0);
     moed_backend_close(ep);
     ck_assert_uint_eq(ew.n_done, 1);
-    for (uint32_t l = 0; l < GEN_LAYERS; l++)
-        moed_placement_free(&pl[l]);
+    places_free(&P);
 }
 END_TEST
 
@@ -584,14 +568,12 @@ static void expect_refused(struct moed_ep_cfg *cfg, const char *want)
 
 START_TEST(test_bad_cfg)
 {
-    struct moed_placement p2[GEN_LAYERS], p3;
-    const struct moed_placement *place[GEN_LAYERS];
-    for (uint32_t l = 0; l < GEN_LAYERS; l++) {
-        make_place(PL_BALANCED, 2, l, &p2[l]);
-        place[l] = &p2[l];
-    }
+    struct places P;
+    struct moed_placement p3;
+    places_make(&P, PL_BALANCED, 2);
+    const struct moed_placement *const *place = P.p, *const *p2 = P.p;
     make_place(PL_BALANCED, 3, 0, &p3);
-    struct children ch = {.m = fx.m, .place = place, .fail_open = UINT32_MAX,
+    struct children ch = {.m = fx.m, .place = P.p, .fail_open = UINT32_MAX,
                           .stub_dev = 0, .mode = STUB_FAIL_ROWS, .times = 0};
     struct moed_ep_cfg cfg = ep_cfg(&ch, 2, place);
 
@@ -603,14 +585,14 @@ START_TEST(test_bad_cfg)
     expect_refused(&cfg, "layer 0 is placed on 2 devices, not 3");
     cfg.n_dev = 2;
 
-    const struct moed_placement *missing[GEN_LAYERS] = {&p2[0], NULL};
+    const struct moed_placement *missing[GEN_LAYERS] = {p2[0], NULL};
     cfg.place = missing;
     expect_refused(&cfg, "MoE layer 1 has no placement");
     cfg.n_layers = 1; /* a table too short: layer 1 unplaced as well */
     cfg.place = place;
     expect_refused(&cfg, "MoE layer 1 has no placement");
     cfg.n_layers = GEN_LAYERS;
-    const struct moed_placement *mixed[GEN_LAYERS] = {&p2[0], &p3};
+    const struct moed_placement *mixed[GEN_LAYERS] = {p2[0], &p3};
     cfg.place = mixed;
     expect_refused(&cfg, "layer 1 is placed on 3 devices, not 2");
     cfg.place = place;
@@ -619,7 +601,7 @@ START_TEST(test_bad_cfg)
     char err[MOED_ERRLEN];
     const uint64_t zero[64] = {0};
     ck_assert_int_eq(moed_placement_balanced(E - 1, S, 2, zero, 1, 1.0, &few, err, sizeof err), 0);
-    const struct moed_placement *wrong[GEN_LAYERS] = {&few, &p2[1]};
+    const struct moed_placement *wrong[GEN_LAYERS] = {&few, p2[1]};
     cfg.place = wrong;
     char want[128];
     snprintf(want, sizeof want, "layer 0's placement has %u routed + %u shared experts, the "
@@ -647,8 +629,7 @@ START_TEST(test_bad_cfg)
 
     moed_placement_free(&few);
     moed_placement_free(&p3);
-    for (uint32_t l = 0; l < GEN_LAYERS; l++)
-        moed_placement_free(&p2[l]);
+    places_free(&P);
 }
 END_TEST
 
@@ -656,18 +637,14 @@ END_TEST
 
 START_TEST(test_cpu_child_refuses_unplaced)
 {
-    struct moed_placement pl[GEN_LAYERS];
-    const struct moed_placement *place[GEN_LAYERS];
-    for (uint32_t l = 0; l < GEN_LAYERS; l++) {
-        make_place(PL_MAP, 2, l, &pl[l]);
-        place[l] = &pl[l];
-    }
+    struct places P;
+    places_make(&P, PL_MAP, 2);
     /* layer 0 of the map: expert E-2 only on device 1, expert 0 only on 0 */
-    ck_assert_uint_eq(pl[0].n_rep[E - 2], 1);
-    ck_assert_uint_eq(pl[0].dev[(E - 2) * MOED_PLACE_MAX_REPLICAS], 1);
-    ck_assert_uint_eq(pl[0].n_rep[0], 1);
-    ck_assert_uint_eq(pl[0].dev[0], 0);
-    struct children ch = {.m = fx.m, .place = place, .fail_open = UINT32_MAX};
+    ck_assert_uint_eq(P.pl[0].n_rep[E - 2], 1);
+    ck_assert_uint_eq(P.pl[0].dev[(E - 2) * MOED_PLACE_MAX_REPLICAS], 1);
+    ck_assert_uint_eq(P.pl[0].n_rep[0], 1);
+    ck_assert_uint_eq(P.pl[0].dev[0], 0);
+    struct children ch = {.m = fx.m, .place = P.p, .fail_open = UINT32_MAX};
     struct waiter w;
     waiter_init(&w);
     struct moed_backend *c0 = NULL;
@@ -718,8 +695,7 @@ START_TEST(test_cpu_child_refuses_unplaced)
     b.rows.bytes = (size_t)4 * KS * H * 4 - 1;
     ck_assert_int_eq(run_on(c0, &w, &b), MOED_E_INVAL);
     moed_backend_close(c0);
-    for (uint32_t l = 0; l < GEN_LAYERS; l++)
-        moed_placement_free(&pl[l]);
+    places_free(&P);
 }
 END_TEST
 
