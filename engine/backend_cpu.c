@@ -16,6 +16,15 @@
  * with MOED_TEST_CPU_KERNEL_TIME, another test switch: then it is the time
  * moe_ref_forward took, so that the kernel stages of /status run without a GPU.
  *
+ * Expert parallelism (backend_ep.c): a ROWS batch computes the expert
+ * output rows of its entries into b->rows (moe_ref_rows), a COMBINE batch y
+ * from them (moe_ref_combine). Opened as an EP child (cfg->ep_place), the
+ * backend holds the placement and refuses (MOED_E_INVAL, logged naming the
+ * expert and the device) a ROWS batch naming a routed expert that has no
+ * replica on its device, or another device's shard. It computes a refused
+ * expert as well as any other (every expert is in host memory): the check
+ * keeps the CPU child as strict as a device that holds only its experts.
+ *
  * The CPU backend has no doorbell channels (chan ops NULL), except with
  * MOED_TEST_CPU_CHANNELS: then fake ones take entries of a table of
  * engine.max_channels, serve nothing, report a closed entry quiet after
@@ -36,6 +45,7 @@
 #include "backend.h"
 #include "moe_gpu_abi.h"
 #include "moe_ref.h"
+#include "placement.h"
 #include "moed_err.h"
 #include "moed_log.h"
 #include "moed_util.h"
@@ -51,6 +61,10 @@ struct cpu_backend {
     struct moed_backend_ops ops; /* cpu_ops, plus host_alloc with cpu_host_alloc */
     struct moed_model *model;
     int n_threads;
+    /* an EP child: the placement of each MoE layer (absolute id, n_layers
+     * entries) and this device's index; NULL: not one */
+    const struct moed_placement *const *ep_place;
+    uint32_t ep_shard, n_layers;
     int kernel_time; /* MOED_TEST_CPU_KERNEL_TIME */
     int no_mps;      /* MOED_TEST_CPU_NO_MPS */
     /* MOED_TEST_CPU_CHANNELS: per entry 0 free, 1 open, else closed with
@@ -66,6 +80,83 @@ struct cpu_backend {
     int stopping;
     uint64_t done_batches;
 };
+
+/* An EP child's check of a ROWS batch: its shard is this device, and every
+ * routed id it names has a replica here. */
+static int cpu_check_placed(const struct cpu_backend *cb, const struct moed_batch *b)
+{
+    const struct moed_placement *p = b->layer < cb->n_layers ? cb->ep_place[b->layer] : NULL;
+    if (!p) {
+        LOG_W("cpu backend (device %u): batch %llu: layer %u has no placement", cb->ep_shard,
+              (unsigned long long)b->seq, b->layer);
+        return MOED_E_INVAL;
+    }
+    if (b->ep_shard != cb->ep_shard || b->ep_n != p->n_dev) {
+        LOG_W("cpu backend (device %u of %u): batch %llu is for device %u of %u", cb->ep_shard,
+              p->n_dev, (unsigned long long)b->seq, b->ep_shard, b->ep_n);
+        return MOED_E_INVAL;
+    }
+    const int32_t *ids = b->ids.ptr;
+    for (size_t i = 0; i < (size_t)b->n_tokens * b->top_k; i++) {
+        const int32_t e = ids[i];
+        if (e < 0)
+            continue;
+        if ((uint32_t)e >= p->n_experts) {
+            LOG_W("cpu backend (device %u): batch %llu: expert %d is not in the placement "
+                  "(%u experts)", cb->ep_shard, (unsigned long long)b->seq, e, p->n_experts);
+            return MOED_E_INVAL;
+        }
+        const uint8_t *dev = p->dev + (size_t)e * MOED_PLACE_MAX_REPLICAS;
+        uint32_t r = 0;
+        while (r < p->n_rep[e] && dev[r] != cb->ep_shard)
+            r++;
+        if (r == p->n_rep[e]) {
+            LOG_W("cpu backend: batch %llu layer %u token %zu slot %zu: expert %d has no "
+                  "replica on device %u", (unsigned long long)b->seq, b->layer,
+                  i / b->top_k, i % b->top_k, e, cb->ep_shard);
+            return MOED_E_INVAL;
+        }
+    }
+    return 0;
+}
+
+/* One batch: forward, ROWS or COMBINE (backend.h). */
+static int cpu_run(const struct cpu_backend *cb, const struct moed_batch *b)
+{
+    const struct moe_layer *layer = moed_model_layer(cb->model, b->layer);
+    const unsigned ep = b->flags & (MOED_BATCH_ROWS | MOED_BATCH_COMBINE);
+    if (!layer || ep == (MOED_BATCH_ROWS | MOED_BATCH_COMBINE) || !moed_buf_on_host(&b->ids))
+        return MOED_E_INVAL;
+    unsigned fl = MOE_REF_EMPTY_SLOTS; /* the engine validated every -1 */
+    if (b->flags & MOED_BATCH_ROUTED_ONLY)
+        fl |= MOE_REF_ROUTED_ONLY;
+    if (ep) {
+        const uint64_t need = (uint64_t)b->n_tokens * (layer->top_k + layer->n_shared) *
+                              layer->hidden * sizeof(float);
+        if (!moed_buf_on_host(&b->rows) || !b->rows.ptr || b->rows.bytes < need)
+            return MOED_E_INVAL;
+    }
+    if (ep == MOED_BATCH_ROWS) {
+        if (!moed_buf_on_host(&b->x))
+            return MOED_E_INVAL;
+        if (cb->ep_place) {
+            int rc = cpu_check_placed(cb, b);
+            if (rc)
+                return rc;
+        }
+        return moe_ref_rows(layer, b->n_tokens, b->x.ptr, b->ids.ptr, b->rows.ptr, b->ep_n,
+                            b->ep_shard, cb->n_threads, fl);
+    }
+    if (!moed_buf_on_host(&b->y) || !moed_buf_on_host(&b->w))
+        return MOED_E_INVAL;
+    if (ep == MOED_BATCH_COMBINE)
+        return moe_ref_combine(layer, b->n_tokens, b->ids.ptr, b->w.ptr, b->rows.ptr, b->y.ptr,
+                               fl);
+    if (!moed_buf_on_host(&b->x))
+        return MOED_E_INVAL;
+    return moe_ref_forward_flags(layer, b->n_tokens, b->x.ptr, b->ids.ptr, b->w.ptr, b->y.ptr,
+                                 cb->n_threads, fl);
+}
 
 static void *cpu_worker(void *arg)
 {
@@ -85,21 +176,11 @@ static void *cpu_worker(void *arg)
             break; /* stopping and the queue is empty */
         struct moed_batch *b = n->b;
         free(n);
-        const struct moe_layer *layer = moed_model_layer(cb->model, b->layer);
         uint64_t t0 = cb->kernel_time ? moed_mono_ns() : 0;
         b->kernel_ns = 0;
-        if (!layer || !moed_buf_on_host(&b->x) || !moed_buf_on_host(&b->y) ||
-            !moed_buf_on_host(&b->ids) || !moed_buf_on_host(&b->w)) {
-            b->status = MOED_E_INVAL;
-        } else {
-            unsigned fl = MOE_REF_EMPTY_SLOTS; /* the engine validated every -1 */
-            if (b->flags & MOED_BATCH_ROUTED_ONLY)
-                fl |= MOE_REF_ROUTED_ONLY;
-            b->status = moe_ref_forward_flags(layer, b->n_tokens, b->x.ptr, b->ids.ptr, b->w.ptr,
-                                              b->y.ptr, cb->n_threads, fl);
-            if (cb->kernel_time)
-                b->kernel_ns = moed_mono_ns() - t0;
-        }
+        b->status = cpu_run(cb, b);
+        if (cb->kernel_time && b->status == 0)
+            b->kernel_ns = moed_mono_ns() - t0;
         __atomic_add_fetch(&cb->done_batches, 1, __ATOMIC_RELAXED);
         cb->base.done(cb->base.done_ctx, b);
     }
@@ -318,6 +399,9 @@ int moed_backend_cpu_open(struct moed_model *m, const struct moed_backend_cfg *c
     cb->base.done_ctx = done_ctx;
     cb->model = m;
     cb->n_threads = cfg->n_threads;
+    cb->ep_place = cfg->ep_place;
+    cb->ep_shard = cfg->ep_shard;
+    cb->n_layers = cfg->ep_place ? moed_model_dims(m)->n_layers : 0;
     cb->kernel_time = moed_test_switch(MOED_TEST_CPU_KERNEL_TIME);
     pthread_mutex_init(&cb->mu, NULL);
     pthread_cond_init(&cb->cv, NULL);

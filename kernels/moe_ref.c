@@ -29,6 +29,12 @@
  * Empty slots (id -1, moe_ref_forward_flags with MOE_REF_EMPTY_SLOTS) make no
  * pair and are left out of the sum; MOE_REF_ROUTED_ONLY leaves out the
  * shared slots (the layer is used as if S were 0).
+ *
+ * moe_ref_rows runs the same two phases over the pairs it selects, the down
+ * phase writing each pair's row into the caller's rows buffer instead of the
+ * per-thread d (the same dot products, so the same values), and combines
+ * nothing; moe_ref_combine is step 2's sum alone, over the rows buffer
+ * (combine(), the one function both use).
  */
 #include "moe_ref.h"
 
@@ -105,7 +111,8 @@ struct ref_job {
     const float *x;            /* [T, H] fp32 copy of the bf16 input */
     const float *w;            /* [T, k] routing weights */
     const int32_t *ids;        /* [T, k] expert ids; < 0: an empty slot (no pair) */
-    uint16_t *y;               /* [T, H] */
+    uint16_t *y;               /* [T, H]; NULL: rows mode */
+    float *rows;               /* rows mode: [T * slots, H], pair p's row at rows[p * H] */
     float *h;                  /* [T * slots, I] bf16-rounded activations */
     const uint32_t *pair_off;  /* [E + S + 1] offsets into pairs */
     const uint32_t *pairs;     /* pair ids grouped by expert */
@@ -155,6 +162,30 @@ static void phase_gate_up(struct ref_job *j, float *gate_row, float *up_row)
     }
 }
 
+/* The contract's sum, the one place it is computed (moe_ref_forward per
+ * block of output rows, moe_ref_combine over the rows buffer): for token t <
+ * T and row r < nr, y[t * y_ld + r] = bf16(sum over the slots s < n_sum in
+ * order, routed slots s < k weighted by w (those whose id is < 0 skipped:
+ * empty, nothing to add), shared slots with weight 1) of the row value
+ * d[(t * d_slots + s) * d_ld + r]. */
+static void combine(const float *d, size_t d_ld, uint32_t d_slots, uint32_t n_sum, uint32_t T,
+                    uint32_t k, const int32_t *ids, const float *w, uint32_t nr, uint16_t *y,
+                    size_t y_ld)
+{
+    for (uint32_t t = 0; t < T; t++) {
+        for (uint32_t rr = 0; rr < nr; rr++) {
+            float acc = 0.0f;
+            for (uint32_t s = 0; s < n_sum; s++) {
+                if (s < k && ids[(size_t)t * k + s] < 0)
+                    continue; /* an empty slot: no pair, nothing to add */
+                float dv = d[((size_t)t * d_slots + s) * d_ld + rr];
+                acc += s < k ? w[(size_t)t * k + s] * dv : dv;
+            }
+            y[(size_t)t * y_ld + rr] = bf16_from_float(acc);
+        }
+    }
+}
+
 static void phase_down(struct ref_job *j, float *rows, float *d)
 {
     const struct moe_layer *L = j->L;
@@ -175,7 +206,7 @@ static void phase_down(struct ref_job *j, float *rows, float *d)
             for (uint32_t q = j->pair_off[e]; q < j->pair_off[e + 1]; q++) {
                 uint32_t p = j->pairs[q];
                 const float *hp = j->h + (size_t)p * I;
-                float *dp = d + (size_t)p * PD_ROWS;
+                float *dp = j->y ? d + (size_t)p * PD_ROWS : j->rows + (size_t)p * H + r0;
                 uint32_t rr = 0;
                 for (; rr + 4 <= nr; rr += 4) {
                     const float *rs[4] = {rows + (size_t)rr * I, rows + (size_t)(rr + 1) * I,
@@ -186,20 +217,8 @@ static void phase_down(struct ref_job *j, float *rows, float *d)
                     dp[rr] = dot1(rows + (size_t)rr * I, hp, I);
             }
         }
-        /* Combine in the contract's order: routed slots 0..k-1 weighted, then
-         * shared slots with weight 1. */
-        for (uint32_t t = 0; t < j->T; t++) {
-            for (uint32_t rr = 0; rr < nr; rr++) {
-                float acc = 0.0f;
-                for (uint32_t s = 0; s < slots; s++) {
-                    if (s < k && j->ids[(size_t)t * k + s] < 0)
-                        continue; /* an empty slot: no pair, nothing to add */
-                    float dv = d[(size_t)(t * slots + s) * PD_ROWS + rr];
-                    acc += s < k ? j->w[(size_t)t * k + s] * dv : dv;
-                }
-                j->y[(size_t)t * H + r0 + rr] = bf16_from_float(acc);
-            }
-        }
+        if (j->y)
+            combine(d, PD_ROWS, slots, slots, j->T, k, j->ids, j->w, nr, j->y + r0, H);
     }
 }
 
@@ -242,10 +261,10 @@ static int check_mat(const struct nvfp4_mat *m, uint32_t n, uint32_t k)
     return m->n == n && m->k == k && m->w != NULL && m->scale != NULL;
 }
 
-static int validate(const struct moe_layer *L, uint32_t T, const uint16_t *x, const int32_t *ids,
-                    const float *w, const uint16_t *y, int empty_ok)
+/* Shapes and the bounds of the scratch sizes. */
+static int validate_layer(const struct moe_layer *L, uint32_t T)
 {
-    if (!L || !L->experts || !x || !ids || !w || !y)
+    if (!L || !L->experts)
         return MOED_E_INVAL;
     if (L->hidden == 0 || L->hidden % NVFP4_GROUP || L->inter == 0 ||
         L->inter % NVFP4_GROUP)
@@ -264,6 +283,14 @@ static int validate(const struct moe_layer *L, uint32_t T, const uint16_t *x, co
             !check_mat(&ex->down, L->hidden, L->inter))
             return MOED_E_INVAL;
     }
+    return 0;
+}
+
+/* Every id in [0, E), or -1 (an empty slot) when empty_ok. */
+static int validate_ids(const struct moe_layer *L, uint32_t T, const int32_t *ids, int empty_ok)
+{
+    if (!ids)
+        return MOED_E_INVAL;
     for (uint64_t i = 0; i < (uint64_t)T * L->top_k; i++) {
         if (ids[i] == -1 && empty_ok)
             continue;
@@ -277,9 +304,39 @@ static int validate(const struct moe_layer *L, uint32_t T, const uint16_t *x, co
     return 0;
 }
 
+static int validate(const struct moe_layer *L, uint32_t T, const uint16_t *x, const int32_t *ids,
+                    const float *w, const uint16_t *y, int empty_ok)
+{
+    if (!x || !w || !y)
+        return MOED_E_INVAL;
+    int rc = validate_layer(L, T);
+    return rc ? rc : validate_ids(L, T, ids, empty_ok);
+}
+
+/* What a chunk computes: y (forward: every pair, combined), or rows (the
+ * rows of the pairs it selects: routed slots with an id >= 0, shared slots
+ * of the tokens t with (t0 + t) % ep_n == ep_shard when `shared`). */
+struct chunk_out {
+    uint16_t *y;   /* [T, H], or NULL: rows mode */
+    float *rows;   /* [T * (k + S), H] */
+    uint32_t t0, ep_n, ep_shard;
+    int shared;
+};
+
+/* Is pair (t, s) of the chunk computed? */
+static int pair_selected(const struct moe_layer *L, const struct chunk_out *o, const int32_t *ids,
+                         uint32_t t, uint32_t s)
+{
+    const uint32_t k = L->top_k;
+    if (s < k)
+        return ids[(size_t)t * k + s] >= 0;
+    return o->y || (o->shared && (o->t0 + t) % o->ep_n == o->ep_shard);
+}
+
 /* One chunk of at most MOE_REF_CHUNK_TOKENS tokens (validated). */
-static int forward_chunk(const struct moe_layer *layer, uint32_t n_tokens, const uint16_t *x,
-                         const int32_t *ids, const float *w, uint16_t *y, int n_threads)
+static int ref_chunk(const struct moe_layer *layer, uint32_t n_tokens, const uint16_t *x,
+                     const int32_t *ids, const float *w, const struct chunk_out *o,
+                     int n_threads)
 {
     int rc = 0;
 
@@ -307,7 +364,7 @@ static int forward_chunk(const struct moe_layer *layer, uint32_t n_tokens, const
      * (token, slot) order. */
     for (uint32_t p = 0; p < P; p++) {
         uint32_t t = p / slots, s = p % slots;
-        if (s < k && ids[(size_t)t * k + s] < 0)
+        if (!pair_selected(layer, o, ids, t, s))
             continue;
         uint32_t e = s < k ? (uint32_t)ids[(size_t)t * k + s] : layer->n_experts + (s - k);
         pair_off[e + 1]++;
@@ -316,7 +373,7 @@ static int forward_chunk(const struct moe_layer *layer, uint32_t n_tokens, const
         pair_off[e + 1] += pair_off[e];
     for (uint32_t p = 0; p < P; p++) {
         uint32_t t = p / slots, s = p % slots;
-        if (s < k && ids[(size_t)t * k + s] < 0)
+        if (!pair_selected(layer, o, ids, t, s))
             continue;
         uint32_t e = s < k ? (uint32_t)ids[(size_t)t * k + s] : layer->n_experts + (s - k);
         pairs[pair_off[e] + fill[e]++] = p;
@@ -334,7 +391,8 @@ static int forward_chunk(const struct moe_layer *layer, uint32_t n_tokens, const
     job.x = xf;
     job.w = w;
     job.ids = ids;
-    job.y = y;
+    job.y = o->y;
+    job.rows = o->rows;
     job.h = h;
     job.pair_off = pair_off;
     job.pairs = pairs;
@@ -355,7 +413,8 @@ static int forward_chunk(const struct moe_layer *layer, uint32_t n_tokens, const
     if ((uint32_t)nt > max_items)
         nt = max_items;
 
-    size_t per = (size_t)PD_ROWS * ((size_t)I + P);
+    /* the down phase's d [P * PD_ROWS] only when it combines */
+    size_t per = (size_t)PD_ROWS * ((size_t)I + (o->y ? P : 0));
     if (per < 2 * (size_t)H)
         per = 2 * (size_t)H;
     workers = calloc((size_t)nt, sizeof *workers);
@@ -403,9 +462,47 @@ int moe_ref_forward_flags(const struct moe_layer *layer, uint32_t n_tokens, cons
     const size_t H = layer->hidden, k = layer->top_k;
     for (uint32_t t0 = 0; t0 < n_tokens && rc == 0; t0 += MOE_REF_CHUNK_TOKENS) {
         uint32_t n = n_tokens - t0 < MOE_REF_CHUNK_TOKENS ? n_tokens - t0 : MOE_REF_CHUNK_TOKENS;
-        rc = forward_chunk(layer, n, x + t0 * H, ids + t0 * k, w + t0 * k, y + t0 * H, n_threads);
+        struct chunk_out o = {.y = y + t0 * H};
+        rc = ref_chunk(layer, n, x + t0 * H, ids + t0 * k, w + t0 * k, &o, n_threads);
     }
     return rc;
+}
+
+int moe_ref_rows(const struct moe_layer *layer, uint32_t n_tokens, const uint16_t *x,
+                 const int32_t *ids, float *rows, uint32_t ep_n, uint32_t ep_shard,
+                 int n_threads, unsigned flags)
+{
+    if (!x || !rows || ep_n == 0 || ep_shard >= ep_n)
+        return MOED_E_INVAL;
+    int rc = validate_layer(layer, n_tokens);
+    if (!rc)
+        rc = validate_ids(layer, n_tokens, ids, 1);
+    if (rc)
+        return rc;
+    const size_t H = layer->hidden, k = layer->top_k, KS = k + layer->n_shared;
+    for (uint32_t t0 = 0; t0 < n_tokens && rc == 0; t0 += MOE_REF_CHUNK_TOKENS) {
+        uint32_t n = n_tokens - t0 < MOE_REF_CHUNK_TOKENS ? n_tokens - t0 : MOE_REF_CHUNK_TOKENS;
+        struct chunk_out o = {.rows = rows + t0 * KS * H, .t0 = t0, .ep_n = ep_n,
+                              .ep_shard = ep_shard, .shared = !(flags & MOE_REF_ROUTED_ONLY)};
+        rc = ref_chunk(layer, n, x + t0 * H, ids + t0 * k, NULL, &o, n_threads);
+    }
+    return rc;
+}
+
+int moe_ref_combine(const struct moe_layer *layer, uint32_t n_tokens, const int32_t *ids,
+                    const float *w, const float *rows, uint16_t *y, unsigned flags)
+{
+    if (!w || !rows || !y)
+        return MOED_E_INVAL;
+    int rc = validate_layer(layer, n_tokens);
+    if (!rc)
+        rc = validate_ids(layer, n_tokens, ids, (flags & MOE_REF_EMPTY_SLOTS) != 0);
+    if (rc)
+        return rc;
+    const uint32_t k = layer->top_k, KS = k + layer->n_shared;
+    combine(rows, layer->hidden, KS, flags & MOE_REF_ROUTED_ONLY ? k : KS, n_tokens, k, ids, w,
+            layer->hidden, y, layer->hidden);
+    return 0;
 }
 
 int moe_ref_forward(const struct moe_layer *layer, uint32_t n_tokens, const uint16_t *x,

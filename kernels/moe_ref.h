@@ -52,4 +52,30 @@ int moe_ref_forward_flags(const struct moe_layer *layer, uint32_t n_tokens, cons
                           const int32_t *ids, const float *w, uint16_t *y, int n_threads,
                           unsigned flags);
 
+/* Expert parallelism (engine/backend.h, MOED_BATCH_ROWS / _COMBINE): the
+ * layer in two halves, whose composition is moe_ref_forward_flags bit for
+ * bit. The rows buffer is fp32 [T * (k + S), H] (S the layer's shared
+ * experts, also with MOE_REF_ROUTED_ONLY): entry t * (k + S) + j holds d_j
+ * of token t's slot j (routed slots j < k, then shared), unweighted.
+ *
+ * moe_ref_rows computes and writes exactly these entries, no others: routed
+ * slot j of token t when ids[t * k + j] >= 0 (an id may be -1: a slot that
+ * is empty or another device's), and the shared slots of token t when
+ * t % ep_n == ep_shard (none with MOE_REF_ROUTED_ONLY). A row does not
+ * depend on the other tokens or on the thread count. 0 or MOED_E_INVAL
+ * (shapes, an id not in [-1, E), ep_shard >= ep_n) / MOED_E_NOMEM;
+ * allocates per call as moe_ref_forward does. */
+int moe_ref_rows(const struct moe_layer *layer, uint32_t n_tokens, const uint16_t *x,
+                 const int32_t *ids, float *rows, uint32_t ep_n, uint32_t ep_shard,
+                 int n_threads, unsigned flags);
+
+/* y [T, H] bf16 from the rows: the sum above in slot order, the very float
+ * operations moe_ref_forward does (one function computes both). Reads the
+ * routed entries whose id is >= 0 and the shared entries unless
+ * MOE_REF_ROUTED_ONLY; ids as for moe_ref_forward_flags (-1 only with
+ * MOE_REF_EMPTY_SLOTS; its weight is not read). One thread, no allocation;
+ * 0 or MOED_E_INVAL. */
+int moe_ref_combine(const struct moe_layer *layer, uint32_t n_tokens, const int32_t *ids,
+                    const float *w, const float *rows, uint16_t *y, unsigned flags);
+
 #endif

@@ -10,6 +10,7 @@
 #include "moe_ref.h"
 #include "moed_err.h"
 #include "check_main.h"
+#include "gen_fixture.h"
 
 /* One expert whose three matrices hold a single E2M1 code everywhere, with
  * block scale 1.0 (0x38) and the given scale_2. Buffers are static per
@@ -103,6 +104,18 @@ START_TEST(test_invalid)
     int32_t ok[2] = {1, 0};
     ck_assert_int_eq(moe_ref_forward(&L, 2, x, ok, w, y, 1), 0);
     ck_assert_int_eq(moe_ref_forward(NULL, 2, x, ok, w, y, 1), MOED_E_INVAL);
+    /* rows / combine: an id -1 is fine for rows (another device's slot),
+     * for combine only with MOE_REF_EMPTY_SLOTS; the shard must be < ep_n */
+    float rows[2 * HH];
+    int32_t part[2] = {-1, 0};
+    ck_assert_int_eq(moe_ref_rows(&L, 2, x, part, rows, 2, 1, 1, 0), 0);
+    ck_assert_int_eq(moe_ref_rows(&L, 2, x, part, rows, 2, 2, 1, 0), MOED_E_INVAL);
+    ck_assert_int_eq(moe_ref_rows(&L, 2, x, part, rows, 0, 0, 1, 0), MOED_E_INVAL);
+    ck_assert_int_eq(moe_ref_rows(&L, 2, x, bad[0], rows, 1, 0, 1, 0), MOED_E_INVAL);
+    ck_assert_int_eq(moe_ref_combine(&L, 2, part, w, rows, y, 0), MOED_E_INVAL);
+    ck_assert_int_eq(moe_ref_combine(&L, 2, part, w, rows, y, MOE_REF_EMPTY_SLOTS), 0);
+    ck_assert_int_eq(moe_ref_combine(&L, 2, bad[0], w, rows, y, MOE_REF_EMPTY_SLOTS),
+                     MOED_E_INVAL);
     L.top_k = 3; /* more slots than experts */
     ck_assert_int_eq(moe_ref_forward(&L, 1, x, ok, w, y, 1), MOED_E_INVAL);
     L.top_k = 1;
@@ -227,6 +240,109 @@ START_TEST(test_zero_tokens)
 }
 END_TEST
 
+/* moe_ref_forward over many random batches of a genmodel layer (T 1..1100:
+ * one chunk and two; shared experts, routed-only, empty slots): the hash of
+ * every output, printed so that a change to moe_ref.c can be checked to
+ * leave forward's results as they were, bit for bit (e4f214bef1fcf8c2 before
+ * moe_ref_rows / moe_ref_combine existed). Each batch is also split over
+ * ep_n = 1, 2, 3 shards (3 only at T 1100; routed slot j of token t to shard (t + j) % ep_n,
+ * the others -1 in its ids): moe_ref_rows of every shard into a rows buffer
+ * filled with a NaN pattern, then moe_ref_combine, must give forward's y bit
+ * for bit; each shard must write exactly its own entries (the others keep
+ * the pattern), and combine must read no entry it should not (an unwritten
+ * one is NaN and would show in y). */
+static const uint32_t gen_T[] = {1, 2, 3, 5, 7, 16, 64, 256, 1100};
+static const unsigned gen_flags[] = {0, MOE_REF_ROUTED_ONLY, MOE_REF_EMPTY_SLOTS,
+                                     MOE_REF_ROUTED_ONLY | MOE_REF_EMPTY_SLOTS};
+#define ROW_NAN 0x7fc0dead /* a quiet NaN no computation writes */
+
+/* Is entry (t, j) shard d's under the split above? */
+static int shard_entry(const struct moe_layer *L, const int32_t *ids, uint32_t t, uint32_t j,
+                       uint32_t ep_n, uint32_t d, unsigned fl)
+{
+    const uint32_t k = L->top_k;
+    if (j < k)
+        return ids[(size_t)t * k + j] >= 0 && (t + j) % ep_n == d;
+    return !(fl & MOE_REF_ROUTED_ONLY) && t % ep_n == d;
+}
+
+static void check_rows_combine(const struct moe_layer *L, uint32_t T, const uint16_t *x,
+                               const int32_t *ids, const float *w, const uint16_t *y_fwd,
+                               unsigned fl, int32_t *ids_d, uint32_t *rows, uint16_t *y)
+{
+    const size_t H = L->hidden, k = L->top_k, KS = k + L->n_shared;
+    /* past one chunk (1024 tokens) only ep_n 3, where the chunk's first
+     * token is not a multiple of ep_n (the shared split must count from 0) */
+    for (uint32_t ep_n = T > 1024 ? 3 : 1; ep_n <= 3; ep_n++) {
+        for (size_t i = 0; i < T * KS * H; i++)
+            rows[i] = ROW_NAN;
+        for (uint32_t d = 0; d < ep_n; d++) {
+            for (uint32_t t = 0; t < T; t++)
+                for (uint32_t j = 0; j < k; j++)
+                    ids_d[t * k + j] = shard_entry(L, ids, t, j, ep_n, d, fl) ? ids[t * k + j] : -1;
+            ck_assert_int_eq(moe_ref_rows(L, T, x, ids_d, (float *)rows, ep_n, d, 2, fl), 0);
+            for (uint32_t t = 0; t < T; t++)
+                for (uint32_t j = 0; j < KS; j++) {
+                    /* written by a shard up to d, and by d exactly when its own */
+                    int mine = shard_entry(L, ids, t, j, ep_n, d, fl), before = 0;
+                    for (uint32_t q = 0; q < d; q++)
+                        before |= shard_entry(L, ids, t, j, ep_n, q, fl);
+                    const uint32_t *e = rows + (t * KS + j) * H;
+                    int untouched = 1;
+                    for (size_t r = 0; r < H; r++)
+                        untouched &= e[r] == ROW_NAN;
+                    ck_assert_msg(untouched == !(mine || before),
+                                  "T %u flags %u ep_n %u shard %u: entry (%u, %u) %s", T, fl,
+                                  ep_n, d, t, j, untouched ? "not written" : "written");
+                }
+        }
+        memset(y, 0xff, T * H * sizeof *y);
+        ck_assert_int_eq(moe_ref_combine(L, T, ids, w, (const float *)rows, y, fl), 0);
+        ck_assert_msg(memcmp(y, y_fwd, T * H * sizeof *y) == 0,
+                      "T %u flags %u ep_n %u: rows + combine differ from forward", T, fl, ep_n);
+    }
+}
+
+START_TEST(test_forward_hash_and_rows)
+{
+    struct gen_fx fx;
+    gen_fx_open(&fx, 7);
+    const uint32_t TMAX = 1100;
+    const struct moe_layer *L0 = moed_model_layer(fx.m, 0);
+    const size_t H = L0->hidden, k = L0->top_k;
+    uint16_t *x = malloc(TMAX * H * sizeof *x), *y = malloc(TMAX * H * sizeof *y);
+    int32_t *ids = malloc(TMAX * k * sizeof *ids), *ids_d = malloc(TMAX * k * sizeof *ids_d);
+    float *w = malloc(TMAX * k * sizeof *w);
+    uint32_t *rows = malloc(TMAX * (k + L0->n_shared) * H * sizeof *rows);
+    uint16_t *y2 = malloc(TMAX * H * sizeof *y2);
+    ck_assert(x && y && ids && w && ids_d && rows && y2);
+    uint64_t s = 0x9e3779b97f4a7c15ull, h = 1469598103934665603ull;
+    for (uint32_t l = 0; l < GEN_LAYERS; l++) {
+        const struct moe_layer *L = moed_model_layer(fx.m, l);
+        for (size_t ti = 0; ti < sizeof gen_T / sizeof gen_T[0]; ti++)
+            for (size_t fi = 0; fi < sizeof gen_flags / sizeof gen_flags[0]; fi++) {
+                const uint32_t T = gen_T[ti];
+                const unsigned fl = gen_flags[fi];
+                gen_batch(L, T, &s, fl & MOE_REF_EMPTY_SLOTS ? 4 : 0, x, ids, w);
+                ck_assert_int_eq(moe_ref_forward_flags(L, T, x, ids, w, y, 2, fl), 0);
+                h = gen_hash(h, y, T * H * sizeof *y);
+                check_rows_combine(L, T, x, ids, w, y, fl, ids_d, rows, y2);
+            }
+    }
+    printf("moe_ref_forward hash over %zu batches: %016llx\n",
+           GEN_LAYERS * (sizeof gen_T / sizeof gen_T[0]) * (sizeof gen_flags / sizeof gen_flags[0]),
+           (unsigned long long)h);
+    free(x);
+    free(y);
+    free(y2);
+    free(ids);
+    free(ids_d);
+    free(rows);
+    free(w);
+    gen_fx_close(&fx);
+}
+END_TEST
+
 static Suite *moe_ref_suite(void)
 {
     Suite *s = suite_create("moe_ref");
@@ -236,6 +352,8 @@ static Suite *moe_ref_suite(void)
     tcase_add_test(tc, test_invalid);
     tcase_add_test(tc, test_threads_identical_and_naive);
     tcase_add_test(tc, test_zero_tokens);
+    tcase_add_test(tc, test_forward_hash_and_rows);
+    tcase_set_timeout(tc, 300); /* the hash test: about 70 s under ASan on 2 cores */
     suite_add_tcase(s, tc);
     return s;
 }
