@@ -42,17 +42,26 @@ else
     step "gpu_test_moe_gpu (checks)" FAIL "no summary, exit $rc"
 fi
 
-# 1b. doorbell channels in one process (the client kernel from the embedded fatbin)
-T2=$BUILD/tests/gpu_test_chan_gpu
-if [ -x "$T2" ]; then
-    timeout "${GPU_TEST_TIMEOUT:-600}" "$T2" > "$LOGDIR/gpu_test_chan_gpu.log" 2>&1
-    rc=$?
-    grep -E '^(PASS|FAIL)' "$LOGDIR/gpu_test_chan_gpu.log"
-    line=$(grep -E '^gpu tests: ' "$LOGDIR/gpu_test_chan_gpu.log" | tail -1)
+# A C GPU test of its own (when built): name, binary, timeout (s), step text.
+c_test() {
+    [ -x "$2" ] || return 0
+    timeout "$3" "$2" > "$LOGDIR/$1.log" 2>&1
+    local rc=$? line f
+    grep -E '^(PASS|FAIL)' "$LOGDIR/$1.log"
+    line=$(grep -E '^gpu tests: ' "$LOGDIR/$1.log" | tail -1)
     f=$(echo "$line" | sed -nE 's/.* ([0-9]+) failed.*/\1/p')
-    step "gpu_test_chan_gpu (doorbell checks)" "$([ "${f:-1}" = 0 ] && [ $rc = 0 ] && echo PASS || echo FAIL)" \
+    step "$4" "$([ "${f:-1}" = 0 ] && [ $rc = 0 ] && echo PASS || echo FAIL)" \
         "${line:-no summary}, exit $rc"
-fi
+}
+
+# 1b. doorbell channels in one process (the client kernel from the embedded fatbin)
+c_test gpu_test_chan_gpu "$BUILD/tests/gpu_test_chan_gpu" "${GPU_TEST_TIMEOUT:-600}" \
+    "gpu_test_chan_gpu (doorbell checks)"
+
+# 1c. expert parallelism on this GPU: ROWS + COMBINE = the plain batch bit for
+# bit, devices with partial placements (tests/gpu/test_ep_gpu.c)
+c_test gpu_test_ep_gpu "$BUILD/tests/gpu_test_ep_gpu" "${GPU_TEST_TIMEOUT:-900}" \
+    "gpu_test_ep_gpu (expert parallelism)"
 
 # 2. compute-sanitizer memcheck and racecheck on the tiny cases
 CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
