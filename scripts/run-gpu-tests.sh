@@ -124,6 +124,20 @@ else
     step "pytest tests/py (MOED_TEST_BACKEND=cuda)" SKIP "tests/py/daemon_util.py has no MOED_TEST_BACKEND"
 fi
 
+# 4b. expert parallelism through the socket: engine.gpus [0, 0] with a skewed
+# placement map = engine.gpus [0] bit for bit (numpy only, no MPS)
+if python3 -c 'import numpy, pytest' 2>/dev/null; then
+    PYTHONPATH="$PWD/ipc/python${PYTHONPATH:+:$PYTHONPATH}" MOED_BUILD="$BUILD" \
+        timeout 900 python3 -m pytest -v -p no:cacheprovider tests/gpu/test_ep_daemon.py \
+        > "$LOGDIR/pytest-ep-daemon.log" 2>&1
+    rc=$?
+    grep -E '(PASSED|FAILED|SKIPPED|ERROR)' "$LOGDIR/pytest-ep-daemon.log" | grep '::' | sed 's/^/    /'
+    step "expert parallelism daemon (gpus [0, 0])" "$([ $rc = 0 ] && echo PASS || echo FAIL)" \
+        "$(tail -1 "$LOGDIR/pytest-ep-daemon.log")"
+else
+    step "expert parallelism daemon (gpus [0, 0])" SKIP "numpy or pytest missing"
+fi
+
 # 5. a real transformers model (Qwen3-MoE, DeepSeek-V3) on the GPU with its MoE
 # layers served by moed on the CUDA backend (inline path, idle exit 20 ms)
 if python3 -c 'import torch, transformers; assert torch.cuda.is_available()' 2>/dev/null; then
