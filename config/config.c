@@ -386,8 +386,9 @@ static void set_array(const struct cfg_key *k, struct moed_cfg *c, const cJSON *
             continue;
         vals[i] = v;
         have[i] = true;
-        /* A repeat is harmless for ids but a real mistake for GPUs; refuse both. */
-        for (size_t j = 0; j < i; j++) {
+        /* A repeated id is a mistake; a GPU may be listed twice (engine.gpus:
+         * expert parallelism on one GPU), which the key says. */
+        for (size_t j = 0; j < i && !k->repeats; j++) {
             if (have[j] && vals[j] == v) {
                 err_add(e, "%s: %lld is already listed at index %zu", path, (long long)v, j);
                 ok = false;

@@ -50,7 +50,8 @@ struct moed_cfg {
     char synthetic_dir[MOED_CFG_PATH_MAX]; /* where synthetic models are generated */
     /* engine */
     enum moed_cfg_backend backend;
-    int gpus[MOED_CFG_MAX_IDS]; uint32_t n_gpus; /* empty: all visible */
+    int gpus[MOED_CFG_MAX_IDS]; uint32_t n_gpus; /* empty: GPU 0; repeats allowed */
+    char placement[MOED_CFG_PATH_MAX]; /* expert parallelism: map file, "" balanced */
     uint32_t sms_free;
     uint32_t mps_sms_free_percent;    /* under MPS with sms_free 0: SMs left free, % */
     uint32_t max_tokens;              /* per batch */

@@ -175,8 +175,8 @@ static void md_allowed(struct moed_sbuf *b, const struct cfg_key *k)
         break;
     case T_UINT_ARRAY:
     case T_INT_ARRAY:
-        moed_sb_printf(b, "up to %zu entries, each %lld .. %lld, no repeats", k->size / 4,
-                  (long long)k->min, (long long)k->max);
+        moed_sb_printf(b, "up to %zu entries, each %lld .. %lld%s", k->size / 4,
+                  (long long)k->min, (long long)k->max, k->repeats ? "" : ", no repeats");
         break;
     }
     if (k->allowed) {

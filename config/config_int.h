@@ -38,6 +38,7 @@ struct cfg_key {
     const char *too_long;      /* strings: why max is what it is (message and docs) */
     const char *allowed;       /* docs: extra words in the "Allowed" column */
     bool bytes;                /* docs: show byte counts also in KiB/MiB/GiB */
+    bool repeats;              /* arrays: an element may be listed more than once */
     const char *doc;
 };
 

@@ -139,8 +139,24 @@ const struct cfg_key cfg_keys[] = {
      .names = cfg_backend_names,
      .doc = "auto: CUDA when this build has it and a GPU is visible, else the CPU reference."},
     {.path = "engine.gpus", .type = T_INT_ARRAY, .min = 0, .max = 1023, .def = "[]",
-     FIELD(gpus), COUNT(n_gpus),
-     .doc = "CUDA device ordinals to hold experts on (no repeats); empty: every visible GPU."},
+     FIELD(gpus), COUNT(n_gpus), .repeats = true,
+     .doc = "CUDA device ordinals to hold experts on; empty: GPU 0. More than one (up to 8): "
+            "expert parallelism (docs/MULTI_GPU.md), one persistent kernel per entry, device "
+            "i of engine.placement on entry i, the rows combined on the first; every GPU must "
+            "reach the first's memory (peer access). A GPU listed more than once (e.g. [0, "
+            "0]: expert parallelism on one GPU, for tests) holds one device per entry, each "
+            "kernel on an equal share of the GPU's SMs (the SMs engine.sms_free leaves, "
+            "divided by the entries naming it: persistent kernels that did not all fit at "
+            "once would deadlock)."},
+    {.path = "engine.placement", .type = T_PATH, .min = 0, .max = MOED_CFG_PATH_MAX - 1,
+     .def = "", FIELD(placement),
+     .doc = "With more than one engine.gpus entry: which device holds which routed experts "
+            "of each MoE layer. \"\": balanced by expert count (moed_placement_balanced, "
+            "no replicas); else the path of a map `moectl placement --json` wrote "
+            "(docs/MULTI_GPU.md): its gpus must equal the engine.gpus entries and its "
+            "n_experts and n_shared the model's, with every MoE layer listed once; any "
+            "error names the file, the layer and the entry. Shared experts are on every "
+            "device."},
     {.path = "engine.sms_free", .type = T_UINT, .min = 0, .max = 255, .def = "0",
      FIELD(sms_free),
      .doc = "SMs per GPU left free of the persistent kernel (for NCCL or a co-located "

@@ -53,11 +53,6 @@ static int check_runtime(const struct moed_cfg *cfg, char *err, size_t errlen)
                            "%s but no CUDA GPU is visible (driver loaded? /dev/nvidia* "
                            "reachable, e.g. DeviceAllow= in the unit? CUDA_VISIBLE_DEVICES?)",
                            what);
-    if (cfg->n_gpus > 1)
-        return moed_seterr(err, errlen, MOED_E_CONFIG,
-                           "engine.gpus lists %u GPUs; this version serves one GPU per daemon "
-                           "(expert parallelism over NCCL is not implemented yet): run one "
-                           "moed per GPU", (unsigned)cfg->n_gpus);
     for (uint32_t i = 0; i < cfg->n_gpus; i++)
         if (cfg->gpus[i] < 0 || cfg->gpus[i] >= n)
             return moed_seterr(err, errlen, MOED_E_CONFIG,

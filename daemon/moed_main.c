@@ -59,7 +59,7 @@ static void print_version(void)
     int n = moed_backend_cuda_device_count();
     printf("backends: cpu, cuda\n");
     printf("cuda: yes (archs %s; %d device%s visible)\n", MOED_CUDA_ARCHS, n, n == 1 ? "" : "s");
-    printf("nccl: linked, not used (one GPU per daemon; expert parallelism not implemented)\n");
+    printf("nccl: linked, not used (expert parallelism over one host's GPUs: peer access)\n");
 #else
     printf("backends: cpu\n");
     printf("cuda: no (built with CUDA=0)\n");
@@ -412,8 +412,21 @@ static int run_daemon(const struct moed_cfg *cfg)
     uint64_t budget = mem_available(), dev_total = 0;
     const char *budget_of = "host memory";
     if (use_cuda) {
-        int dev = cfg->n_gpus == 1 ? cfg->gpus[0] : 0;
+        int dev = cfg->n_gpus >= 1 ? cfg->gpus[0] : 0;
         rc = moed_backend_cuda_mem(dev, &budget, &dev_total);
+        /* expert parallelism: the routed experts spread over the GPUs listed
+         * (each GPU counted once; the backends check their own share) */
+        for (uint32_t i = 1; rc >= 0 && i < cfg->n_gpus; i++) {
+            uint32_t j = 0;
+            uint64_t f = 0, t = 0;
+            while (j < i && cfg->gpus[j] != cfg->gpus[i])
+                j++;
+            if (j < i)
+                continue;
+            dev = cfg->gpus[i];
+            rc = moed_backend_cuda_mem(dev, &f, &t);
+            budget += f;
+        }
         if (rc < 0) {
             boot_loop_join(&d);
             LOG_E("engine: cannot query the memory of CUDA device %d (driver or device error)",

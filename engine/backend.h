@@ -200,6 +200,11 @@ struct moed_backend_cfg {
      * the shared experts) and computes only those. */
     const struct moed_placement *const *ep_place;
     uint32_t ep_shard;
+    /* CUDA: backends sharing this GPU's SMs (expert parallelism with one GPU
+     * listed more than once): each one's grid takes 1/sm_share of the SMs
+     * it would use alone, so that every persistent kernel fits beside the
+     * others (0 or 1: the whole GPU). */
+    uint32_t sm_share;
     /* Optional: weight placement progress (bytes placed, bytes to place),
      * called from the opening thread during open. */
     moed_progress_fn progress;
@@ -250,6 +255,16 @@ int moed_backend_cuda_device_count(void);
 /* Free and total memory of CUDA device `dev` (creates its primary context);
  * MOED_E_UNSUPPORTED without CUDA, MOED_E_BACKEND if the query fails. */
 int moed_backend_cuda_mem(int dev, uint64_t *free_bytes, uint64_t *total_bytes);
+/* Expert parallelism over CUDA children (engine_open.c): `bytes` of device
+ * memory on GPU gpus[0] (*out, MOED_BUF_DEVICE) that every other GPU of
+ * gpus[0..n) writes through peer access, enabled here (a GPU that cannot
+ * reach gpus[0]: MOED_E_BACKEND naming both). Free it with
+ * moed_backend_cuda_rows_free once no backend uses it (after close: freeing
+ * device memory waits for the GPU to be idle). MOED_E_UNSUPPORTED without
+ * CUDA. */
+int moed_backend_cuda_rows_alloc(const int *gpus, int n, uint64_t bytes, struct moed_buf *out,
+                                 char *err, size_t errlen);
+void moed_backend_cuda_rows_free(struct moed_buf *b);
 
 static inline int moed_backend_submit(struct moed_backend *be, struct moed_batch *b)
 {

@@ -37,8 +37,10 @@
  * and in-flight batch with MOED_E_BACKEND; the daemon then exits with code 4
  * (docs/GPU.md) so the service manager restarts it.
  *
- * This version drives one GPU; expert parallelism over several GPUs (NCCL)
- * is refused at open with a message.
+ * One backend drives one GPU. Expert parallelism over several (or one GPU
+ * listed more than once) opens one backend per GPU under the wrapper of
+ * engine/backend.h (moed_backend_ep_open); a backend with cfg->ep_place is
+ * one of its devices (backend_shard_cuda.c).
  */
 #include <cuda_runtime.h>
 #include <errno.h>
@@ -118,10 +120,13 @@ static void publish_locked(struct cuda_backend *cb, struct moed_batch *b)
     const uint32_t T = b->n_tokens, H = cb->d.hidden, k = cb->d.top_k;
     struct moe_gpu_slot *sl = moe_gpu_slot_for(cb->ctrl, seq);
     struct moe_gpu_desc *dsc = &sl->d;
+    const uint32_t ep = b->flags & (MOED_BATCH_ROWS | MOED_BATCH_COMBINE);
     dsc->seq = seq;
     dsc->layer = (uint32_t)cb->slot_of[b->layer];
     dsc->n_tokens = T;
-    if (buf_in_place(&b->x)) {
+    if (ep == MOED_BATCH_COMBINE) { /* reads no x */
+        dsc->x = 0;
+    } else if (buf_in_place(&b->x)) {
         dsc->x = (uint64_t)(uintptr_t)b->x.ptr;
     } else {
         memcpy(st, b->x.ptr, (size_t)T * H * 2);
@@ -130,11 +135,11 @@ static void publish_locked(struct cuda_backend *cb, struct moed_batch *b)
     dsc->inl = moed_buf_on_host(&b->ids) && moed_buf_on_host(&b->w) &&
                (size_t)T * k * 8 <= MOE_GPU_INLINE_BYTES;
     if (dsc->inl) { /* one PCIe round trip fewer for the kernel (moe_gpu.h) */
-        memcpy(sl->inl, b->ids.ptr, (size_t)T * k * 4);
+        cuda_shard_ids(cb, b, (int32_t *)(void *)sl->inl);
         memcpy(sl->inl + (size_t)T * k * 4, b->w.ptr, (size_t)T * k * 4);
         dsc->ids = dsc->w = 0;
     } else if (moed_buf_on_host(&b->ids)) {
-        memcpy(st + cb->off_ids, b->ids.ptr, (size_t)T * k * 4);
+        cuda_shard_ids(cb, b, (int32_t *)(void *)(st + cb->off_ids));
         dsc->ids = (uint64_t)(uintptr_t)(sd + cb->off_ids);
     } else {
         dsc->ids = (uint64_t)(uintptr_t)b->ids.ptr;
@@ -146,9 +151,15 @@ static void publish_locked(struct cuda_backend *cb, struct moed_batch *b)
     } else {
         dsc->w = (uint64_t)(uintptr_t)b->w.ptr;
     }
-    dsc->y = buf_in_place(&b->y) ? (uint64_t)(uintptr_t)b->y.ptr
-                                 : (uint64_t)(uintptr_t)(sd + cb->off_y);
-    dsc->flags = (b->flags & MOED_BATCH_ROUTED_ONLY) ? MOE_GPU_ROUTED_ONLY : 0;
+    dsc->y = ep == MOED_BATCH_ROWS ? 0 /* writes rows, not y */
+             : buf_in_place(&b->y) ? (uint64_t)(uintptr_t)b->y.ptr
+                                   : (uint64_t)(uintptr_t)(sd + cb->off_y);
+    dsc->flags = ((b->flags & MOED_BATCH_ROUTED_ONLY) ? MOE_GPU_ROUTED_ONLY : 0) |
+                 (ep == MOED_BATCH_ROWS ? MOE_GPU_ROWS : 0) |
+                 (ep == MOED_BATCH_COMBINE ? MOE_GPU_COMBINE : 0);
+    dsc->rows = ep ? (uint64_t)(uintptr_t)b->rows.ptr : 0;
+    dsc->ep_n = ep == MOED_BATCH_ROWS ? b->ep_n : 1;
+    dsc->ep_shard = ep == MOED_BATCH_ROWS ? b->ep_shard : 0;
     dsc->stall_ns = cb->stall_ns;
     cb->stall_ns = 0;
     cb->inflight[slot] = b;
@@ -176,23 +187,31 @@ static int cuda_submit(struct moed_backend *be, struct moed_batch *b)
 {
     struct cuda_backend *cb = (struct cuda_backend *)be;
     const uint32_t T = b->n_tokens, H = cb->d.hidden, k = cb->d.top_k;
+    /* expert parallelism: a ROWS batch writes no y, a COMBINE batch reads no x */
+    const uint32_t ep = b->flags & (MOED_BATCH_ROWS | MOED_BATCH_COMBINE);
     int rc = 0;
     /* shapes (the engine validated the request; these are internal asserts) */
     if (T == 0 || T > cb->d.max_tokens || b->top_k != k || b->layer >= cb->n_slot_of ||
-        cb->slot_of[b->layer] < 0 || b->x.bytes < (uint64_t)T * H * 2 ||
-        b->y.bytes < (uint64_t)T * H * 2 || b->ids.bytes < (uint64_t)T * k * 4 ||
-        b->w.bytes < (uint64_t)T * k * 4)
+        cb->slot_of[b->layer] < 0 ||
+        (ep != MOED_BATCH_COMBINE && b->x.bytes < (uint64_t)T * H * 2) ||
+        (ep != MOED_BATCH_ROWS && b->y.bytes < (uint64_t)T * H * 2) ||
+        b->ids.bytes < (uint64_t)T * k * 4 || b->w.bytes < (uint64_t)T * k * 4)
         return MOED_E_INVAL;
     const struct moed_buf *bufs[4] = {&b->x, &b->ids, &b->w, &b->y};
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 4; i++) {
+        if ((i == 0 && ep == MOED_BATCH_COMBINE) || (i == 3 && ep == MOED_BATCH_ROWS))
+            continue;
         if (!bufs[i]->ptr || (bufs[i]->kind == MOED_BUF_DEVICE && bufs[i]->device != cb->dev))
             return MOED_E_INVAL;
+    }
     if (moed_buf_on_host(&b->ids)) {
         const int32_t *ids = b->ids.ptr;
         for (uint64_t i = 0; i < (uint64_t)T * k; i++)
-            if (ids[i] < -1 || (ids[i] >= 0 && (uint32_t)ids[i] >= cb->d.n_experts))
+            if (ids[i] < -1 || (ids[i] >= 0 && (uint32_t)ids[i] >= cb->ep_experts))
                 return MOED_E_INVAL; /* -1: an empty slot (moed_batch.ids) */
     }
+    if ((rc = cuda_shard_check(cb, b)))
+        return rc;
     pthread_mutex_lock(&cb->mu);
     if (cb->failed) {
         rc = MOED_E_BACKEND;
@@ -376,7 +395,7 @@ static void *completion_thread(void *arg)
                 unsigned slot = (unsigned)((cb->delivered + 1) % MOE_GPU_RING);
                 b = cb->inflight[slot];
                 cb->inflight[slot] = NULL;
-                if (b && !buf_in_place(&b->y))
+                if (b && !(b->flags & MOED_BATCH_ROWS) && !buf_in_place(&b->y))
                     memcpy(b->y.ptr, cb->stage + slot * cb->slot_bytes + cb->off_y,
                            (size_t)b->n_tokens * cb->d.hidden * 2);
                 seq = ++cb->delivered;
@@ -514,7 +533,7 @@ static void cuda_describe(struct moed_backend *be, char *buf, unsigned len)
              cb->failed ? cb->fail_msg : "");
 }
 
-static void free_all(struct cuda_backend *cb, int device_ok)
+void cuda_free_all(struct cuda_backend *cb, int device_ok)
 {
     if (device_ok) {
         while (cb->host_freed) {
@@ -538,6 +557,7 @@ static void free_all(struct cuda_backend *cb, int device_ok)
     cuda_chan_teardown(cb, device_ok);
     free(cb->rel); /* left mapped or allocated when the device is not ok */
     free(cb->slot_of);
+    free(cb->ep_loc);
     pthread_mutex_destroy(&cb->mu);
     pthread_cond_destroy(&cb->cv);
     free(cb);
@@ -572,7 +592,7 @@ static void cuda_close(struct moed_backend *be)
     }
     if (device_ok)
         cuda_release_queued(cb);
-    free_all(cb, device_ok);
+    cuda_dev_release(cb, device_ok);
 }
 
 static const struct moed_backend_ops cuda_ops = {
@@ -603,16 +623,26 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     struct cuda_backend *cb = NULL;
     struct cudaDeviceProp prop;
     size_t free_b = 0, total_b = 0;
+    struct cuda_shard sh = {0};
+    struct moed_cuda_src shard_src;
+    const uint32_t n_routed = src->dims.n_experts; /* what batch ids are checked against */
     *out = NULL;
+    /* more GPUs: engine_open opens one backend per GPU (expert parallelism) */
     if (cfg->n_gpus > 1)
-        return moed_seterr(err, errlen, MOED_E_UNSUPPORTED,
-                           "cuda backend: engine.gpus lists %d GPUs; this version serves one GPU "
-                           "(expert parallelism over NCCL is not implemented yet)", cfg->n_gpus);
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "cuda backend: one GPU per backend (%d given)", cfg->n_gpus);
     if (src->n_layers == 0)
         return moed_seterr(err, errlen, MOED_E_MODEL, "cuda backend: the model has no MoE layers");
+    if (cfg->ep_place) { /* a device of expert parallelism: its experts only */
+        if ((rc = cuda_shard_open(src, cfg, &sh, &shard_src, err, errlen)))
+            return rc;
+        src = &shard_src;
+    }
     cb = calloc(1, sizeof *cb);
-    if (!cb)
+    if (!cb) {
+        cuda_shard_free(&sh);
         return moed_seterr(err, errlen, MOED_E_NOMEM, "cuda backend: out of memory");
+    }
     pthread_mutex_init(&cb->mu, NULL);
     pthread_cond_init(&cb->cv, NULL);
     cb->base.ops = &cuda_ops;
@@ -626,7 +656,12 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     cb->progress_ctx = cfg->progress_ctx;
     cb->idle_exit_ms = cfg->idle_exit_ms;
     cb->n_layers = src->n_layers;
+    cb->ep_experts = n_routed;
+    cb->ep_loc = sh.local; /* NULL: every expert placed */
+    sh.local = NULL;
     cb->guard = __atomic_load_n(&g_test_guards, __ATOMIC_RELAXED) ? GUARD_BYTES : 0;
+    if ((rc = cuda_dev_hold(cb, err, errlen)))
+        goto cleanup;
     if ((rc = moe_gpu_check_dims(&cb->d, err, errlen)))
         goto cleanup;
     /* engine.max_tokens up to 16384 as on the CPU backend (the op cases run
@@ -740,6 +775,12 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     MOED_CUDA_TRY(cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking));
 
     int sms_free = cuda_sms_free(cb, cfg->sms_free, cfg->mps_sms_free_percent);
+    if (cfg->sm_share > 1) { /* one of sm_share backends on this GPU: its share of the SMs */
+        const int use = (cb->n_sms - sms_free) / (int)cfg->sm_share;
+        sms_free = cb->n_sms - (use > 0 ? use : 1);
+        LOG_I("cuda: GPU %d: one of %u backends on this GPU: its kernel takes %d SMs", cb->dev,
+              cfg->sm_share, cb->n_sms - sms_free);
+    }
     MOED_TRY(moe_gpu_plan(cb->dev, &cb->d, sms_free, &cb->launch, err, errlen));
     MOED_TRY(scratch_alloc(cb, G_ROUTE, (void **)&cb->route_g,
                            (size_t)cb->launch.grid * moe_gpu_route_gmem_bytes(&cb->d), err, errlen));
@@ -767,70 +808,17 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     cb->thr_started = 1;
     LOG_I("cuda: GPU %d: ready; device memory used %.2f of %.2f GiB", cb->dev,
           cb->dev_used / 1073741824.0, cb->dev_total / 1073741824.0);
+    cuda_shard_free(&sh);
     *out = &cb->base;
     return 0;
 cleanup:
     if (cb) {
         if (cb->running && stop_kernel(cb, 2000) == 0)
             cb->running = 0;
-        free_all(cb, !cb->running);
+        cuda_dev_release(cb, !cb->running);
     }
+    cuda_shard_free(&sh);
     return rc;
-}
-
-int moed_backend_cuda_open(struct moed_model *m, const struct moed_backend_cfg *cfg,
-                           moed_backend_done_fn done, void *done_ctx,
-                           struct moed_backend **out, char *err, size_t errlen)
-{
-    const struct moed_dims *dm = moed_model_dims(m);
-    struct moed_cuda_src src = {0};
-    const struct moe_layer **layers = NULL;
-    uint32_t *ids = NULL;
-    int rc;
-    layers = calloc(dm->n_layers ? dm->n_layers : 1, sizeof *layers);
-    ids = calloc(dm->n_layers ? dm->n_layers : 1, sizeof *ids);
-    if (!layers || !ids) {
-        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "cuda backend: out of memory");
-        goto cleanup;
-    }
-    for (uint32_t l = 0; l < dm->n_layers; l++) {
-        if (!moed_model_is_moe_layer(m, l))
-            continue;
-        layers[src.n_layers] = moed_model_layer(m, l);
-        ids[src.n_layers++] = l;
-    }
-    src.layers = layers;
-    src.layer_ids = ids;
-    src.dims = (struct moe_gpu_dims){.hidden = dm->hidden, .inter = dm->inter,
-                                     .n_experts = dm->n_experts, .n_shared = dm->n_shared,
-                                     .top_k = dm->top_k, .max_tokens = cfg->max_tokens};
-    rc = moed_backend_cuda_open_src(&src, cfg, done, done_ctx, out, err, errlen);
-cleanup:
-    free(layers);
-    free(ids);
-    return rc;
-}
-
-int moed_backend_cuda_available(void)
-{
-    return moed_backend_cuda_device_count() > 0;
-}
-
-int moed_backend_cuda_device_count(void)
-{
-    int n = 0;
-    return cudaGetDeviceCount(&n) == cudaSuccess && n > 0 ? n : 0;
-}
-
-int moed_backend_cuda_mem(int dev, uint64_t *free_bytes, uint64_t *total_bytes)
-{
-    size_t f = 0, t = 0;
-    *free_bytes = *total_bytes = 0;
-    if (cudaSetDevice(dev) != cudaSuccess || cudaMemGetInfo(&f, &t) != cudaSuccess)
-        return MOED_E_BACKEND;
-    *free_bytes = f;
-    *total_bytes = t;
-    return 0;
 }
 
 uint64_t moed_backend_cuda_heartbeat(struct moed_backend *be)

@@ -1,7 +1,8 @@
 /* backend_cuda_int.h - what the CUDA backend's files share (engine/
  * backend_cuda.c: open, queue, completion thread, close; backend_place_cuda.c:
  * weight repack and upload; backend_hooks_cuda.c: the test and bench hooks;
- * backend_ipc_cuda.c: client buffers through CUDA IPC).
+ * backend_ipc_cuda.c: client buffers through CUDA IPC; backend_shard_cuda.c:
+ * one device of expert parallelism).
  * Internal: nothing outside these includes it.
  */
 #ifndef MOED_BACKEND_CUDA_INT_H
@@ -104,6 +105,15 @@ struct cuda_backend {
     int stopping;            /* an idle stop is under way (the kernel sees a bell only
                                 once relaunched: a channel opens after it) */
     uint64_t chan_gen;       /* last generation released */
+    /* expert parallelism (backend_shard_cuda.c): the local index of each
+     * routed expert per layer slot ([n_layers * ep_experts], -1: not placed
+     * here; NULL: every expert is), the model's routed experts (what batch
+     * ids are checked against); dev_held: counted in the GPU's backends
+     * (cuda_dev_hold), park_next: the parked list */
+    int32_t *ep_loc;
+    uint32_t ep_experts;
+    int dev_held;
+    struct cuda_backend *park_next;
     /* device memory to let go of, not yet released: client mappings given
      * back (cuda_ipc_close) and channel allocations outgrown (cuda_chan_open).
      * cudaIpcCloseMemHandle and cudaFree wait for the device to go idle, so
@@ -180,6 +190,37 @@ void cuda_chan_failed(struct cuda_backend *cb);
  * generation, which the dispatcher takes between batches, busy or not, and
  * then reads ctrl->stop (an idle one reads it anyway). */
 void cuda_chan_wake_locked(struct cuda_backend *cb);
+
+/* Expert parallelism (backend_shard_cuda.c). A partial placement: the
+ * layer views holding only the experts placed on cfg->ep_shard (local
+ * routed ones, padded to n_local, then the shared ones) and the map from
+ * the model's expert ids to local ones ([n_layers * n_experts], -1: not
+ * here). cuda_shard_open fills *out (src with the views and n_local routed
+ * experts); the views are needed until the weights are placed, the map for
+ * the backend's life. */
+struct cuda_shard {
+    uint32_t n_layers, n_experts, n_local;
+    int32_t *local;
+    struct moe_layer *views;
+    const struct moe_layer **view_ptrs;
+};
+int cuda_shard_open(const struct moed_cuda_src *src, const struct moed_backend_cfg *cfg,
+                    struct cuda_shard *sh, struct moed_cuda_src *out, char *err, size_t errlen);
+void cuda_shard_free(struct cuda_shard *sh);
+/* 0, or MOED_E_INVAL for a ROWS / COMBINE batch this backend cannot run
+ * (logged, naming the expert when one is not placed here), or a plain batch
+ * on a device with a partial placement. */
+int cuda_shard_check(const struct cuda_backend *cb, const struct moed_batch *b);
+/* b's ids into dst (the slot or its staging area), local indices for a
+ * ROWS batch on a partial placement. */
+void cuda_shard_ids(const struct cuda_backend *cb, const struct moed_batch *b, int32_t *dst);
+/* Count cb in its GPU's backends (at open, once cb->dev is known), and
+ * release it: its memory freed now (free_all) or, while other backends
+ * hold the GPU (their kernels keep it busy: cudaFree would wait for
+ * them), parked until the last one leaves. */
+int cuda_dev_hold(struct cuda_backend *cb, char *err, size_t errlen);
+void cuda_dev_release(struct cuda_backend *cb, int device_ok);
+void cuda_free_all(struct cuda_backend *cb, int device_ok);
 
 /* host_alloc / host_free of the backend ops (backend_place_cuda.c) */
 void *cuda_host_alloc(struct moed_backend *be, size_t bytes);

@@ -41,3 +41,19 @@ int moed_backend_cuda_mem(int dev, uint64_t *free_bytes, uint64_t *total_bytes)
     *free_bytes = *total_bytes = 0;
     return MOED_E_UNSUPPORTED;
 }
+
+int moed_backend_cuda_rows_alloc(const int *gpus, int n, uint64_t bytes, struct moed_buf *out,
+                                 char *err, size_t errlen)
+{
+    (void)gpus;
+    (void)n;
+    (void)bytes;
+    *out = (struct moed_buf){0};
+    return moed_seterr(err, errlen, MOED_E_UNSUPPORTED,
+                       "expert parallelism on GPUs: this moed was built without CUDA");
+}
+
+void moed_backend_cuda_rows_free(struct moed_buf *b)
+{
+    (void)b;
+}

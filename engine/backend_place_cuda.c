@@ -3,7 +3,9 @@
  * address), and the weight placement: every expert of
  * every MoE layer repacked on the host (moe_gpu_repack_expert, in parallel
  * over experts) into the kernel's stream order and copied into one device
- * allocation; each matrix's weight_scale_2 into a per-layer float table.
+ * allocation; each matrix's weight_scale_2 into a per-layer float table;
+ * and the backend's entry points that read the model (moed_backend_cuda_open)
+ * or query devices.
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -184,4 +186,61 @@ void *cuda_host_alloc(struct moed_backend *be, size_t bytes)
         return NULL;
     }
     return p;
+}
+
+/* ---- the model's MoE layers as the placement's source; device queries ---- */
+
+int moed_backend_cuda_open(struct moed_model *m, const struct moed_backend_cfg *cfg,
+                           moed_backend_done_fn done, void *done_ctx,
+                           struct moed_backend **out, char *err, size_t errlen)
+{
+    const struct moed_dims *dm = moed_model_dims(m);
+    struct moed_cuda_src src = {0};
+    const struct moe_layer **layers = NULL;
+    uint32_t *ids = NULL;
+    int rc;
+    layers = calloc(dm->n_layers ? dm->n_layers : 1, sizeof *layers);
+    ids = calloc(dm->n_layers ? dm->n_layers : 1, sizeof *ids);
+    if (!layers || !ids) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "cuda backend: out of memory");
+        goto cleanup;
+    }
+    for (uint32_t l = 0; l < dm->n_layers; l++) {
+        if (!moed_model_is_moe_layer(m, l))
+            continue;
+        layers[src.n_layers] = moed_model_layer(m, l);
+        ids[src.n_layers++] = l;
+    }
+    src.layers = layers;
+    src.layer_ids = ids;
+    src.dims = (struct moe_gpu_dims){.hidden = dm->hidden, .inter = dm->inter,
+                                     .n_experts = dm->n_experts, .n_shared = dm->n_shared,
+                                     .top_k = dm->top_k, .max_tokens = cfg->max_tokens};
+    rc = moed_backend_cuda_open_src(&src, cfg, done, done_ctx, out, err, errlen);
+cleanup:
+    free(layers);
+    free(ids);
+    return rc;
+}
+
+int moed_backend_cuda_available(void)
+{
+    return moed_backend_cuda_device_count() > 0;
+}
+
+int moed_backend_cuda_device_count(void)
+{
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess && n > 0 ? n : 0;
+}
+
+int moed_backend_cuda_mem(int dev, uint64_t *free_bytes, uint64_t *total_bytes)
+{
+    size_t f = 0, t = 0;
+    *free_bytes = *total_bytes = 0;
+    if (cudaSetDevice(dev) != cudaSuccess || cudaMemGetInfo(&f, &t) != cudaSuccess)
+        return MOED_E_BACKEND;
+    *free_bytes = f;
+    *total_bytes = t;
+    return 0;
 }

@@ -38,11 +38,14 @@ struct eng_batch {
     uint64_t done_ns;     /* done callback (backend thread, before the push) */
 };
 
+struct eng_ep; /* engine_open.c: what expert parallelism over GPUs holds */
+
 struct moed_engine {
     uv_loop_t *loop;
     struct moed_model *model;
     const struct moed_dims *dims;
     struct moed_backend *be;
+    struct eng_ep *ep; /* NULL: one device */
     struct moed_bufpool *pool; /* read buffers, reply frames, batch memory */
     struct moed_reqio_env io_env; /* what every request's I/O shares */
     struct moed_desc *desc;       /* registered client buffers (protocol version 2) */

@@ -3,6 +3,133 @@
  * date, drain and close. */
 #include "engine_int.h"
 
+#include "placement.h"
+
+/* ---- expert parallelism over GPUs --------------------------------------------- */
+
+/* engine.gpus with more than one entry and backend cuda: one CUDA backend
+ * per entry under moed_backend_ep_open (backend.h), child i on gpus[i]
+ * with device i of every layer's placement; the rows on gpus[0]. What the
+ * wrapper borrows lives here, freed after it closes (eng_ep_free). */
+struct eng_ep {
+    struct moed_model *model;
+    struct moed_backend_cfg bc; /* the children's, less their own fields */
+    int gpus[MOED_PLACE_MAX_DEVS];
+    uint32_t n;
+    struct moed_placement *place;            /* [n_layers]: zeroed for non-MoE layers */
+    const struct moed_placement **place_ptr; /* [n_layers]: NULL for non-MoE layers */
+    uint32_t n_layers;
+    struct moed_buf rows;
+};
+
+static void eng_ep_free(struct eng_ep *ep)
+{
+    if (!ep)
+        return;
+    moed_backend_cuda_rows_free(&ep->rows);
+    if (ep->place)
+        for (uint32_t l = 0; l < ep->n_layers; l++)
+            moed_placement_free(&ep->place[l]);
+    free(ep->place);
+    free(ep->place_ptr);
+    free(ep);
+}
+
+static int ep_open_child(void *ctx, uint32_t i, moed_backend_done_fn done, void *done_ctx,
+                         struct moed_backend **out, char *err, size_t errlen)
+{
+    const struct eng_ep *ep = ctx;
+    struct moed_backend_cfg c = ep->bc;
+    c.gpus = &ep->gpus[i];
+    c.n_gpus = 1;
+    c.ep_place = ep->place_ptr;
+    c.ep_shard = i;
+    c.sm_share = 0;
+    for (uint32_t j = 0; j < ep->n; j++) /* the entries naming this GPU share its SMs */
+        c.sm_share += ep->gpus[j] == ep->gpus[i];
+    c.max_channels = 0; /* doorbell channels: one device's kernel, not a child's */
+    return moed_backend_cuda_open(ep->model, &c, done, done_ctx, out, err, errlen);
+}
+
+/* Every MoE layer's placement: engine.placement's map, or balanced by
+ * expert count. */
+static int ep_place(struct eng_ep *ep, const struct moed_cfg *cfg, const struct moed_dims *d,
+                    char *err, size_t errlen)
+{
+    int rc = 0;
+    uint8_t *is_moe = calloc(d->n_layers ? d->n_layers : 1, 1);
+    uint64_t *zero = calloc(d->n_experts ? d->n_experts : 1, sizeof *zero);
+    if (!is_moe || !zero) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
+        goto out;
+    }
+    for (uint32_t l = 0; l < d->n_layers; l++)
+        is_moe[l] = moed_model_is_moe_layer(ep->model, l) != 0;
+    if (cfg->placement[0]) {
+        rc = moed_placement_load_json(cfg->placement, d->n_layers, is_moe, d->n_experts,
+                                      d->n_shared, ep->n, ep->place, err, errlen);
+    } else {
+        for (uint32_t l = 0; l < d->n_layers && !rc; l++)
+            if (is_moe[l])
+                rc = moed_placement_balanced(d->n_experts, d->n_shared, ep->n, zero, 1, 1.0,
+                                             &ep->place[l], err, errlen);
+    }
+    for (uint32_t l = 0; l < d->n_layers && !rc; l++)
+        ep->place_ptr[l] = is_moe[l] ? &ep->place[l] : NULL;
+out:
+    free(is_moe);
+    free(zero);
+    return rc;
+}
+
+static int open_ep_cuda(struct moed_engine *e, const struct moed_cfg *cfg,
+                        const struct moed_backend_cfg *bc, char *err, size_t errlen)
+{
+    int rc = 0;
+    const struct moed_dims *d = e->dims;
+    if (cfg->n_gpus > MOED_PLACE_MAX_DEVS)
+        return moed_seterr(err, errlen, MOED_E_CONFIG,
+                           "engine.gpus lists %u GPUs; expert parallelism spans at most %d",
+                           cfg->n_gpus, MOED_PLACE_MAX_DEVS);
+    struct eng_ep *ep = calloc(1, sizeof *ep);
+    if (!ep)
+        return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
+    ep->model = e->model;
+    ep->bc = *bc;
+    ep->n = cfg->n_gpus;
+    memcpy(ep->gpus, cfg->gpus, sizeof(int) * ep->n);
+    ep->n_layers = d->n_layers;
+    ep->place = calloc(d->n_layers ? d->n_layers : 1, sizeof *ep->place);
+    ep->place_ptr = calloc(d->n_layers ? d->n_layers : 1, sizeof *ep->place_ptr);
+    if (!ep->place || !ep->place_ptr) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
+        goto fail;
+    }
+    if ((rc = ep_place(ep, cfg, d, err, errlen)))
+        goto fail;
+    /* fp32 [max_tokens * (k + S), H]: every child's rows, combined on gpus[0] */
+    const uint64_t rows = (uint64_t)cfg->max_tokens * (d->top_k + d->n_shared) * d->hidden * 4;
+    if ((rc = moed_backend_cuda_rows_alloc(ep->gpus, (int)ep->n, rows, &ep->rows, err, errlen)))
+        goto fail;
+    const struct moed_ep_cfg ec = {.n_dev = ep->n,
+                                   .open_child = ep_open_child,
+                                   .open_ctx = ep,
+                                   .place = ep->place_ptr,
+                                   .n_layers = d->n_layers,
+                                   .rows = ep->rows,
+                                   .max_tokens = cfg->max_tokens};
+    rc = moed_backend_ep_open(e->model, &ec, on_backend_done, e, &e->be, err, errlen);
+    if (rc < 0)
+        goto fail;
+    LOG_I("engine: expert parallelism over %u devices (engine.gpus), placement %s", ep->n,
+          cfg->placement[0] ? cfg->placement : "balanced by expert count");
+    e->ep = ep;
+    return 0;
+fail:
+    eng_ep_free(ep);
+    return rc;
+}
+
 /* ---- open / self-check / close ------------------------------------------------- */
 
 static int open_backend(struct moed_engine *e, const struct moed_cfg *cfg,
@@ -34,6 +161,8 @@ static int open_backend(struct moed_engine *e, const struct moed_cfg *cfg,
                                "this build has no CUDA (built with CUDA=0)"
 #endif
             );
+        if (cfg->n_gpus > 1)
+            return open_ep_cuda(e, cfg, &bc, err, errlen);
         return moed_backend_cuda_open(e->model, &bc, on_backend_done, e, &e->be, err, errlen);
     }
     return moed_backend_cpu_open(e->model, &bc, on_backend_done, e, &e->be, err, errlen);
@@ -141,6 +270,8 @@ int moed_engine_open(uv_loop_t *loop, struct moed_model *model, const struct moe
 
 fail_backend:
     moed_backend_close(e->be);
+    eng_ep_free(e->ep);
+    e->ep = NULL;
 fail_mutex:
     pthread_mutex_destroy(&e->done_mu);
     free(e->stats.expert_hits);
@@ -326,6 +457,8 @@ void moed_engine_close(struct moed_engine *e)
     moed_desc_detach(e->desc);
     moed_backend_close(e->be);
     e->be = NULL;
+    eng_ep_free(e->ep); /* what the expert-parallel backend borrowed, after it closed */
+    e->ep = NULL;
     e->failed = 1; /* nothing more is submitted */
     on_async(&e->async);
     while (e->wait_head) {

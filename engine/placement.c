@@ -2,7 +2,10 @@
  * assignment of a batch's pairs to them (placement.h). */
 #include "placement.h"
 
+#include <cjson/cJSON.h>
+#include <errno.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -223,4 +226,177 @@ void moed_placement_loads(const struct moed_placement *p, const uint64_t *load,
             if (dev_experts)
                 dev_experts[d]++;
         }
+}
+
+/* ---- a placement map file (moectl placement --json) ---- */
+
+/* v as an integer in [lo, hi]: 1, else 0 */
+static int json_int(const cJSON *v, int64_t lo, int64_t hi, int64_t *out)
+{
+    if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble) ||
+        v->valuedouble < (double)lo || v->valuedouble > (double)hi)
+        return 0;
+    *out = (int64_t)v->valuedouble;
+    return 1;
+}
+
+/* The top-level number `key` of the map: it must be `want`. */
+static int map_expect(const cJSON *root, const char *name, const char *key, uint32_t want,
+                      const char *what, char *err, size_t errlen)
+{
+    int64_t v;
+    if (!json_int(cJSON_GetObjectItemCaseSensitive(root, key), 0, UINT32_MAX, &v))
+        return moed_seterr(err, errlen, MOED_E_CONFIG,
+                           "%s: \"%s\" is missing or not an integer", name, key);
+    if (v != (int64_t)want)
+        return moed_seterr(err, errlen, MOED_E_CONFIG, "%s: \"%s\" is %lld but %s %u", name, key,
+                           (long long)v, what, want);
+    return 0;
+}
+
+/* Layer object li of the map into out[layer] (its "experts" lists). */
+static int map_layer(const cJSON *l, uint32_t li, const char *name, uint32_t n_layers,
+                     const uint8_t *is_moe, uint32_t E, uint32_t S, uint32_t n_dev,
+                     struct moed_placement *out, char *err, size_t errlen)
+{
+    int64_t id;
+    if (!cJSON_IsObject(l) ||
+        !json_int(cJSON_GetObjectItemCaseSensitive(l, "layer"), 0, UINT32_MAX, &id))
+        return moed_seterr(err, errlen, MOED_E_CONFIG,
+                           "%s: layers[%u] is not an object with an integer \"layer\"", name, li);
+    if (id >= (int64_t)n_layers || !is_moe[id])
+        return moed_seterr(err, errlen, MOED_E_CONFIG,
+                           "%s: layers[%u]: layer %lld is not an MoE layer of the model (%u "
+                           "layers)", name, li, (long long)id, n_layers);
+    if (out[id].n_rep)
+        return moed_seterr(err, errlen, MOED_E_CONFIG, "%s: layer %lld is listed twice", name,
+                           (long long)id);
+    const cJSON *ex = cJSON_GetObjectItemCaseSensitive(l, "experts");
+    if (!cJSON_IsArray(ex) || cJSON_GetArraySize(ex) != (int)E)
+        return moed_seterr(err, errlen, MOED_E_CONFIG,
+                           "%s: layer %lld: \"experts\" must be an array of %u device lists "
+                           "(one per routed expert)", name, (long long)id, E);
+    int64_t *vals = malloc(sizeof *vals * (size_t)E * MOED_PLACE_MAX_REPLICAS);
+    const int64_t **lists = malloc(sizeof *lists * E);
+    uint32_t *lens = malloc(sizeof *lens * E);
+    int rc = 0;
+    char why[256];
+    if (!vals || !lists || !lens) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "%s: out of memory", name);
+        goto out;
+    }
+    uint32_t e = 0;
+    for (const cJSON *d = ex->child; d; d = d->next, e++) {
+        int n = cJSON_GetArraySize(d);
+        if (!cJSON_IsArray(d) || n < 1 || n > MOED_PLACE_MAX_REPLICAS) {
+            rc = moed_seterr(err, errlen, MOED_E_CONFIG,
+                             "%s: layer %lld, expert %u: not a list of 1..%d device indices",
+                             name, (long long)id, e, MOED_PLACE_MAX_REPLICAS);
+            goto out;
+        }
+        lists[e] = vals + (size_t)e * MOED_PLACE_MAX_REPLICAS;
+        lens[e] = 0;
+        for (const cJSON *v = d->child; v; v = v->next) {
+            int64_t x;
+            if (!json_int(v, 0, INT32_MAX, &x)) {
+                rc = moed_seterr(err, errlen, MOED_E_CONFIG,
+                                 "%s: layer %lld, expert %u, entry %u: not a device index", name,
+                                 (long long)id, e, lens[e]);
+                goto out;
+            }
+            vals[(size_t)e * MOED_PLACE_MAX_REPLICAS + lens[e]++] = x;
+        }
+    }
+    rc = moed_placement_from_lists(E, S, n_dev, lists, lens, &out[id], why, sizeof why);
+    if (rc) /* "placement: expert E, entry R: ..." */
+        rc = moed_seterr(err, errlen, MOED_E_CONFIG, "%s: layer %lld: %s", name, (long long)id,
+                         strncmp(why, "placement: ", 11) ? why : why + 11);
+out:
+    free(vals);
+    free(lists);
+    free(lens);
+    return rc;
+}
+
+int moed_placement_parse_json(const char *text, size_t len, const char *name, uint32_t n_layers,
+                              const uint8_t *is_moe, uint32_t n_experts, uint32_t n_shared,
+                              uint32_t n_dev, struct moed_placement *out, char *err,
+                              size_t errlen)
+{
+    int rc = 0;
+    memset(out, 0, sizeof *out * n_layers);
+    cJSON *root = cJSON_ParseWithLength(text, len);
+    if (!cJSON_IsObject(root)) {
+        rc = moed_seterr(err, errlen, MOED_E_CONFIG, "%s: not a JSON object (moectl placement "
+                         "--json writes the map)", name);
+        goto out;
+    }
+    if ((rc = map_expect(root, name, "gpus", n_dev, "engine.gpus lists", err, errlen)) ||
+        (rc = map_expect(root, name, "n_experts", n_experts, "the model's routed experts are",
+                         err, errlen)) ||
+        (rc = map_expect(root, name, "n_shared", n_shared, "the model's shared experts are", err,
+                         errlen)))
+        goto out;
+    const cJSON *layers = cJSON_GetObjectItemCaseSensitive(root, "layers");
+    if (!cJSON_IsArray(layers)) {
+        rc = moed_seterr(err, errlen, MOED_E_CONFIG, "%s: \"layers\" is missing or not an array",
+                         name);
+        goto out;
+    }
+    uint32_t li = 0;
+    for (const cJSON *l = layers->child; l; l = l->next, li++)
+        if ((rc = map_layer(l, li, name, n_layers, is_moe, n_experts, n_shared, n_dev, out, err,
+                            errlen)))
+            goto out;
+    for (uint32_t l = 0; l < n_layers; l++)
+        if (is_moe[l] && !out[l].n_rep) {
+            rc = moed_seterr(err, errlen, MOED_E_CONFIG,
+                             "%s: MoE layer %u is not in the map (every MoE layer must be)", name,
+                             l);
+            goto out;
+        }
+out:
+    cJSON_Delete(root);
+    if (rc)
+        for (uint32_t l = 0; l < n_layers; l++)
+            moed_placement_free(&out[l]);
+    return rc;
+}
+
+int moed_placement_load_json(const char *path, uint32_t n_layers, const uint8_t *is_moe,
+                             uint32_t n_experts, uint32_t n_shared, uint32_t n_dev,
+                             struct moed_placement *out, char *err, size_t errlen)
+{
+    int rc = 0;
+    char *text = NULL;
+    memset(out, 0, sizeof *out * n_layers);
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return moed_seterr(err, errlen, MOED_E_CONFIG, "engine.placement %s: %s", path,
+                           strerror(errno));
+    long n = -1;
+    if (fseek(f, 0, SEEK_END) == 0)
+        n = ftell(f);
+    if (n < 0 || n > MOED_PLACE_MAX_JSON_BYTES || fseek(f, 0, SEEK_SET) != 0) {
+        rc = moed_seterr(err, errlen, MOED_E_CONFIG,
+                         "engine.placement %s: not a readable file of at most %d bytes", path,
+                         MOED_PLACE_MAX_JSON_BYTES);
+        goto out;
+    }
+    text = malloc((size_t)n + 1);
+    if (!text) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "engine.placement %s: out of memory", path);
+        goto out;
+    }
+    if (fread(text, 1, (size_t)n, f) != (size_t)n) {
+        rc = moed_seterr(err, errlen, MOED_E_CONFIG, "engine.placement %s: read error", path);
+        goto out;
+    }
+    text[n] = 0;
+    rc = moed_placement_parse_json(text, (size_t)n, path, n_layers, is_moe, n_experts, n_shared,
+                                   n_dev, out, err, errlen);
+out:
+    free(text);
+    fclose(f);
+    return rc;
 }

@@ -56,6 +56,25 @@ int moed_placement_from_lists(uint32_t n_experts, uint32_t n_shared, uint32_t n_
 
 void moed_placement_free(struct moed_placement *p);
 
+/* A placement map (docs/MULTI_GPU.md; `moectl placement --json` writes
+ * one): an object with gpus (= n_dev), n_experts, n_shared (the model's)
+ * and layers, one object per MoE layer, each with layer (its absolute id)
+ * and experts (one device list per routed expert, as
+ * moed_placement_from_lists checks them); other keys are ignored. out[l]
+ * for every l < n_layers: filled for each MoE layer (is_moe[l]; every one
+ * must be listed, once), zeroed for the others. 0, or MOED_E_CONFIG /
+ * MOED_E_NOMEM with err naming `name` (the file), the layer and the entry
+ * (nothing left allocated). load_json reads the file at `path` (at most
+ * MOED_PLACE_MAX_JSON_BYTES). */
+#define MOED_PLACE_MAX_JSON_BYTES (16 << 20)
+int moed_placement_parse_json(const char *text, size_t len, const char *name, uint32_t n_layers,
+                              const uint8_t *is_moe, uint32_t n_experts, uint32_t n_shared,
+                              uint32_t n_dev, struct moed_placement *out, char *err,
+                              size_t errlen);
+int moed_placement_load_json(const char *path, uint32_t n_layers, const uint8_t *is_moe,
+                             uint32_t n_experts, uint32_t n_shared, uint32_t n_dev,
+                             struct moed_placement *out, char *err, size_t errlen);
+
 /* The device of every entry of a batch of T tokens: dev_of[T * (k + S)]
  * (ids [T, k]; an id < 0 is an empty slot, its entry gets device 0xFF and
  * no device computes it), count[n_dev] the entries per device; seen

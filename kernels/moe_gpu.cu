@@ -54,6 +54,15 @@
  * every CTA is resident (grid from the occupancy API), so nothing can
  * deadlock.
  *
+ * EXPERT PARALLELISM (desc.flags, moe_gpu_abi.h). A ROWS batch computes
+ * only its entries (ids -1 elsewhere; the shared slots of tokens t with t %
+ * ep_n == ep_shard) and, after its down tasks, copies each computed entry's
+ * fp32 row from dout to rows + (t * (k + S) + j) * H (another GPU's memory,
+ * peer mapped) instead of combining; a COMBINE batch has no pairs: the x
+ * staging copies its rows into dout rows t * (k + S) + j and its combine
+ * units are the plain ones (same code, same order), so ROWS over any split
+ * of the entries followed by COMBINE gives the plain batch's y bit for bit.
+ *
  * ROUTING. Every CTA builds the batch's expert histogram (shared memory),
  * the (token, slot) -> pair position map and the pair -> token list (its own
  * region of device memory, leaving shared memory to

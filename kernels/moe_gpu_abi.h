@@ -92,18 +92,32 @@ struct moe_gpu_desc {
     uint64_t y;         /* bf16 [T, H] output */
     uint64_t stall_ns;  /* test hook: dispatcher sleeps this long first (0) */
     uint32_t inl;       /* 1: ids then w are inline in the slot (ids, w unused) */
-    uint32_t flags;     /* MOE_GPU_ROUTED_ONLY: no shared slots in this batch */
+    uint32_t flags;     /* MOE_GPU_ROUTED_ONLY, MOE_GPU_ROWS, MOE_GPU_COMBINE */
+    uint64_t rows;      /* ROWS / COMBINE: fp32 [T * (k + S), H], entry t * (k + S) + j
+                           (device memory of this GPU or a peer's; 0 otherwise) */
+    uint32_t ep_n;      /* ROWS: devices the batch is split over (>= 1) */
+    uint32_t ep_shard;  /* ROWS: this device's index (< ep_n) */
 };
 /* desc.flags. Empty slots need no flag: an id < 0 is one (the host
  * validated -1 only), routed to no expert; the combine reads the zero row
  * (dout row max_tokens * (k + S), never written) for it. */
 #define MOE_GPU_ROUTED_ONLY 0x1u
+/* Expert parallelism (engine/backend.h, MOED_BATCH_ROWS / _COMBINE). ROWS:
+ * the routed entries with an id >= 0 and the shared entries of the tokens t
+ * with t % ep_n == ep_shard (none with ROUTED_ONLY) are computed, and each
+ * computed entry's fp32 row is stored to rows + (t * (k + S) + j) * H
+ * instead of the combine (y is not written). COMBINE: no routing and no
+ * tasks (x is not read): y from the rows, with the combine's arithmetic
+ * (the same fmaf chain in slot order; an empty slot or, ROUTED_ONLY, a
+ * shared slot adds the zero row). */
+#define MOE_GPU_ROWS 0x2u
+#define MOE_GPU_COMBINE 0x4u
 
 /* A ring slot: the descriptor and, for small batches (T * top_k * 8 <=
  * MOE_GPU_INLINE_BYTES), ids (int32 [T, k]) then w (fp32 [T, k]) inline, so
  * that the kernel reads all it needs to route in one PCIe round trip (one
  * 16-byte load per thread of one CTA). */
-#define MOE_GPU_INLINE_BYTES 448
+#define MOE_GPU_INLINE_BYTES 432
 struct moe_gpu_slot {
     struct moe_gpu_desc d;
     uint8_t inl[MOE_GPU_INLINE_BYTES];
@@ -351,7 +365,7 @@ MOE_GPU_HD MOE_GPU_CONSTEXPR static inline uint64_t moe_gpu_chan_word(uint64_t s
 }
 
 /* ---- layout asserts (every compiler that includes this checks them) ---- */
-MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_desc) == 64, "desc: 64 bytes");
+MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_desc) == 80, "desc: 80 bytes");
 MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_desc) % 16 == 0, "desc: copied as uint4");
 MOE_GPU_STATIC_ASSERT(offsetof(struct moe_gpu_desc, layer) == 8 &&
                           offsetof(struct moe_gpu_desc, n_tokens) == 12 &&
@@ -361,11 +375,14 @@ MOE_GPU_STATIC_ASSERT(offsetof(struct moe_gpu_desc, layer) == 8 &&
                           offsetof(struct moe_gpu_desc, y) == 40 &&
                           offsetof(struct moe_gpu_desc, stall_ns) == 48 &&
                           offsetof(struct moe_gpu_desc, inl) == 56 &&
-                          offsetof(struct moe_gpu_desc, flags) == 60,
+                          offsetof(struct moe_gpu_desc, flags) == 60 &&
+                          offsetof(struct moe_gpu_desc, rows) == 64 &&
+                          offsetof(struct moe_gpu_desc, ep_n) == 72 &&
+                          offsetof(struct moe_gpu_desc, ep_shard) == 76,
                       "desc: field offsets");
 MOE_GPU_STATIC_ASSERT(MOE_GPU_INLINE_BYTES % 16 == 0, "inline area: copied as uint4");
 MOE_GPU_STATIC_ASSERT(sizeof(struct moe_gpu_slot) == 512 &&
-                          offsetof(struct moe_gpu_slot, inl) == 64,
+                          offsetof(struct moe_gpu_slot, inl) == 80,
                       "slot: descriptor then inline ids/w, 512 bytes");
 MOE_GPU_STATIC_ASSERT(offsetof(struct moe_gpu_ctrl, head) == 0 &&
                           offsetof(struct moe_gpu_ctrl, stop) == 64 &&
@@ -443,6 +460,8 @@ MOE_GPU_HD MOE_GPU_CONSTEXPR static inline uint64_t moe_gpu_abi_fingerprint(void
         offsetof(struct moe_gpu_desc, w), offsetof(struct moe_gpu_desc, y),
         offsetof(struct moe_gpu_desc, stall_ns), offsetof(struct moe_gpu_desc, inl),
         offsetof(struct moe_gpu_desc, flags), MOE_GPU_ROUTED_ONLY,
+        offsetof(struct moe_gpu_desc, rows), offsetof(struct moe_gpu_desc, ep_n),
+        offsetof(struct moe_gpu_desc, ep_shard), MOE_GPU_ROWS, MOE_GPU_COMBINE,
         sizeof(struct moe_gpu_slot), offsetof(struct moe_gpu_slot, inl),
         sizeof(struct moe_gpu_ctrl), offsetof(struct moe_gpu_ctrl, head),
         offsetof(struct moe_gpu_ctrl, stop), offsetof(struct moe_gpu_ctrl, heartbeat),

@@ -42,17 +42,26 @@ else
     step "gpu_test_moe_gpu (checks)" FAIL "no summary, exit $rc"
 fi
 
-# 1b. doorbell channels in one process (the client kernel from the embedded fatbin)
-T2=$BUILD/tests/gpu_test_chan_gpu
-if [ -x "$T2" ]; then
-    timeout "${GPU_TEST_TIMEOUT:-600}" "$T2" > "$LOGDIR/gpu_test_chan_gpu.log" 2>&1
-    rc=$?
-    grep -E '^(PASS|FAIL)' "$LOGDIR/gpu_test_chan_gpu.log"
-    line=$(grep -E '^gpu tests: ' "$LOGDIR/gpu_test_chan_gpu.log" | tail -1)
+# A C GPU test of its own (when built): name, binary, timeout (s), step text.
+c_test() {
+    [ -x "$2" ] || return 0
+    timeout "$3" "$2" > "$LOGDIR/$1.log" 2>&1
+    local rc=$? line f
+    grep -E '^(PASS|FAIL)' "$LOGDIR/$1.log"
+    line=$(grep -E '^gpu tests: ' "$LOGDIR/$1.log" | tail -1)
     f=$(echo "$line" | sed -nE 's/.* ([0-9]+) failed.*/\1/p')
-    step "gpu_test_chan_gpu (doorbell checks)" "$([ "${f:-1}" = 0 ] && [ $rc = 0 ] && echo PASS || echo FAIL)" \
+    step "$4" "$([ "${f:-1}" = 0 ] && [ $rc = 0 ] && echo PASS || echo FAIL)" \
         "${line:-no summary}, exit $rc"
-fi
+}
+
+# 1b. doorbell channels in one process (the client kernel from the embedded fatbin)
+c_test gpu_test_chan_gpu "$BUILD/tests/gpu_test_chan_gpu" "${GPU_TEST_TIMEOUT:-600}" \
+    "gpu_test_chan_gpu (doorbell checks)"
+
+# 1c. expert parallelism on this GPU: ROWS + COMBINE = the plain batch bit for
+# bit, devices with partial placements (tests/gpu/test_ep_gpu.c)
+c_test gpu_test_ep_gpu "$BUILD/tests/gpu_test_ep_gpu" "${GPU_TEST_TIMEOUT:-900}" \
+    "gpu_test_ep_gpu (expert parallelism)"
 
 # 2. compute-sanitizer memcheck and racecheck on the tiny cases
 CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
@@ -113,6 +122,20 @@ if grep -q MOED_TEST_BACKEND tests/py/daemon_util.py 2>/dev/null; then
         "$(tail -1 "$LOGDIR/pytest-cuda.log")"
 else
     step "pytest tests/py (MOED_TEST_BACKEND=cuda)" SKIP "tests/py/daemon_util.py has no MOED_TEST_BACKEND"
+fi
+
+# 4b. expert parallelism through the socket: engine.gpus [0, 0] with a skewed
+# placement map = engine.gpus [0] bit for bit (numpy only, no MPS)
+if python3 -c 'import numpy, pytest' 2>/dev/null; then
+    PYTHONPATH="$PWD/ipc/python${PYTHONPATH:+:$PYTHONPATH}" MOED_BUILD="$BUILD" \
+        timeout 900 python3 -m pytest -v -p no:cacheprovider tests/gpu/test_ep_daemon.py \
+        > "$LOGDIR/pytest-ep-daemon.log" 2>&1
+    rc=$?
+    grep -E '(PASSED|FAILED|SKIPPED|ERROR)' "$LOGDIR/pytest-ep-daemon.log" | grep '::' | sed 's/^/    /'
+    step "expert parallelism daemon (gpus [0, 0])" "$([ $rc = 0 ] && echo PASS || echo FAIL)" \
+        "$(tail -1 "$LOGDIR/pytest-ep-daemon.log")"
+else
+    step "expert parallelism daemon (gpus [0, 0])" SKIP "numpy or pytest missing"
 fi
 
 # 5. a real transformers model (Qwen3-MoE, DeepSeek-V3) on the GPU with its MoE

@@ -241,6 +241,9 @@ __device__ __forceinline__ unsigned chan_desc_check(const struct moe_gpu_chan_de
     sd->stall_ns = 0;
     sd->inl = 0;
     sd->flags = (cd->flags & MOE_GPU_CHAN_ROUTED_ONLY) ? MOE_GPU_ROUTED_ONLY : 0;
+    sd->rows = 0;
+    sd->ep_n = 1;
+    sd->ep_shard = 0;
     return MOE_GPU_CHAN_OK;
 }
 
@@ -424,6 +427,9 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                 sd.x = __ldcg(&st->desc.x);
                 sd.y = __ldcg(&st->desc.y);
                 sd.flags = __ldcg(&st->desc.flags);
+                sd.rows = __ldcg(&st->desc.rows);
+                sd.ep_n = __ldcg(&st->desc.ep_n);
+                sd.ep_shard = __ldcg(&st->desc.ep_shard);
             }
             s_go = go;
         }
@@ -432,12 +438,15 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
             break;
 
         /* ---- stage this CTA's slice of x into device memory: x may be
-         * mapped host memory, and PCIe needs many SMs' loads in flight ---- */
+         * mapped host memory, and PCIe needs many SMs' loads in flight.
+         * A COMBINE batch reads no x: its rows [T * KS, H] go to dout the
+         * same way (entry t * KS + j to dout row t * KS + j) ---- */
         const unsigned T = sd.n_tokens;
         {
-            const uint4 *xsrc = (const uint4 *)sd.x;
-            uint4 *xd = (uint4 *)p.xs;
-            const unsigned nx = T * p.d.hidden / 8;
+            const bool comb = sd.flags & MOE_GPU_COMBINE;
+            const uint4 *xsrc = (const uint4 *)(comb ? sd.rows : sd.x);
+            uint4 *xd = comb ? (uint4 *)p.dout : (uint4 *)p.xs;
+            const unsigned nx = comb ? T * KS * p.d.hidden / 4 : T * p.d.hidden / 8;
             for (unsigned i = blockIdx.x * THREADS + tid; i < nx; i += gridDim.x * THREADS)
                 xd[i] = __ldcv(xsrc + i);
             __threadfence();
@@ -446,9 +455,9 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                 st_relaxed_sys(&ctrl->phase_ns[2], globaltimer_ns());
         }
 
-        /* ---- route ---- */
+        /* ---- route (a COMBINE batch: no pairs, its rows into dout) ---- */
         const struct moe_gpu_layer L = p.layers[sd.layer];
-        build_route(p.d, T, p.ids_s, r, sd.flags);
+        build_route(p.d, T, p.ids_s, r, sd.flags, sd.ep_n, sd.ep_shard, &st->x_done);
         const unsigned n_ch = r.chs[NE];
         /* row tiles per task: up to NTILE_MAX while the batch still has
          * NTILE_WAVES tasks per CTA (small T keeps 1: every SM busy) */
@@ -463,7 +472,8 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
          * gives each warp one (token, 256-column) unit ---- */
         const unsigned n_cblk = (p.d.hidden + 255) / 256;
         const unsigned n_cu = T * n_cblk, n_cb = (n_cu + NWARPS - 1) / NWARPS;
-        const unsigned total = n_gu + n_dn + n_cb;
+        /* a ROWS batch has no combine units: its rows are copied after the loop */
+        const unsigned total = n_gu + n_dn + ((sd.flags & MOE_GPU_ROWS) ? 0u : n_cb);
         bool wrote_y = false, x_ready = false, dn_ready = false;
         uint8_t *sw_cta = smem + p.smem_route;
         if (tid == 0)
@@ -534,8 +544,16 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
             if (tid == 0)
                 s_task = next;
         }
+        if (sd.flags & MOE_GPU_ROWS) { /* every down tile, then this CTA's rows */
+            if (tid == 0)
+                while (ld_acquire_gpu32(&st->dn_done) < dn_tiles)
+                    __nanosleep(64);
+            __syncthreads();
+            ep_rows_copy(p, r, T, (float *)sd.rows);
+            wrote_y = true;
+        }
         if (wrote_y)
-            __threadfence_system(); /* y (possibly host memory) before done_seq */
+            __threadfence_system(); /* y or rows (host or peer memory) before done_seq */
 
         /* ---- batch end: the last CTA resets the counters and publishes ---- */
         batch_end(p, NE, st, n, s_last);

@@ -16,7 +16,8 @@ struct route {
 #define ROUTE_NONE 0xffffffffu
 
 __device__ __forceinline__ unsigned expert_of(const int32_t *ids, unsigned i, unsigned k,
-                                              unsigned ks, unsigned E, unsigned flags)
+                                              unsigned ks, unsigned E, unsigned flags,
+                                              unsigned ep_n, unsigned ep_shard)
 {
     unsigned t = i / ks, j = i - t * ks;
     if (j < k) {
@@ -28,15 +29,40 @@ __device__ __forceinline__ unsigned expert_of(const int32_t *ids, unsigned i, un
             return ROUTE_NONE;
         return (unsigned)v < E ? (unsigned)v : 0u;
     }
-    return (flags & MOE_GPU_ROUTED_ONLY) ? ROUTE_NONE : E + (j - k);
+    /* ROWS: the shared slots of token t are computed by device t % ep_n */
+    if ((flags & MOE_GPU_ROUTED_ONLY) || ((flags & MOE_GPU_ROWS) && t % ep_n != ep_shard))
+        return ROUTE_NONE;
+    return E + (j - k);
 }
 
 __device__ void build_route(const struct moe_gpu_dims &d, unsigned T, const int32_t *ids,
-                            const route &r, unsigned flags)
+                            const route &r, unsigned flags, unsigned ep_n, unsigned ep_shard,
+                            unsigned *x_done)
 {
     const unsigned NE = d.n_experts + d.n_shared, KS = d.top_k + d.n_shared;
     const unsigned n_ent = T * KS;
     const unsigned tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (flags & MOE_GPU_COMBINE) {
+        /* no pairs (chs[NE] = 0: no gate_up or down tasks); entry (t, j)
+         * reads dout row t * KS + j, where the x staging copied the batch's
+         * rows, or the zero row for an empty slot and (ROUTED_ONLY) a shared
+         * slot, as below; once every CTA's share of the rows is in dout
+         * (x_done), the combine units sum them with the plain batch's code */
+        const unsigned k = d.top_k, zero = d.max_tokens * KS;
+        for (unsigned i = tid; i < n_ent; i += THREADS) {
+            const unsigned t = i / KS, j = i - t * KS;
+            const bool in = j < k ? __ldcg(ids + (size_t)t * k + j) >= 0
+                                  : !(flags & MOE_GPU_ROUTED_ONLY);
+            r.pos[i] = (uint16_t)(in ? i : zero);
+        }
+        if (tid == 0) {
+            r.chs[NE] = 0;
+            while (ld_acquire_gpu32(x_done) < gridDim.x)
+                __nanosleep(32);
+        }
+        __syncthreads();
+        return;
+    }
     for (unsigned i = tid; i < NE; i += THREADS)
         r.cnt[i] = 0;
     __syncthreads();
@@ -44,7 +70,9 @@ __device__ void build_route(const struct moe_gpu_dims &d, unsigned T, const int3
         /* rank of each entry among earlier entries of the same expert */
         for (unsigned base = 0; base < n_ent; base += 32) {
             unsigned i = base + lane;
-            unsigned ex = i < n_ent ? expert_of(ids, i, d.top_k, KS, d.n_experts, flags) : ROUTE_NONE;
+            unsigned ex = i < n_ent ? expert_of(ids, i, d.top_k, KS, d.n_experts, flags, ep_n,
+                                                ep_shard)
+                                    : ROUTE_NONE;
             bool act = ex != ROUTE_NONE;
             if (!act)
                 ex = 0x80000000u | lane;
@@ -88,7 +116,7 @@ __device__ void build_route(const struct moe_gpu_dims &d, unsigned T, const int3
     }
     __syncthreads();
     for (unsigned i = tid; i < n_ent; i += THREADS) {
-        unsigned ex = expert_of(ids, i, d.top_k, KS, d.n_experts, flags);
+        unsigned ex = expert_of(ids, i, d.top_k, KS, d.n_experts, flags, ep_n, ep_shard);
         if (ex == ROUTE_NONE) {
             r.pos[i] = (uint16_t)(d.max_tokens * KS); /* the zero row */
             continue;

@@ -239,6 +239,36 @@ __device__ void combine_unit(const struct moe_gpu_params &p, const route &r, uns
     *reinterpret_cast<uint4 *>(y + (size_t)t * H + c) = o;
 }
 
+/* ROWS (expert parallelism), after every down tile of the batch: this
+ * CTA's share of the computed entries' rows (pos not the zero row) copied
+ * from dout to rows + (t * KS + j) * H, 8 floats per lane, one (entry, 256
+ * columns) unit per warp, the units dealt over every warp of the grid (not
+ * in the task loop: a COMBINE batch, likewise, is the plain combine over
+ * rows the x staging copied into dout, build_route; no second copy of the
+ * combine's code, which cost 8 spill bytes on sm_90a and ~300 on sm_120a,
+ * some of them in the task loop). Plain stores (rows may be a peer GPU's
+ * memory, mapped): the caller's system-scope fence, then the batch's
+ * release of done_seq, publish them. */
+__device__ __forceinline__ void ep_rows_copy(const struct moe_gpu_params &p, const route &r,
+                                             unsigned T, float *rows)
+{
+    const unsigned H = p.d.hidden, KS = p.d.top_k + p.d.n_shared;
+    const unsigned zero = p.d.max_tokens * KS, n_cblk = (H + 255) / 256;
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const unsigned n_u = T * KS * n_cblk;
+    for (unsigned u = blockIdx.x * NWARPS + warp; u < n_u; u += gridDim.x * NWARPS) {
+        const unsigned i = u / n_cblk, c = (u - i * n_cblk) * 256 + lane * 8;
+        const unsigned pos = r.pos[i];
+        if (pos == zero || c >= H)
+            continue;
+        const float4 *src = reinterpret_cast<const float4 *>(p.dout + (size_t)pos * H + c);
+        float4 *dst = reinterpret_cast<float4 *>(rows + (size_t)i * H + c);
+        const float4 a = __ldcg(src), b = __ldcg(src + 1);
+        dst[0] = a;
+        dst[1] = b;
+    }
+}
+
 /* Row tiles per task for a phase of `tiles` tiles on `grid` CTAs: as many as
  * NTILE_MAX while every CTA still gets NTILE_WAVES tasks. Longer
  * tasks pay the pipeline fill, the split-K barrier and the claim once per

@@ -21,6 +21,7 @@
 #include "gpu/moe_cases.h"
 #include "moe_ref.h"
 #include "moed_err.h"
+#include "moed_log.h"
 #include "nvfp4.h"
 static int n_pass, n_fail;
 
@@ -38,6 +39,20 @@ static void result(int ok, const char *fmt, ...)
         n_pass++;
     else
         n_fail++;
+}
+
+/* A GPU test's start: warnings only in the log, guard regions around the
+ * kernel's scratch (guards); 0 if no CUDA device is visible (the summary
+ * line printed, one failure). */
+static int gpu_test_start(int guards)
+{
+    moed_log_set_level(MOED_LOG_WARN);
+    moed_backend_cuda_test_guards(guards);
+    if (!moed_backend_cuda_available()) {
+        printf("no CUDA device visible\ngpu tests: 0 passed, 1 failed\n");
+        return 0;
+    }
+    return 1;
 }
 
 /* ---------------- random data ---------------- */

@@ -250,11 +250,8 @@ int main(void)
      * context, i.e. for the resident persistent kernel (CUDA's lazy loading
      * and concurrently running kernels) */
     setenv("CUDA_MODULE_LOADING", "EAGER", 1);
-    moed_log_set_level(MOED_LOG_WARN);
-    if (!moed_backend_cuda_available()) {
-        printf("no CUDA device visible\ngpu tests: 0 passed, 1 failed\n");
+    if (!gpu_test_start(0))
         return 1;
-    }
     const struct moe_shape *p = &moe_shapes[0]; /* tiny */
     const uint32_t H = p->H, k = p->k, E = p->E;
     struct synth sy[2];

@@ -445,12 +445,8 @@ int main(int argc, char **argv)
             return 2;
         }
     }
-    moed_log_set_level(MOED_LOG_WARN);
-    moed_backend_cuda_test_guards(1);
-    if (!moed_backend_cuda_available()) {
-        printf("no CUDA device visible\ngpu tests: 0 passed, 1 failed\n");
+    if (!gpu_test_start(1))
         return 1;
-    }
     int ran = n_pass + n_fail;
     if (selected("abi", NULL)) {
         char err[MOED_ERRLEN] = "";

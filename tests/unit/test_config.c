@@ -287,6 +287,12 @@ START_TEST(arrays)
                "server.allowed_uids[0]: 4294967295 is out of range [0, 4294967294]");
     expect_err("{\"server\": {\"allowed_gids\": [5, 6, 5]}}",
                "server.allowed_gids[2]: 5 is already listed at index 0");
+    /* a GPU may be listed twice (expert parallelism on one GPU), an id not */
+    ck_assert_msg(parse("{\"engine\": {\"gpus\": [0, 0, 1], \"placement\": \"/x/p.json\"}}",
+                        &c) == 0, "%s", err);
+    ck_assert_uint_eq(c.n_gpus, 3);
+    ck_assert_int_eq(c.gpus[1], 0);
+    ck_assert_str_eq(c.placement, "/x/p.json");
     expect_err("{\"engine\": {\"gpus\": [0, -1]}}", "engine.gpus[1]: -1 is out of range [0, 1023]");
     expect_err("{\"engine\": {\"gpus\": [0.5]}}",
                "engine.gpus[0]: expected an integer, got number 0.5");

@@ -7,6 +7,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "check_main.h"
 #include "moed_err.h"
@@ -247,6 +248,111 @@ START_TEST(test_balanced_argument_checks)
 }
 END_TEST
 
+/* ---- the map file (moed_placement_parse_json / _load_json) ---- */
+
+/* A model of 4 layers, MoE layers 1 and 3, 4 routed experts, 1 shared, on 2
+ * devices; err for `text`, or "" if it parses (then out is checked). */
+static const uint8_t map_moe[4] = {0, 1, 0, 1};
+
+static int map_parse(const char *text, struct moed_placement out[4], char *err, size_t errlen)
+{
+    err[0] = 0;
+    return moed_placement_parse_json(text, strlen(text), "m.json", 4, map_moe, 4, 1, 2, out, err,
+                                     errlen);
+}
+
+#define MAP_HEAD "{\"gpus\": 2, \"max_replicas\": 2, \"hot\": 1, \"n_experts\": 4, \"n_shared\": 1, "
+#define MAP_L1 "{\"layer\": 1, \"experts\": [[0], [1], [0, 1], [1]], \"tokens\": 9}"
+#define MAP_L3 "{\"layer\": 3, \"experts\": [[1], [1], [1], [0]]}"
+
+START_TEST(test_map_file_reads_every_layer)
+{
+    struct moed_placement out[4];
+    char err[512];
+    ck_assert_int_eq(map_parse(MAP_HEAD "\"layers\": [" MAP_L3 ", " MAP_L1 "]}", out, err,
+                               sizeof err), 0);
+    ck_assert_ptr_null(out[0].n_rep);
+    ck_assert_ptr_null(out[2].n_rep);
+    ck_assert_uint_eq(out[1].n_dev, 2);
+    ck_assert_uint_eq(out[1].n_shared, 1);
+    ck_assert_uint_eq(out[1].n_rep[2], 2);
+    ck_assert_uint_eq(DEV(&out[1], 2, 0), 0);
+    ck_assert_uint_eq(DEV(&out[1], 2, 1), 1);
+    ck_assert_uint_eq(DEV(&out[1], 1, 0), 1);
+    ck_assert_uint_eq(out[3].n_rep[0], 1);
+    ck_assert_uint_eq(DEV(&out[3], 0, 0), 1);
+    ck_assert_uint_eq(DEV(&out[3], 3, 0), 0);
+    moed_placement_free(&out[1]);
+    moed_placement_free(&out[3]);
+}
+END_TEST
+
+START_TEST(test_map_file_errors_name_file_layer_entry)
+{
+    static const struct {
+        const char *text, *err;
+    } cases[] = {
+        {"[1, 2]", "m.json: not a JSON object (moectl placement --json writes the map)"},
+        {"{\"gpus\": 3, \"n_experts\": 4, \"n_shared\": 1, \"layers\": []}",
+         "m.json: \"gpus\" is 3 but engine.gpus lists 2"},
+        {"{\"gpus\": 2, \"n_experts\": 5, \"n_shared\": 1, \"layers\": []}",
+         "m.json: \"n_experts\" is 5 but the model's routed experts are 4"},
+        {"{\"gpus\": 2, \"n_experts\": 4, \"layers\": []}",
+         "m.json: \"n_shared\" is missing or not an integer"},
+        {MAP_HEAD "\"layers\": 7}", "m.json: \"layers\" is missing or not an array"},
+        {MAP_HEAD "\"layers\": [" MAP_L1 "]}",
+         "m.json: MoE layer 3 is not in the map (every MoE layer must be)"},
+        {MAP_HEAD "\"layers\": [" MAP_L1 ", " MAP_L1 "]}", "m.json: layer 1 is listed twice"},
+        {MAP_HEAD "\"layers\": [{\"layer\": 2, \"experts\": []}]}",
+         "m.json: layers[0]: layer 2 is not an MoE layer of the model (4 layers)"},
+        {MAP_HEAD "\"layers\": [{\"layer\": 1.5}]}",
+         "m.json: layers[0] is not an object with an integer \"layer\""},
+        {MAP_HEAD "\"layers\": [{\"layer\": 1, \"experts\": [[0], [1], [0]]}]}",
+         "m.json: layer 1: \"experts\" must be an array of 4 device lists (one per routed "
+         "expert)"},
+        {MAP_HEAD "\"layers\": [{\"layer\": 1, \"experts\": [[0], [], [0], [1]]}]}",
+         "m.json: layer 1, expert 1: not a list of 1..8 device indices"},
+        {MAP_HEAD "\"layers\": [{\"layer\": 1, \"experts\": [[0], [1, \"a\"], [0], [1]]}]}",
+         "m.json: layer 1, expert 1, entry 1: not a device index"},
+        {MAP_HEAD "\"layers\": [" MAP_L1 ", {\"layer\": 3, \"experts\": [[0], [1], [2], [1]]}]}",
+         "m.json: layer 3: expert 2, entry 0: device 2 is out of range [0, 2)"},
+        {MAP_HEAD "\"layers\": [{\"layer\": 1, \"experts\": [[0], [1, 1], [0], [1]]}]}",
+         "m.json: layer 1: expert 1 names device 1 twice"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        struct moed_placement out[4];
+        char err[512];
+        ck_assert_int_eq(map_parse(cases[i].text, out, err, sizeof err), MOED_E_CONFIG);
+        ck_assert_str_eq(err, cases[i].err);
+        for (int l = 0; l < 4; l++) /* nothing left allocated on an error */
+            ck_assert_ptr_null(out[l].n_rep);
+    }
+}
+END_TEST
+
+START_TEST(test_map_file_load)
+{
+    char path[] = "/tmp/moed-test-placement-XXXXXX";
+    int fd = mkstemp(path);
+    ck_assert_int_ge(fd, 0);
+    const char *text = MAP_HEAD "\"layers\": [" MAP_L1 ", " MAP_L3 "]}";
+    ck_assert_int_eq(write(fd, text, strlen(text)), (ssize_t)strlen(text));
+    close(fd);
+    struct moed_placement out[4];
+    char err[512] = "";
+    ck_assert_int_eq(moed_placement_load_json(path, 4, map_moe, 4, 1, 2, out, err, sizeof err),
+                     0);
+    ck_assert_uint_eq(out[3].n_rep[1], 1);
+    moed_placement_free(&out[1]);
+    moed_placement_free(&out[3]);
+    unlink(path);
+    ck_assert_int_eq(moed_placement_load_json(path, 4, map_moe, 4, 1, 2, out, err, sizeof err),
+                     MOED_E_CONFIG);
+    ck_assert_ptr_nonnull(strstr(err, path));
+    ck_assert_ptr_nonnull(strstr(err, "No such file"));
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("placement");
@@ -259,6 +365,9 @@ int main(void)
     tcase_add_test(tc, test_assign_refuses_out_of_range_ids);
     tcase_add_test(tc, test_map_checks);
     tcase_add_test(tc, test_balanced_argument_checks);
+    tcase_add_test(tc, test_map_file_reads_every_layer);
+    tcase_add_test(tc, test_map_file_errors_name_file_layer_entry);
+    tcase_add_test(tc, test_map_file_load);
     suite_add_tcase(s, tc);
     return moed_check_run(s);
 }
