@@ -5,7 +5,9 @@
 #   BUILD=build-cuda  build dir with moed, moectl and tests/gpu_* (CUDA=1)
 #   LOGDIR=dir        where the logs go (default $BUILD/gpu-logs)
 #   GPU_TESTS_QUICK=1 skip the deepseek-v3 shape (needs ~16 GB host memory)
-#   GPU_TESTS_ONLY=zero-copy|doorbell  run step 6 or 7 alone (under MPS)
+#   GPU_TESTS_ONLY=zero-copy|doorbell  run step 6 or 7 alone (under MPS);
+#                 base: steps 1-5 only; mps: 6 and 7 only (the two halves fit
+#                 one device call of 10 minutes each, the whole may not)
 set -u
 . "$(dirname "$0")/mps.sh"
 BUILD=${BUILD:-build}
@@ -23,7 +25,8 @@ step() { # name status detail
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv \
     > "$LOGDIR/nvidia-smi.txt" 2>&1 || true
 
-if [ -z "${GPU_TESTS_ONLY:-}" ]; then
+ONLY=${GPU_TESTS_ONLY:-}
+if [ -z "$ONLY" ] || [ "$ONLY" = base ]; then
 # 1. correctness, determinism, stream, idle exit, cycles, deadline
 T=$BUILD/tests/gpu_test_moe_gpu
 args=()
@@ -159,7 +162,9 @@ fi # GPU_TESTS_ONLY
 #    test_doorbell_model.py: a transformers model served through the plugins'
 #    doorbell path), torch clients on the daemon's GPU under MPS (started
 #    here, stopped after)
-if python3 -c 'import torch, numpy, pytest; assert torch.cuda.is_available()' 2>/dev/null &&
+if [ "$ONLY" = base ]; then
+    : # steps 1-5 only
+elif python3 -c 'import torch, numpy, pytest; assert torch.cuda.is_available()' 2>/dev/null &&
         command -v nvidia-cuda-mps-control >/dev/null; then
     mps_start
     # each file in its own pytest process with its own limit (GPU_TEST_PY_TIMEOUT, s),
@@ -168,7 +173,7 @@ if python3 -c 'import torch, numpy, pytest; assert torch.cuda.is_available()' 2>
     export PYTHONPATH="$PWD/ipc/python${PYTHONPATH:+:$PYTHONPATH}" MOED_BUILD="$BUILD" MOED_TEST_MPS=1 LOGDIR
     for t in zero-copy:test_zero_copy.py doorbell:test_doorbell.py doorbell-model:test_doorbell_model.py; do
         name=${t%%:*}
-        [ -z "${GPU_TESTS_ONLY:-}" ] || [ "$GPU_TESTS_ONLY" = "${name%%-*}" ] || continue
+        [ -z "$ONLY" ] || [ "$ONLY" = mps ] || [ "$ONLY" = "${name%%-*}" ] || continue
         timeout -s INT -k 20 "${GPU_TEST_PY_TIMEOUT:-600}" python3 -m pytest -v -s -rs -p no:cacheprovider \
             -W ignore::FutureWarning "tests/gpu/${t#*:}" > "$LOGDIR/pytest-$name.log" 2>&1
         rc=$?
