@@ -255,10 +255,13 @@ int moed_desc_register(struct moed_desc *d, struct moed_conn *c,
         ;
     if (m && m->gpu != gpu) {
         /* one allocation claimed as another GPU's memory than before */
+        char was[32] = "this daemon's GPU";
+        if (m->gpu >= 0)
+            snprintf(was, sizeof was, "peer GPU %d", m->gpu);
         rc = moed_seterr(err, errlen, MOED_E_INVAL,
-                         "the handle is mapped already as memory of %s GPU %d, not of the GPU "
-                         "this registration names",
-                         m->gpu < 0 ? "this daemon's" : "peer", m->gpu < 0 ? 0 : m->gpu);
+                         "the handle is mapped already as memory of %s, not of the GPU this "
+                         "registration names",
+                         was);
         m = NULL;
         goto out;
     }

@@ -19,7 +19,7 @@ import pytest
 
 import daemon_util as du
 import moed_client as mc
-from test_daemon_desc import Shm, layout
+from test_daemon_desc import Shm, forward_by_desc, layout
 
 OWN = b"moed-cpu-test-id"   # MOED_TEST_CPU_UUID: moed's GPU, ordinal 0
 PEER = b"moed-peer-gpu-01"  # ordinal 1, peer access both ways
@@ -87,14 +87,7 @@ def test_forward_desc_from_a_peer_gpu_equals_inline(daemon, dims):
             rb, _ = status(daemon)
             assert (rb["mappings"], rb["peer_mappings"]) == (1, 1), rb
             for layer, x, ids, w, _ in cases:
-                t = x.shape[0]
-                ox, oi, ow, oy, _ = layout(dims, t)
-                shm.put(ox, x)
-                shm.put(oi, ids)
-                shm.put(ow, w)
-                shm.put(oy, np.full(t * dims["hidden"], 0xFFFF, np.uint16))
-                c.forward_desc(layer, t, (bid, ox), (bid, oi), (bid, ow), (bid, oy))
-                y = shm.get(oy, t * dims["hidden"], np.uint16).reshape(t, -1)
+                y = forward_by_desc(c, shm, dims, bid, layer, x, ids, w)
                 assert np.array_equal(y, np.asarray(c.forward(layer, x, ids, w)).view(np.uint16))
             # the same allocation claimed as moed's own GPU's memory: refused
             with pytest.raises(mc.MoedError) as e:

@@ -374,7 +374,9 @@ class Channel:
         if self.peer_gpu is None:
             self._arena_range = _DeviceRange(ptr, nbytes)
             t = _torch().as_tensor(self._arena_range)
-        else:
+            if t.device.type == "cuda" and t.device != self.device and t.data_ptr() == ptr:
+                self.peer_gpu = t.device.index  # torch's pointer query knows better
+        if self.peer_gpu is not None:
             self._arena_range = _PeerRange(ptr, nbytes, DL_CUDA, self.device.index)
             t = self._arena_range.tensor()
         if t.data_ptr() != ptr or t.numel() != nbytes or t.device != self.device:
