@@ -12,8 +12,9 @@
  * healthy. A client on another GPU of the host (cuda_peer_gpu: one this
  * process sees, with peer access both ways) registers the same way: its
  * handle opens in this backend's device context, the flag enabling peer
- * access to the GPU it lies on, and the kernel reads x (__ldcv, no stale L1
- * or L2 line: the loads go over NVLink to the client's memory every batch)
+ * access to the GPU it lies on, and the kernel reads x, ids and w (__ldcv,
+ * kernel.cuh and stage_routing in task.cuh: no stale L1 or L2 line, the
+ * loads go over NVLink to the client's memory every batch)
  * and writes y there (plain stores, which __threadfence_system in
  * batch_end, kernels/moe_gpu/kernel.cuh, orders before the answer at
  * system scope: peer memory is covered by the .sys scope as mapped host
