@@ -151,6 +151,26 @@ struct moed_backend_ops {
     int (*ipc_open)(struct moed_backend *be, const uint8_t handle[64], struct moed_buf *out,
                     char *err, size_t errlen);
     void (*ipc_close)(struct moed_backend *be, const struct moed_buf *m);
+    /* Optional (NULL: a client on another GPU is refused; needs
+     * device_uuid): can a client whose GPU has this UUID, not the backend's
+     * own, be served by peer access (docs/ZERO_COPY.md, the dedicated expert
+     * GPU)? It must be a GPU this process sees, and peer access must hold
+     * both ways: the backend's kernel reads x and writes y in the client's
+     * memory (REGISTER_BUF), the client's kernel writes the bell and slots
+     * and reads done in the backend's (CHAN_OPEN). Returns the GPU's
+     * ordinal in this process (>= 0, never the backend's own), or
+     * MOED_E_INVAL with the reason in err (not visible to this process; no
+     * peer access between the two, naming both ordinals). A buffer mapped
+     * from such a GPU (ipc_open: the handle opens in the backend's own
+     * device context, peer access enabled lazily) is MOED_BUF_DEVICE of the
+     * backend's device: the address is one its kernel uses, the bytes lie
+     * across NVLink. Loop thread; may take milliseconds. */
+    int (*peer_gpu)(struct moed_backend *be, const uint8_t uuid[16], char *err, size_t errlen);
+    /* (peer_gpu's two reasons, printf formats: the GPUs visible and
+     * CUDA_VISIBLE_DEVICES or "unset"; moed's ordinal and the peer's) */
+#define MOED_PEER_NOT_VISIBLE                                                                  \
+    "it is not one of the %d GPUs this process sees (CUDA_VISIBLE_DEVICES %s)"
+#define MOED_PEER_NO_ACCESS "there is no peer access between GPU %d (this daemon's) and GPU %d"
     /* Optional, all four or none (doorbell channels, engine/desc.h; CUDA
      * only). chan_open takes a free entry of the kernel's channel table
      * (engine.max_channels; none free: MOED_E_BUSY), fills it with bufs (the

@@ -56,6 +56,8 @@ struct cpu_node {
     struct moed_batch *b;
 };
 
+#define CPU_MAX_PEERS 7 /* MOED_TEST_CPU_PEERS entries (a host of 8 GPUs) */
+
 struct cpu_backend {
     struct moed_backend base; /* first: ops receive &base */
     struct moed_backend_ops ops; /* cpu_ops, plus host_alloc with cpu_host_alloc */
@@ -67,6 +69,11 @@ struct cpu_backend {
     uint32_t ep_shard, n_layers;
     int kernel_time; /* MOED_TEST_CPU_KERNEL_TIME */
     int no_mps;      /* MOED_TEST_CPU_NO_MPS */
+    /* MOED_TEST_CPU_PEERS: the other "GPUs" this process sees, ordinals
+     * 1..n_peers (0 is the backend's own), each with or without peer access */
+    uint32_t n_peers;
+    uint8_t peer_uuid[CPU_MAX_PEERS][16];
+    uint8_t peer_ok[CPU_MAX_PEERS];
     /* MOED_TEST_CPU_CHANNELS: per entry 0 free, 1 open, else closed with
      * chan_polls[i] polls to go; loop thread only */
     uint32_t max_chans, chan_opens;
@@ -295,6 +302,38 @@ static void cpu_test_ipc_close(struct moed_backend *be, const struct moed_buf *m
     munmap(m->ptr, (size_t)m->bytes);
 }
 
+/* MOED_TEST_CPU_PEERS (test_hooks.h): "UUID[!],UUID[!]..." into cb; an
+ * entry that is not 16 characters (and an optional '!') ends the list. */
+static void cpu_test_peers_parse(struct cpu_backend *cb, const char *v)
+{
+    while (v && cb->n_peers < CPU_MAX_PEERS && strlen(v) >= 16) {
+        memcpy(cb->peer_uuid[cb->n_peers], v, 16);
+        v += 16;
+        cb->peer_ok[cb->n_peers] = *v != '!';
+        v += *v == '!';
+        if (*v != ',' && *v != 0)
+            break;
+        cb->n_peers++;
+        v += *v == ',';
+    }
+}
+
+/* The stand-in of the CUDA backend's peer_gpu (backend_ipc_cuda.c), with
+ * the same reasons. */
+static int cpu_test_peer_gpu(struct moed_backend *be, const uint8_t uuid[16], char *err,
+                             size_t errlen)
+{
+    const struct cpu_backend *cb = (const struct cpu_backend *)be;
+    for (uint32_t i = 0; i < cb->n_peers; i++)
+        if (memcmp(cb->peer_uuid[i], uuid, 16) == 0)
+            return cb->peer_ok[i] ? (int)i + 1
+                                  : moed_seterr(err, errlen, MOED_E_INVAL, MOED_PEER_NO_ACCESS,
+                                                0, (int)i + 1);
+    const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+    return moed_seterr(err, errlen, MOED_E_INVAL, MOED_PEER_NOT_VISIBLE, (int)cb->n_peers + 1,
+                       vis ? vis : "unset");
+}
+
 /* MOED_TEST_CPU_CHANNELS (test_hooks.h): channel entries that serve
  * nothing; the "handle" names the entry, the "fatbin" is a fixed string, an
  * arena is only reported (at MOE_GPU_CHAN_ARENA_OFF), not allocated. */
@@ -383,6 +422,9 @@ int moed_backend_cpu_open(struct moed_model *m, const struct moed_backend_cfg *c
         cb->ops.device_uuid = cpu_test_uuid;
         cb->ops.ipc_open = cpu_test_ipc_open;
         cb->ops.ipc_close = cpu_test_ipc_close;
+        cpu_test_peers_parse(cb, getenv(MOED_TEST_CPU_PEERS));
+        if (cb->n_peers)
+            cb->ops.peer_gpu = cpu_test_peer_gpu;
     }
     cb->no_mps = moed_test_switch(MOED_TEST_CPU_NO_MPS);
     int chans = moed_test_switch(MOED_TEST_CPU_CHANNELS);

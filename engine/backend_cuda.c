@@ -605,6 +605,7 @@ static const struct moed_backend_ops cuda_ops = {
     .host_alloc = cuda_host_alloc,
     .host_free = cuda_host_free,
     .device_uuid = cuda_device_uuid,
+    .peer_gpu = cuda_peer_gpu,
     .ipc_open = cuda_ipc_open,
     .ipc_close = cuda_ipc_close,
     .chan_open = cuda_chan_open,

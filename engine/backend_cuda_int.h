@@ -154,6 +154,7 @@ int cuda_place_weights(struct cuda_backend *cb, const struct moed_cuda_src *src,
 /* The zero-copy path (backend_ipc_cuda.c): the backend's ops device_uuid,
  * ipc_open, ipc_close (backend.h). */
 int cuda_device_uuid(struct moed_backend *be, uint8_t uuid[16], int *mps);
+int cuda_peer_gpu(struct moed_backend *be, const uint8_t uuid[16], char *err, size_t errlen);
 int cuda_ipc_open(struct moed_backend *be, const uint8_t handle[64], struct moed_buf *out,
                   char *err, size_t errlen);
 void cuda_ipc_close(struct moed_backend *be, const struct moed_buf *m);

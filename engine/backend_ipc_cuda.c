@@ -9,7 +9,19 @@
  * larger allocation than it has is refused before any batch can read past
  * its end. A handle that will not open is the client's error (MOED_E_IO),
  * never the backend's: the runtime error is cleared and the backend stays
- * healthy. Loop thread. Also what the backend knows of sharing its GPU: the
+ * healthy. A client on another GPU of the host (cuda_peer_gpu: one this
+ * process sees, with peer access both ways) registers the same way: its
+ * handle opens in this backend's device context, the flag enabling peer
+ * access to the GPU it lies on, and the kernel reads x, ids and w (__ldcv,
+ * kernel.cuh and stage_routing in task.cuh: no stale L1 or L2 line, the
+ * loads go over NVLink to the client's memory every batch)
+ * and writes y there (plain stores, which __threadfence_system in
+ * batch_end, kernels/moe_gpu/kernel.cuh, orders before the answer at
+ * system scope: peer memory is covered by the .sys scope as mapped host
+ * memory is, so the client that sees the answer sees y). Closing such a
+ * mapping goes through the release queue as any other (cudaIpcCloseMemHandle
+ * waits for an idle device). Loop thread. Also what the backend knows of
+ * sharing its GPU: the
  * device's UUID and whether it runs under MPS, and the SMs the kernel then
  * leaves to the other processes (cuda_sms_free).
  */
@@ -51,6 +63,41 @@ int cuda_device_uuid(struct moed_backend *be, uint8_t uuid[16], int *mps)
     memcpy(uuid, cb->uuid, 16);
     *mps = cb->mps;
     return 0;
+}
+
+int cuda_peer_gpu(struct moed_backend *be, const uint8_t uuid[16], char *err, size_t errlen)
+{
+    const struct cuda_backend *cb = (const struct cuda_backend *)be;
+    int n = 0, peer = -1;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        (void)cudaGetLastError();
+        n = 0;
+    }
+    for (int i = 0; i < n && peer < 0; i++) {
+        struct cudaDeviceProp prop;
+        if (cudaGetDeviceProperties(&prop, i) != cudaSuccess) {
+            (void)cudaGetLastError();
+            continue;
+        }
+        if (i != cb->dev && memcmp(prop.uuid.bytes, uuid, 16) == 0)
+            peer = i;
+    }
+    if (peer < 0) {
+        const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+        return moed_seterr(err, errlen, MOED_E_INVAL, MOED_PEER_NOT_VISIBLE, n,
+                           vis ? vis : "unset");
+    }
+    /* both ways: this kernel reads x / writes y in the peer's memory, the
+     * client's kernel writes bells and slots and reads done in this GPU's */
+    int to = 0, from = 0;
+    if (cudaDeviceCanAccessPeer(&to, cb->dev, peer) != cudaSuccess ||
+        cudaDeviceCanAccessPeer(&from, peer, cb->dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        to = from = 0;
+    }
+    if (!to || !from)
+        return moed_seterr(err, errlen, MOED_E_INVAL, MOED_PEER_NO_ACCESS, cb->dev, peer);
+    return peer;
 }
 
 static get_range_fn range_fn(void)

@@ -22,6 +22,7 @@ struct desc_map {
     uint8_t handle[MOED_PROTO_IPC_HANDLE_BYTES];
     struct moed_buf mem; /* where it is mapped here (kind, device, base, bytes) */
     uint32_t refs;       /* registrations using it */
+    int gpu;             /* the client's GPU: -1 this daemon's, else its peer ordinal */
 };
 
 /* One registration: [off, off + size) of a mapping. */
@@ -44,6 +45,7 @@ struct desc_chan {
     struct desc_chan *next;
     struct moed_conn *conn; /* its connection while open; NULL once draining */
     uint32_t id, index, n_bufs;
+    int gpu;                /* the client's GPU: -1 this daemon's, else its peer ordinal */
     uint64_t arena_bytes;   /* its arena in the daemon (0: none); table range 0 then */
     struct desc_buf *bufs[MOED_PROTO_CHAN_BUFS];
 };
@@ -78,6 +80,7 @@ static void map_put(struct moed_desc *d, struct desc_map *m)
         d->be->ops->ipc_close(d->be, &m->mem);
     d->st.mappings--;
     d->st.mapped_bytes -= m->mem.bytes;
+    d->st.peer_mappings -= m->gpu >= 0;
     free(m);
 }
 
@@ -163,6 +166,38 @@ static void hex16(const uint8_t *u, char out[33])
         snprintf(out + 2 * i, 3, "%02x", u[i]);
 }
 
+/* Which GPU the client's memory or kernels are on (REGISTER_BUF's and
+ * CHAN_OPEN's uuid): *gpu -1 for this daemon's own (then *mps says whether
+ * it is shared through MPS), else the ordinal of a GPU the backend serves by
+ * peer access (no MPS needed: the client's kernels run on their own GPU).
+ * Anything else is refused naming both UUIDs and the reason; `what` says
+ * what lies there ("the buffer lies", "the client's kernels run"). */
+static int client_gpu(struct moed_desc *d, const uint8_t want[MOED_PROTO_UUID_BYTES],
+                      const char *what, int *gpu, int *mps, char *err, size_t errlen)
+{
+    const struct moed_backend_ops *ops = d->be->ops;
+    uint8_t uuid[MOED_PROTO_UUID_BYTES];
+    *gpu = -1;
+    *mps = 0;
+    int rc = ops->device_uuid(d->be, uuid, mps);
+    if (rc < 0)
+        return moed_seterr(err, errlen, rc, "backend %s: the GPU's UUID is not known", ops->name);
+    if (memcmp(uuid, want, sizeof uuid) == 0)
+        return 0;
+    char a[33], b[33], why[200] = "the backend has no peer access";
+    hex16(want, a);
+    hex16(uuid, b);
+    rc = ops->peer_gpu ? ops->peer_gpu(d->be, want, why, sizeof why) : MOED_E_INVAL;
+    if (rc >= 0) {
+        *gpu = rc;
+        return 0;
+    }
+    return moed_seterr(err, errlen, MOED_E_INVAL,
+                       "%s on GPU %s, not on this daemon's GPU %s, and peer access cannot "
+                       "serve it: %s",
+                       what, a, b, why);
+}
+
 /* Validate (everything that does not need the handle), then open. */
 static int find(const struct desc_conn *t, uint32_t id)
 {
@@ -204,24 +239,11 @@ int moed_desc_register(struct moed_desc *d, struct moed_conn *c,
                          ops->name);
         goto out;
     }
-    uint8_t uuid[MOED_PROTO_UUID_BYTES];
-    int mps = 0;
-    rc = ops->device_uuid(d->be, uuid, &mps);
-    if (rc < 0) {
-        rc = moed_seterr(err, errlen, rc, "backend %s: the GPU's UUID is not known", ops->name);
+    int gpu = -1, mps = 0;
+    rc = client_gpu(d, rq->uuid, "the buffer lies", &gpu, &mps, err, errlen);
+    if (rc < 0)
         goto out;
-    }
-    if (memcmp(uuid, rq->uuid, sizeof uuid) != 0) {
-        char a[33], b[33];
-        hex16(rq->uuid, a);
-        hex16(uuid, b);
-        rc = moed_seterr(err, errlen, MOED_E_INVAL,
-                         "the buffer lies on GPU %s, not on this daemon's GPU %s (buffers on "
-                         "another GPU are not supported)",
-                         a, b);
-        goto out;
-    }
-    if (!mps && !d->warned_mps) {
+    if (gpu < 0 && !mps && !d->warned_mps) {
         /* a client on this GPU without MPS: its own kernels (the copies into
          * the buffer it lends) run only while moed's kernel is not resident */
         LOG_W("buffers: a client registers memory of this daemon's GPU, which is not under MPS: "
@@ -231,6 +253,18 @@ int moed_desc_register(struct moed_desc *d, struct moed_conn *c,
     }
     for (m = d->maps; m && memcmp(m->handle, rq->handle, sizeof m->handle) != 0; m = m->next)
         ;
+    if (m && m->gpu != gpu) {
+        /* one allocation claimed as another GPU's memory than before */
+        char was[32] = "this daemon's GPU";
+        if (m->gpu >= 0)
+            snprintf(was, sizeof was, "peer GPU %d", m->gpu);
+        rc = moed_seterr(err, errlen, MOED_E_INVAL,
+                         "the handle is mapped already as memory of %s, not of the GPU this "
+                         "registration names",
+                         was);
+        m = NULL;
+        goto out;
+    }
     if (m) {
         m->refs++;
     } else {
@@ -247,10 +281,12 @@ int moed_desc_register(struct moed_desc *d, struct moed_conn *c,
             goto out;
         }
         m->refs = 1;
+        m->gpu = gpu;
         m->next = d->maps;
         d->maps = m;
         d->st.mappings++;
         d->st.mapped_bytes += m->mem.bytes;
+        d->st.peer_mappings += gpu >= 0;
     }
     if (rq->offset > m->mem.bytes || rq->size > m->mem.bytes - rq->offset) {
         rc = moed_seterr(err, errlen, MOED_E_RANGE,
@@ -448,21 +484,11 @@ static int chan_check(struct moed_desc *d, struct moed_conn *c,
                                i, rq->buf_ids[i]);
         ch->bufs[i] = t->bufs[k];
     }
-    uint8_t uuid[MOED_PROTO_UUID_BYTES];
     int mps = 0;
-    int rc = ops->device_uuid(d->be, uuid, &mps);
+    int rc = client_gpu(d, rq->uuid, "the client's kernels run", &ch->gpu, &mps, err, errlen);
     if (rc < 0)
-        return moed_seterr(err, errlen, rc, "backend %s: the GPU's UUID is not known", ops->name);
-    if (memcmp(uuid, rq->uuid, sizeof uuid) != 0) {
-        char a[33], b[33];
-        hex16(rq->uuid, a);
-        hex16(uuid, b);
-        return moed_seterr(err, errlen, MOED_E_INVAL,
-                           "the client's kernels run on GPU %s, not on this daemon's GPU %s "
-                           "(channels from another GPU are not supported)",
-                           a, b);
-    }
-    if (!mps)
+        return rc;
+    if (ch->gpu < 0 && !mps)
         return moed_seterr(err, errlen, MOED_E_UNSUPPORTED,
                            "the client's GPU is moed's GPU and MPS is off: the client's kernels "
                            "cannot run while moed's persistent kernel is resident; start MPS "
@@ -523,8 +549,9 @@ int moed_desc_chan_open(struct moed_desc *d, struct moed_conn *c,
                                        .arena_bytes = info.arena_bytes};
     memcpy(rep->handle, info.handle, sizeof rep->handle);
     *kernel = info.kernel;
-    LOG_D("channels: channel %u open (entry %u, %u buffers, a %" PRIu64 "-byte arena)", ch->id,
-          ch->index, ch->n_bufs, ch->arena_bytes);
+    LOG_D("channels: channel %u open (entry %u, %u buffers, a %" PRIu64 "-byte arena, client "
+          "GPU %d: -1 this daemon's)",
+          ch->id, ch->index, ch->n_bufs, ch->arena_bytes, ch->gpu);
     return 0;
 }
 
@@ -547,7 +574,7 @@ uint32_t moed_desc_chan_rows(const struct moed_desc *d, struct moed_desc_chan_ro
     for (int i = 0; i < 2; i++)
         for (const struct desc_chan *ch = lists[i]; ch && n < max; ch = ch->next, n++) {
             out[n] = (struct moed_desc_chan_row){ch->id, ch->index, ch->n_bufs, i == 1,
-                                                 ch->arena_bytes, {0}};
+                                                 ch->gpu, ch->arena_bytes, {0}};
             chan_stats(d, ch, &out[n].st);
         }
     return n;

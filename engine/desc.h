@@ -2,7 +2,8 @@
  * (prefix moed_desc_; protocol version 2, ipc/PROTOCOL.md section 9).
  *
  * A client registers a range of one of its GPU allocations (CUDA IPC handle,
- * offset, size, device UUID); the registry checks it, maps the allocation
+ * offset, size, device UUID: this daemon's GPU, or a GPU it reaches by peer
+ * access, backend peer_gpu); the registry checks it, maps the allocation
  * through the backend (ipc_open) once per handle, caches the mapping and
  * hands out a buffer id that names the range on that connection only. A
  * FORWARD_DESC names x, ids, w and y as (id, offset) ranges: each is checked
@@ -21,7 +22,8 @@
  * client's death frees nothing the kernel touches) and up to one fewer;
  * once the checks pass (registration on when ids are named, channels on, a
  * backend with chan ops, the arena within moed_desc_arena_limit, every id
- * registered here, the client's GPU this daemon's GPU under MPS) the
+ * registered here, the client's GPU this daemon's GPU under MPS, or a GPU
+ * the backend reaches by peer access, backend peer_gpu, without MPS) the
  * backend's chan_open takes a table entry and the channel holds a reference
  * on each registration, which then cannot be unregistered (MOED_E_BUSY)
  * while the channel is open. CHAN_CLOSE, or the connection's close, closes
@@ -48,6 +50,7 @@ struct moed_desc_stats {
     uint64_t registered;     /* registrations alive (all connections) */
     uint64_t mappings;       /* allocations mapped now */
     uint64_t mapped_bytes;   /* their bytes */
+    uint64_t peer_mappings;  /* those of memory on a peer GPU (backend peer_gpu) */
     uint64_t registers;      /* REGISTER_BUF accepted since start */
     uint64_t refused;        /* REGISTER_BUF / FORWARD_DESC refused */
     uint64_t requests;       /* FORWARD_DESC taken */
@@ -64,6 +67,7 @@ struct moed_desc_stats {
 struct moed_desc_chan_row {
     uint32_t id, index, n_bufs;
     int draining;                /* closed, the backend not yet quiet */
+    int gpu;                     /* the client's GPU: -1 the daemon's, else its peer ordinal */
     uint64_t arena_bytes;        /* its arena (0: none) */
     struct moed_chan_stats st;   /* the backend's counters (zero without chan_stats) */
 };

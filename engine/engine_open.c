@@ -381,6 +381,7 @@ struct moed_stats *moed_engine_stats(struct moed_engine *e)
         e->stats.zc_registered = ds.registered;
         e->stats.zc_mappings = ds.mappings;
         e->stats.zc_mapped_bytes = ds.mapped_bytes;
+        e->stats.zc_peer_mappings = ds.peer_mappings;
         e->stats.zc_registers = ds.registers;
         e->stats.zc_refused = ds.refused;
         e->stats.zc_requests = ds.requests;
@@ -397,7 +398,7 @@ struct moed_stats *moed_engine_stats(struct moed_engine *e)
         for (uint32_t i = 0; i < n; i++)
             e->stats.chans[i] = (struct moed_stats_chan){
                 rows[i].id, rows[i].index, rows[i].n_bufs, (uint32_t)rows[i].draining,
-                rows[i].arena_bytes, rows[i].st.served, rows[i].st.refused,
+                rows[i].gpu, rows[i].arena_bytes, rows[i].st.served, rows[i].st.refused,
                 rows[i].st.kernel_ns, rows[i].st.last};
         e->stats.n_chans = n;
     }

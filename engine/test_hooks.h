@@ -18,6 +18,15 @@
  *       REGISTER_BUF (it cannot open CUDA IPC handles);
  *   MOED_TEST_CPU_NO_MPS  with MOED_TEST_CPU_SHM_IPC, that "GPU" is not under
  *       MPS (a client on it cannot get a doorbell channel);
+ *   MOED_TEST_CPU_PEERS  (not a switch: a list) with MOED_TEST_CPU_SHM_IPC,
+ *       the other "GPUs" of the host that this process sees, so that the
+ *       peer-access path (backend.h peer_gpu: REGISTER_BUF and CHAN_OPEN
+ *       from another GPU, the dedicated expert GPU of docs/ZERO_COPY.md)
+ *       runs without one: "UUID[!],UUID[!]...", each UUID 16 characters,
+ *       entry i the GPU of ordinal i + 1 (0 is the backend's own), a '!'
+ *       after it when there is no peer access between it and GPU 0; any
+ *       other UUID is not visible. Up to 7 entries; unset, the backend has
+ *       no peer_gpu (every other GPU refused);
  *   MOED_TEST_CPU_CHANNELS  the CPU backend has fake doorbell channel ops
  *       (backend.h chan_*): entries of a table of engine.max_channels that
  *       serve nothing, report quiet 3 polls after chan_close and count each
@@ -40,6 +49,7 @@
 #define MOED_TEST_CPU_SHM_IPC "MOED_TEST_CPU_SHM_IPC"
 #define MOED_TEST_CPU_NO_MPS "MOED_TEST_CPU_NO_MPS"
 #define MOED_TEST_CPU_CHANNELS "MOED_TEST_CPU_CHANNELS"
+#define MOED_TEST_CPU_PEERS "MOED_TEST_CPU_PEERS"
 #define MOED_TEST_CPU_UUID "moed-cpu-test-id" /* 16 bytes, no NUL */
 
 static inline int moed_test_switch(const char *name)

@@ -222,7 +222,13 @@ MOEDC_API void moedc_chan_info_free(struct moedc_chan_info *info);
  * comes from libcuda.so.1 through dlopen (this library links no CUDA):
  * without a driver, a GPU or a current context the calls answer
  * MOED_E_UNSUPPORTED saying which; a handle or kernel that will not open,
- * MOED_E_IO; a daemon of another channel ABI, MOED_E_VERSION. */
+ * MOED_E_IO; a daemon of another channel ABI, MOED_E_VERSION. The
+ * daemon may run on another GPU of the host than the client's, reaching it
+ * by peer access (the dedicated expert GPU, docs/ZERO_COPY.md; CHAN_OPEN's
+ * uuid is still the client's GPU): nothing here checks the device, the
+ * lazy peer access maps moed's memory into the client's context, and the
+ * arena (moedc_chan_arena) is then an address of that context on moed's GPU,
+ * so copies into and out of it on the caller's stream cross NVLink. */
 struct moedc_chan; /* opaque: a channel mapped on the client's GPU */
 MOEDC_API int moedc_chan_attach(const struct moedc_chan_info *info, struct moedc_chan **out,
                                 char *err, size_t errlen);

@@ -141,6 +141,27 @@ else
     step "expert parallelism daemon (gpus [0, 0])" SKIP "numpy or pytest missing"
 fi
 
+# 4c. the dedicated expert GPU: moed on GPU 0, a torch client on GPU 1, peer
+# access, no MPS (tests/gpu/test_zero_copy_peer.py: descriptor and doorbell
+# graph = inline bit for bit, the doorbell's added latency printed); SKIP with
+# one GPU or without peer access
+if python3 -c 'import torch, numpy, pytest; assert torch.cuda.device_count() >= 2' 2>/dev/null; then
+    PYTHONPATH="$PWD/ipc/python${PYTHONPATH:+:$PYTHONPATH}" MOED_BUILD="$BUILD" \
+        timeout 600 python3 -m pytest -v -s -rs -p no:cacheprovider tests/gpu/test_zero_copy_peer.py \
+        > "$LOGDIR/pytest-peer.log" 2>&1
+    rc=$?
+    grep -E '(PASSED|FAILED|SKIPPED|ERROR)|peer doorbell' "$LOGDIR/pytest-peer.log" | sed 's/^/    /'
+    if grep -qE '^SKIPPED|[0-9]+ skipped in' "$LOGDIR/pytest-peer.log" &&
+            ! grep -q ' passed' "$LOGDIR/pytest-peer.log"; then
+        step "peer GPU client (GPU 1 -> moed GPU 0)" SKIP "$(tail -1 "$LOGDIR/pytest-peer.log")"
+    else
+        step "peer GPU client (GPU 1 -> moed GPU 0)" "$([ $rc = 0 ] && echo PASS || echo FAIL)" \
+            "$(tail -1 "$LOGDIR/pytest-peer.log")"
+    fi
+else
+    step "peer GPU client (GPU 1 -> moed GPU 0)" SKIP "fewer than 2 GPUs, or torch/numpy/pytest missing"
+fi
+
 # 5. a real transformers model (Qwen3-MoE, DeepSeek-V3) on the GPU with its MoE
 # layers served by moed on the CUDA backend (inline path, idle exit 20 ms)
 if python3 -c 'import torch, transformers; assert torch.cuda.is_available()' 2>/dev/null; then

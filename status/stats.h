@@ -118,6 +118,7 @@ struct moed_stats {
     /* registered client buffers (protocol version 2; engine/desc.h) */
     uint64_t zc_registered, zc_mappings, zc_mapped_bytes, zc_registers, zc_refused,
         zc_requests;
+    uint64_t zc_peer_mappings; /* of zc_mappings, memory of a peer GPU */
     /* doorbell channels (engine/desc.h): open / draining now, CHAN_OPEN
      * accepted / refused since start, descriptors served / refused and their
      * kernel ns since start; the live channels, open then draining */
@@ -125,6 +126,7 @@ struct moed_stats {
     uint64_t ch_arena_bytes; /* the arenas of the open and draining channels */
     struct moed_stats_chan {
         uint32_t id, index, n_bufs, draining;
+        int32_t gpu; /* the client's GPU: -1 the daemon's, else its peer ordinal */
         uint64_t arena_bytes;
         uint64_t served, refused, kernel_ns, last;
     } chans[MOED_STATS_MAX_CHANS];

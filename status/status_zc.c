@@ -17,6 +17,8 @@ static int json_channel(cJSON *list, const struct moed_stats_chan *ch)
     if (jnum(o, "id", ch->id) || jnum(o, "index", ch->index) || jnum(o, "buffers", ch->n_bufs) ||
         jnum(o, "arena_bytes", (double)ch->arena_bytes) ||
         !cJSON_AddBoolToObject(o, "draining", ch->draining != 0) ||
+        !(ch->gpu < 0 ? cJSON_AddNullToObject(o, "peer_gpu")
+                      : cJSON_AddNumberToObject(o, "peer_gpu", ch->gpu)) ||
         jnum(o, "requests", (double)ch->served) || jnum(o, "refused", (double)ch->refused) ||
         jnum(o, "kernel_seconds", (double)ch->kernel_ns / 1e9) ||
         jnum(o, "last_status_seq", (double)(ch->last >> 8)) ||
@@ -31,6 +33,7 @@ int moed_status_json_zero_copy(cJSON *root, const struct moed_stats *s)
     if (!zc || jnum(zc, "registered", (double)s->zc_registered) ||
         jnum(zc, "mappings", (double)s->zc_mappings) ||
         jnum(zc, "mapped_bytes", (double)s->zc_mapped_bytes) ||
+        jnum(zc, "peer_mappings", (double)s->zc_peer_mappings) ||
         jnum(zc, "registers", (double)s->zc_registers) ||
         jnum(zc, "refused", (double)s->zc_refused) ||
         jnum(zc, "descriptor_requests", (double)s->zc_requests))
@@ -61,6 +64,8 @@ void moed_status_prom_zero_copy(struct moed_sbuf *b, const struct moed_stats *s)
              "Client allocations mapped into the daemon now.", s->zc_mappings);
     prom_u64(b, "moed_registered_mapped_bytes", "gauge", "Bytes of those allocations.",
              s->zc_mapped_bytes);
+    prom_u64(b, "moed_registered_peer_mappings", "gauge",
+             "Of those, allocations on a peer GPU (read over NVLink).", s->zc_peer_mappings);
     prom_u64(b, "moed_registered_buffers_total", "counter",
              "REGISTER_BUF requests accepted since start.", s->zc_registers);
     prom_u64(b, "moed_registered_refused_total", "counter",

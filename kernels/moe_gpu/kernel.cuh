@@ -53,6 +53,11 @@ __device__ __forceinline__ void batch_end(const struct moe_gpu_params &p, unsign
         __threadfence();
         __syncthreads();
         if (tid == 0) {
+            /* system scope, fence and answer, and keep it so: y may lie in a
+             * peer GPU's memory (REGISTER_BUF from another GPU) and a
+             * doorbell client may poll done from its own GPU over NVLink
+             * (CHAN_OPEN from a peer, docs/ZERO_COPY.md): a device-scope
+             * release orders nothing for either */
             __threadfence_system();
             const unsigned src = __ldcg(&st->src);
             const unsigned long long seq = __ldcg(&st->src_seq), now = globaltimer_ns();

@@ -10,6 +10,7 @@ import os
 import struct
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -303,6 +304,24 @@ def test_launch_block_points_at_its_arguments():
     assert (u32(d0, 0), u32(d0, 4), u64(d0, 16)) == (3, 2, 77)
     assert (u32(d1, 0), u32(d1, 4), u64(d1, 16), u32(d1, 24), u32(d1, 32), u64(d1, 40)) == \
         (4, 9, 78, 2, 1, 16)
+
+
+def test_peer_view_is_the_memory_on_the_device_named():
+    """The view of a daemon's arena on another GPU (moed_client.cuda
+    _PeerRange: DLPack, the device given, not the one the pointer's owner
+    is): checked on the CPU, kDLCPU over a numpy buffer, so the struct
+    layout torch reads is the one written: the tensor is those very bytes
+    (writes through it land there), its length the range's, uint8."""
+    torch = pytest.importorskip("torch")
+    from moed_client import cuda as mcc
+    buf = np.zeros(4096 + 7, np.uint8)
+    ptr = buf.ctypes.data + 7  # not aligned on purpose: the address as given
+    rng = mcc._PeerRange(ptr, 4096, mcc.DL_CPU, 0)
+    t = rng.tensor()
+    assert (t.data_ptr(), t.numel(), t.dtype, t.device.type) == (ptr, 4096, torch.uint8, "cpu")
+    t[0], t[4095] = 0x5A, 0xA5
+    assert (buf[7], buf[4095 + 7], buf[6], int(buf.sum())) == (0x5A, 0xA5, 0, 0x5A + 0xA5)
+    assert t.view(torch.bfloat16).shape == (2048,)
 
 
 def test_ipc_handle_by_value_holds_every_byte():

@@ -105,6 +105,19 @@ def wait_status(daemon, **want):
         time.sleep(0.02)
 
 
+def forward_by_desc(c, shm, dims, bid, layer, x, ids, w):
+    """One layer by descriptor over registration bid of shm (x | ids | w |
+    y as layout() places them, y first filled with 0xFFFF): y's bits [T, H]."""
+    t = x.shape[0]
+    ox, oi, ow, oy, _ = layout(dims, t)
+    shm.put(ox, x)
+    shm.put(oi, ids)
+    shm.put(ow, w)
+    shm.put(oy, np.full(t * dims["hidden"], 0xFFFF, np.uint16))
+    c.forward_desc(layer, t, (bid, ox), (bid, oi), (bid, ow), (bid, oy))
+    return shm.get(oy, t * dims["hidden"], np.uint16).reshape(t, -1)
+
+
 def daemon_maps(daemon, shm):
     with open("/proc/%d/maps" % daemon.pid) as f:
         return [l for l in f if shm.shm.name in l]
@@ -121,14 +134,7 @@ def test_forward_desc_equals_inline_bit_for_bit(daemon, dims, cases):
             bid = c.register_buf(shm.handle, 0, shm.size, UUID)
             assert bid > 0
             for layer, x, ids, w, ref in cases:
-                t = x.shape[0]
-                ox, oi, ow, oy, _ = layout(dims, t)
-                shm.put(ox, x)
-                shm.put(oi, ids)
-                shm.put(ow, w)
-                shm.put(oy, np.full(t * dims["hidden"], 0xFFFF, np.uint16))
-                c.forward_desc(layer, t, (bid, ox), (bid, oi), (bid, ow), (bid, oy))
-                y = shm.get(oy, t * dims["hidden"], np.uint16).reshape(t, -1)
+                y = forward_by_desc(c, shm, dims, bid, layer, x, ids, w)
                 y_inline = c.forward(layer, x, ids, w)
                 assert np.array_equal(y, np.asarray(y_inline).view(np.uint16)), layer
                 assert du.rel_l2(du.bf16_to_f64(y), ref) < 2e-2

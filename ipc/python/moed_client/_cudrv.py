@@ -55,6 +55,7 @@ def lib():
             "cuModuleUnload": [vp],
             "cuLaunchKernel": [vp, u, u, u, u, u, u, u, vp, p(vp), p(vp)],
             "cuMemcpyDtoH_v2": [vp, ctypes.c_uint64, ctypes.c_size_t],
+            "cuPointerGetAttribute": [vp, ctypes.c_int, ctypes.c_uint64],
         }
         for name, args in sigs.items():
             f = getattr(d, name)
@@ -100,6 +101,19 @@ def ipc_open(handle):
     check(lib().cuIpcOpenMemHandle_v2(ctypes.byref(p), h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
           "cuIpcOpenMemHandle")
     return p.value
+
+
+CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+
+
+def pointer_device(ptr):
+    """The ordinal of the GPU the memory at device address ptr lies on (for
+    a mapping of another process's allocation: the GPU it was allocated on,
+    which is not the context's own when it is a peer's)."""
+    dev = ctypes.c_int(-1)
+    check(lib().cuPointerGetAttribute(ctypes.byref(dev), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                      ptr), "cuPointerGetAttribute(DEVICE_ORDINAL)")
+    return dev.value
 
 
 def ipc_close(ptr):

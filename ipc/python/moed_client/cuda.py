@@ -11,8 +11,11 @@ socket. No host copy of the hidden states, no socket payload per layer.
     s = mcc.CudaSession()                      # $MOED_SOCKET, current device
     y = s.fused_experts(x, topk_weights, topk_ids, layer=3)
 
-The daemon must run on the same GPU (the CUDA backend; under MPS when another
-process's kernels share it: docs/ZERO_COPY.md). The socket round trip waits
+The daemon runs on the same GPU (the CUDA backend; under MPS when another
+process's kernels share it) or on another GPU of the host that it reaches by
+peer access, the dedicated expert GPU (docs/ZERO_COPY.md): then the buffer
+is still allocated here and named by this GPU's UUID, and moed's kernel
+reads x and writes y in it over NVLink. The socket round trip waits
 on the host, so this call is not legal inside CUDA graph capture (it raises
 there); the GPU doorbell is the path for graphs:
 
@@ -28,11 +31,18 @@ one-thread kernel there that rings moed's persistent kernel and spins until
 it has answered. The arena is moed's memory: a client killed mid-graph
 frees nothing moed's kernel may still be reading or writing (a registered
 tensor of the client's own is freed with its process, under moed's kernel:
-docs/ZERO_COPY.md). ``Channel`` is the layer under it, for callers that
+docs/ZERO_COPY.md). With the daemon on another GPU (``device`` the client's,
+moed's a peer) the channel maps in this GPU's context with lazy peer access,
+the client kernel runs on the caller's stream here and rings moed over
+NVLink, and the arena, moed's memory, is viewed as a tensor of this GPU over
+the peer mapping: the input and output copies are device-to-device copies
+over NVLink, capturable like any other (``Channel.peer_gpu`` says which GPU
+the arena lies on). ``Channel`` is the layer under it, for callers that
 manage their own registered tensors as well. The driver calls go through
 ctypes on libcuda.so.1 (moed_client._cudrv); torch is imported only here.
 """
 
+import ctypes
 import uuid as _uuid
 
 from . import Client, MoedError, E_INVAL, CHAN_BUFS
@@ -228,6 +238,58 @@ class _DeviceRange:
                                          "data": (ptr, False), "strides": None, "version": 2}
 
 
+DL_CPU, DL_CUDA = 1, 2  # DLDeviceType kDLCPU, kDLCUDA
+_KEPT = []  # the DLPack structures of every _PeerRange (see there)
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p)]
+
+
+class _PeerRange:
+    """Memory at ptr as a uint8 tensor that torch places on the device
+    given (DLPack, legacy "dltensor" capsule, no deleter: the memory is
+    not torch's), not on the one torch would infer from the pointer. For a
+    channel of a daemon on another GPU: the mapping lies on moed's GPU but
+    is an address of this (the client's) GPU's context (cuIpcOpenMemHandle,
+    lazy peer access), so a tensor of the client's device over it is one its
+    kernels and copies on the client's stream use in place, over NVLink.
+    torch reads the structure again when the tensor dies (its deleter
+    field): they are kept for the process (_KEPT, ~100 bytes a channel),
+    not freed under a view someone still holds."""
+
+    def __init__(self, ptr, nbytes, device_type, device_id):
+        self.shape = (ctypes.c_int64 * 1)(nbytes)
+        self.strides = (ctypes.c_int64 * 1)(1)
+        self.managed = _DLManagedTensor(
+            _DLTensor(ptr, _DLDevice(device_type, device_id), 1, _DLDataType(1, 8, 1),
+                      self.shape, self.strides, 0), None, None)
+        new = ctypes.pythonapi.PyCapsule_New
+        new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p,
+                                                       ctypes.c_void_p]
+        self.capsule = new(ctypes.addressof(self.managed), b"dltensor", None)
+        _KEPT.append((self.managed, self.shape, self.strides))
+
+    def tensor(self):
+        from torch.utils.dlpack import from_dlpack
+        return from_dlpack(self.capsule)
+
+
 class Channel:
     """A doorbell channel with a daemon-owned arena, registered CUDA
     tensors, or both.
@@ -268,7 +330,7 @@ class Channel:
         self.client, self.tensors = client, list(tensors)
         self.info = _v2_info(client)
         self.chan_id, self.buf_ids, self._chan, self._mod = 0, [], 0, None
-        self.arena, self._arena_range = None, None
+        self.arena, self._arena_range, self.peer_gpu = None, None, None
         n_max = CHAN_BUFS - 1 if arena_bytes else CHAN_BUFS
         if not (arena_bytes or self.tensors) or len(self.tensors) > n_max or \
                 any(not t.is_cuda for t in self.tensors) or \
@@ -286,6 +348,8 @@ class Channel:
             with torch.cuda.device(self.device):
                 _cudrv.ensure_context(self.device.index)
                 self._chan = _cudrv.ipc_open(ci.handle)
+                on = _cudrv.pointer_device(self._chan)  # moed's GPU, as numbered here
+                self.peer_gpu = None if on == self.device.index else on
                 self._mod, fn = _cudrv.module_load(ci.kernel)
                 self.err = torch.zeros(1, dtype=torch.int64, device=self.device)
                 ranges = [(t.data_ptr(), t.numel() * t.element_size()) for t in self.tensors]
@@ -302,9 +366,19 @@ class Channel:
     def _view_arena(self, ptr, nbytes):
         """A uint8 tensor over the mapped arena, in place (the range object
         stays referenced; torch.as_tensor with no device asked never
-        copies, and the view must be of this very memory on this GPU)."""
-        self._arena_range = _DeviceRange(ptr, nbytes)
-        t = _torch().as_tensor(self._arena_range)
+        copies, and the view must be of this very memory on this GPU).
+        With the daemon on another GPU (peer_gpu: the ordinal the arena
+        lies on, None when it is this one) the view is a tensor of this
+        GPU over the peer mapping (_PeerRange): the arena's copies then run
+        on the caller's stream as device-to-device copies over NVLink."""
+        if self.peer_gpu is None:
+            self._arena_range = _DeviceRange(ptr, nbytes)
+            t = _torch().as_tensor(self._arena_range)
+            if t.device.type == "cuda" and t.device != self.device and t.data_ptr() == ptr:
+                self.peer_gpu = t.device.index  # torch's pointer query knows better
+        if self.peer_gpu is not None:
+            self._arena_range = _PeerRange(ptr, nbytes, DL_CUDA, self.device.index)
+            t = self._arena_range.tensor()
         if t.data_ptr() != ptr or t.numel() != nbytes or t.device != self.device:
             raise MoedError(E_INVAL, "torch sees the mapped arena as %d bytes at 0x%x on %s, "
                             "not %d at 0x%x on %s" % (t.numel(), t.data_ptr(), t.device, nbytes,

@@ -41,8 +41,11 @@ class Channel:
     slots: int
     buf_ids: List[int]
     err: Any
-    def __init__(self, client: Client, tensors: Sequence[Any],
-                 timeout_s: Optional[float] = ...) -> None: ...
+    arena: Any
+    peer_gpu: Optional[int]  # moed's GPU (this process's ordinal) when not `device`
+    def __init__(self, client: Client, tensors: Sequence[Any] = ...,
+                 timeout_s: Optional[float] = ..., arena_bytes: int = ...,
+                 device: Any = ...) -> None: ...
     def ref(self, t: Any, what: str = ...) -> Tuple[int, int]: ...
     def call(self, x: Any, ids: Any, w: Any, y: Any, layer: int, flags: int = ...) -> None: ...
     def call_desc(self, layer: int, n_tokens: int, refs: Sequence[Tuple[int, int]],
