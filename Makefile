@@ -71,7 +71,7 @@ LIB_C    := $(filter-out $(MAINS),$(ALL_C))
 # loader, synthetic generator, CPU reference): no libuv server, no CUDA.
 MOECTL_C := $(wildcard tools/moectl/*.c)
 MOECTL_OBJ := $(patsubst %.c,$(BUILD)/%.o,$(MOECTL_C))
-REF_C    := common/moed_log.c engine/model.c engine/model_config.c engine/genmodel.c engine/safetensors.c \
+REF_C    := common/moed_log.c common/moed_file.c engine/model.c engine/model_config.c engine/genmodel.c engine/safetensors.c \
             engine/placement.c kernels/moe_ref.c kernels/nvfp4.c
 REF_OBJ  := $(patsubst %.c,$(BUILD)/%.o,$(REF_C))
 MOECTL_LIBS := $(shell pkg-config --libs libcjson 2>/dev/null) -lm

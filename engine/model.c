@@ -25,61 +25,6 @@ static int path_join(char *buf, size_t len, const char *dir, const char *name, c
     return 0;
 }
 
-/* Read a whole file of at most `cap` bytes, NUL-terminated. *missing is set
- * (and 0 returned) when the file does not exist and missing != NULL. */
-static int read_small(const char *path, const char *label, size_t cap, char **out,
-                      int *missing, char *err, size_t errlen)
-{
-    int rc = 0, fd;
-    struct stat sb;
-    char *buf = NULL;
-    *out = NULL;
-    if (missing)
-        *missing = 0;
-    fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        if (errno == ENOENT && missing) {
-            *missing = 1;
-            return 0;
-        }
-        return moed_seterr(err, errlen, MOED_E_IO, "%s: cannot open %s: %s", label, path,
-                           strerror(errno));
-    }
-    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        rc = moed_seterr(err, errlen, MOED_E_IO, "%s: not a readable regular file", label);
-        goto out;
-    }
-    if ((uint64_t)sb.st_size > cap) {
-        rc = moed_seterr(err, errlen, MOED_E_MODEL, "%s: %lld bytes, over the %zu-byte cap",
-                         label, (long long)sb.st_size, cap);
-        goto out;
-    }
-    size_t len = (size_t)sb.st_size, got = 0;
-    buf = malloc(len + 1);
-    if (!buf) {
-        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "%s: out of memory", label);
-        goto out;
-    }
-    while (got < len) {
-        ssize_t r = read(fd, buf + got, len - got);
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r <= 0) {
-            rc = moed_seterr(err, errlen, MOED_E_IO, "%s: read failed: %s", label,
-                             r < 0 ? strerror(errno) : "file shrank");
-            goto out;
-        }
-        got += (size_t)r;
-    }
-    buf[len] = '\0';
-    *out = buf;
-    buf = NULL;
-out:
-    free(buf);
-    close(fd);
-    return rc;
-}
-
 /* JSON text[0..len) that must be one object; `name` labels messages. */
 static int parse_json(const char *name, const char *text, size_t len, cJSON **out, char *err,
                       size_t errlen)
@@ -108,7 +53,7 @@ int model_read_json(const char *dir, const char *name, size_t cap, cJSON **out, 
     int rc = path_join(path, sizeof path, dir, name, err, errlen);
     if (rc)
         return rc;
-    rc = read_small(path, name, cap, &text, missing, err, errlen);
+    rc = moed_file_read_small(path, name, cap, MOED_E_MODEL, &text, NULL, missing, err, errlen);
     if (rc || !text)
         return rc;
     rc = parse_json(name, text, strlen(text), out, err, errlen);

@@ -20,6 +20,7 @@
 #include <cjson/cJSON.h>
 
 #include "moed_err.h"
+#include "moed_file.h"
 #include "moed_log.h"
 #include "safetensors.h"
 

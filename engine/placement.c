@@ -3,13 +3,13 @@
 #include "placement.h"
 
 #include <cjson/cJSON.h>
-#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "moed_err.h"
+#include "moed_file.h"
 
 #define NO_DEV 0xFFu
 
@@ -367,36 +367,16 @@ int moed_placement_load_json(const char *path, uint32_t n_layers, const uint8_t 
                              uint32_t n_experts, uint32_t n_shared, uint32_t n_dev,
                              struct moed_placement *out, char *err, size_t errlen)
 {
-    int rc = 0;
     char *text = NULL;
+    size_t n = 0;
     memset(out, 0, sizeof *out * n_layers);
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return moed_seterr(err, errlen, MOED_E_CONFIG, "engine.placement %s: %s", path,
-                           strerror(errno));
-    long n = -1;
-    if (fseek(f, 0, SEEK_END) == 0)
-        n = ftell(f);
-    if (n < 0 || n > MOED_PLACE_MAX_JSON_BYTES || fseek(f, 0, SEEK_SET) != 0) {
-        rc = moed_seterr(err, errlen, MOED_E_CONFIG,
-                         "engine.placement %s: not a readable file of at most %d bytes", path,
-                         MOED_PLACE_MAX_JSON_BYTES);
-        goto out;
-    }
-    text = malloc((size_t)n + 1);
-    if (!text) {
-        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "engine.placement %s: out of memory", path);
-        goto out;
-    }
-    if (fread(text, 1, (size_t)n, f) != (size_t)n) {
-        rc = moed_seterr(err, errlen, MOED_E_CONFIG, "engine.placement %s: read error", path);
-        goto out;
-    }
-    text[n] = 0;
-    rc = moed_placement_parse_json(text, (size_t)n, path, n_layers, is_moe, n_experts, n_shared,
-                                   n_dev, out, err, errlen);
-out:
+    /* "engine.placement: cannot open PATH: ...", "engine.placement: N bytes, over ..." */
+    int rc = moed_file_read_small(path, "engine.placement", MOED_PLACE_MAX_JSON_BYTES,
+                                  MOED_E_CONFIG, &text, &n, NULL, err, errlen);
+    if (rc) /* a map that cannot be read is a config error, as one that does not parse */
+        return rc == MOED_E_NOMEM ? rc : MOED_E_CONFIG;
+    rc = moed_placement_parse_json(text, n, path, n_layers, is_moe, n_experts, n_shared, n_dev,
+                                   out, err, errlen);
     free(text);
-    fclose(f);
     return rc;
 }

@@ -5,6 +5,7 @@
  * by entry; every pair of a batch goes to a device that holds its expert. */
 #include <check.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -350,6 +351,22 @@ START_TEST(test_map_file_load)
                      MOED_E_CONFIG);
     ck_assert_ptr_nonnull(strstr(err, path));
     ck_assert_ptr_nonnull(strstr(err, "No such file"));
+    /* a directory, and a map over the size limit: config errors naming the key */
+    ck_assert_int_eq(moed_placement_load_json("/tmp", 4, map_moe, 4, 1, 2, out, err, sizeof err),
+                     MOED_E_CONFIG);
+    ck_assert_str_eq(err, "engine.placement: not a readable regular file");
+    char big[] = "/tmp/moed-test-placement-XXXXXX";
+    fd = mkstemp(big);
+    ck_assert_int_ge(fd, 0);
+    ck_assert_int_eq(ftruncate(fd, MOED_PLACE_MAX_JSON_BYTES + 1), 0); /* sparse */
+    close(fd);
+    ck_assert_int_eq(moed_placement_load_json(big, 4, map_moe, 4, 1, 2, out, err, sizeof err),
+                     MOED_E_CONFIG);
+    char want[128];
+    snprintf(want, sizeof want, "engine.placement: %d bytes, over the %d-byte cap",
+             MOED_PLACE_MAX_JSON_BYTES + 1, MOED_PLACE_MAX_JSON_BYTES);
+    ck_assert_str_eq(err, want);
+    unlink(big);
 }
 END_TEST
 
