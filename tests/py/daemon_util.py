@@ -159,6 +159,16 @@ class Daemon:
         return self.start()
 
     def __exit__(self, *exc):
+        # SIGTERM first: under MPS, a process killed while its kernel is
+        # resident leaves the MPS server to tear that kernel down, and the
+        # next process on the GPU gets a fatal error (seen on the H200,
+        # scripts/probe_mps_kill.py); SIGKILL only if it does not stop
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(wait_s(10))
+            except subprocess.TimeoutExpired:
+                pass
         self.kill()
 
     @property

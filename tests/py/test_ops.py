@@ -240,7 +240,9 @@ def test_gpus_without_a_gpu_fail_check_config(tmp_path, models_dir):
     p.write_text(json.dumps({"engine": {"gpus": [0, 1]}}))
     r = run([du.MOED, "--check-config", str(p)])
     assert r.returncode == 2, r.stdout + r.stderr
-    assert re.search(r"engine\.gpus (names GPUs|lists 2 GPUs)", r.stderr), r.stderr
+    # no GPU: the list is refused as such; one GPU: its second entry is
+    assert re.search(r"engine\.gpus (names GPUs|lists 2 GPUs)|"
+                     r"engine\.gpus\[1\] = 1 but 1 CUDA device is visible", r.stderr), r.stderr
     # the daemon refuses it the same way, before it opens the model
     cfg = du.base_config(str(tmp_path), models_dir, engine__backend="auto")
     cfg["engine"]["gpus"] = [0, 1]
