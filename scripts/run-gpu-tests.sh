@@ -6,8 +6,9 @@
 #   LOGDIR=dir        where the logs go (default $BUILD/gpu-logs)
 #   GPU_TESTS_QUICK=1 skip the deepseek-v3 shape (needs ~16 GB host memory)
 #   GPU_TESTS_ONLY=zero-copy|doorbell  run step 6 or 7 alone (under MPS);
-#                 base: steps 1-5 only; mps: 6 and 7 only (the two halves fit
-#                 one device call of 10 minutes each, the whole may not)
+#                 base: steps 1-5 only (kernel: 1-2, daemon: 3-5); mps: 6 and
+#                 7 only (each part fits one device call of 10 minutes, the
+#                 whole may not)
 set -u
 . "$(dirname "$0")/mps.sh"
 BUILD=${BUILD:-build}
@@ -26,7 +27,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
     > "$LOGDIR/nvidia-smi.txt" 2>&1 || true
 
 ONLY=${GPU_TESTS_ONLY:-}
-if [ -z "$ONLY" ] || [ "$ONLY" = base ]; then
+case "$ONLY" in
+    ""|base|kernel|daemon|mps|zero-copy|doorbell) ;;
+    *) echo "GPU_TESTS_ONLY=$ONLY: not one of base, kernel, daemon, mps, zero-copy, doorbell" >&2
+       exit 2 ;;
+esac
+part() { [ -z "$ONLY" ] || [ "$ONLY" = base ] || [ "$ONLY" = "$1" ]; } # steps 1-5: kernel, daemon
+if part kernel; then
 # 1. correctness, determinism, stream, idle exit, cycles, deadline
 T=$BUILD/tests/gpu_test_moe_gpu
 args=()
@@ -81,6 +88,9 @@ for tool in memcheck racecheck; do
         step "compute-sanitizer $tool (tiny)" SKIP "compute-sanitizer not found"
     fi
 done
+fi # kernel
+
+if part daemon; then
 
 # 3. the daemon with backend cuda: start-up self-check against the CPU reference
 if [ -x "$BUILD/moed" ]; then
@@ -175,7 +185,7 @@ if python3 -c 'import torch, transformers; assert torch.cuda.is_available()' 2>/
 else
     step "e2e transformers (cuda)" SKIP "torch with CUDA or transformers not importable"
 fi
-fi # GPU_TESTS_ONLY
+fi # daemon
 
 # 6. zero-copy: registered buffers + FORWARD by descriptor, and 7. the GPU
 #    doorbell in CUDA graphs (tests/gpu/test_doorbell.py: graph = inline bit
@@ -183,7 +193,7 @@ fi # GPU_TESTS_ONLY
 #    test_doorbell_model.py: a transformers model served through the plugins'
 #    doorbell path), torch clients on the daemon's GPU under MPS (started
 #    here, stopped after)
-if [ "$ONLY" = base ]; then
+if [ "$ONLY" = base ] || [ "$ONLY" = kernel ] || [ "$ONLY" = daemon ]; then
     : # steps 1-5 only
 elif python3 -c 'import torch, numpy, pytest; assert torch.cuda.is_available()' 2>/dev/null &&
         command -v nvidia-cuda-mps-control >/dev/null; then
