@@ -15,6 +15,7 @@ Run by scripts/run-gpu-tests.sh (step 7) under MPS; skips without torch,
 transformers, a GPU or MPS.
 """
 
+import faulthandler
 import os
 import sys
 
@@ -42,23 +43,24 @@ def test_model_served_through_the_doorbell(tmp_path, family):
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     ckpt = str(tmp_path / "ckpt")
     e2e.write_checkpoint(model, ckpt)
-    model = model.to("cuda")
-    prompt = torch.randint(0, cfg.vocab_size, (1, e2e.PROMPT),
-                           generator=torch.Generator().manual_seed(3)).to("cuda")
-    ref_logits, ref_tokens = e2e.prefill_and_decode(model, prompt)
-    L0, blk0 = list(e2e.moe_blocks(model))[0]
-    xs = [torch.randn(1, 4, cfg.hidden_size, generator=torch.Generator().manual_seed(20 + i))
-          .to("cuda") for i in range(3)]
-    with torch.no_grad():
-        ref_blk = [blk0(x).float() for x in xs]  # the model's own block
-
     tmp = tmp_path / "moed"
     tmp.mkdir()
     conf = du.base_config(str(tmp), str(tmp / "synth"), model__path=ckpt,
                           status__port=du.free_port(), engine__backend="cuda",
                           engine__max_tokens=e2e.MAX_TOKENS, engine__sms_free=SMS_FREE,
                           engine__max_channels=2)
+    # moed first, as it runs in deployment (a service the engine finds
+    # running): the model's CUDA context is made with moed's kernel resident
     with du.Daemon(tmp, conf) as d:
+        model = model.to("cuda")
+        prompt = torch.randint(0, cfg.vocab_size, (1, e2e.PROMPT),
+                               generator=torch.Generator().manual_seed(3)).to("cuda")
+        ref_logits, ref_tokens = e2e.prefill_and_decode(model, prompt)
+        L0, blk0 = list(e2e.moe_blocks(model))[0]
+        xs = [torch.randn(1, 4, cfg.hidden_size, generator=torch.Generator().manual_seed(20 + i))
+              .to("cuda") for i in range(3)]
+        with torch.no_grad():
+            ref_blk = [blk0(x).float() for x in xs]  # the model's own block
         dev = torch.device("cuda", torch.cuda.current_device())
         sess = mcc.DoorbellSession(mc.Client(d.sock_path, timeout=du.wait_s(60)), device=dev,
                                    timeout_s=du.wait_s(5))
@@ -68,14 +70,25 @@ def test_model_served_through_the_doorbell(tmp_path, family):
             # here within the call timeout, with its ring words, instead of
             # every call of the model waiting its timeout out in turn
             info = sess.info
+            # a call that hangs past its own timeout (a client kernel that
+            # never runs) shows where: every thread's Python stack on stderr
+            faulthandler.dump_traceback_later(du.wait_s(30))
             x1 = torch.randn(2, info.hidden, device=dev).to(torch.bfloat16)
             ids1 = torch.zeros(2, info.top_k, dtype=torch.int32, device=dev)
             sess.fused_experts(x1, torch.ones(2, info.top_k, device=dev), ids1,
                                info.moe_layers[0])
             torch.cuda.synchronize()
+            faulthandler.cancel_dump_traceback_later()
             assert sess.channel.error_word() == 0, (hex(sess.channel.error_word()),
                                                     sess.channel.ring(), d.log()[-2000:])
             assert sess.max_tokens == e2e.MAX_TOKENS < e2e.PROMPT  # prefill goes in chunks
+            # one chunk of prefill by itself: a call of the model's that is
+            # not answered fails here after one call timeout per layer
+            with e2e.Served(model, None, call=lambda L, x, ids, w: ex._forward_doorbell(
+                    L, x, ids, w, routed_only=False)), torch.no_grad():
+                model(input_ids=prompt[:, :e2e.MAX_TOKENS])
+                torch.cuda.synchronize()
+            sess.check()
             with e2e.Served(model, None, call=lambda L, x, ids, w: ex._forward_doorbell(
                     L, x, ids, w, routed_only=False)):
                 logits, tokens = e2e.prefill_and_decode(model, prompt, follow=ref_tokens)
