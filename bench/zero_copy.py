@@ -26,6 +26,7 @@ left to this process's kernels), BENCH_ZC_START_S (600: daemon start-up
 limit). Prints a markdown table; exits 1 when a path failed.
 """
 
+import faulthandler
 import json
 import os
 import sys
@@ -173,11 +174,16 @@ def run_model(torch, preset, tokens, iters, per, tmp):
             arena = mcc._Arena.alloc(info, mt, torch.device("cuda", 0))
             with mcc.Channel(dc, [arena.mem]) as ch:
                 for t in tokens:
+                    # a T that hangs (a GPU wait that never ends) shows where
+                    # in the log: every thread's Python stack after 60 s
+                    faulthandler.dump_traceback_later(60)
+                    print("# %s T=%d ..." % (preset, t), flush=True)
                     try:
                         r = bench_t(torch, d, c, ch, arena, info, t, iters, per)
                     except (mc.MoedError, RuntimeError, ValueError) as e:
                         print("# %s T=%d failed: %s" % (preset, t, e), flush=True)
                         r = None
+                    faulthandler.cancel_dump_traceback_later()
                     rows.append((preset, t, r))
             dc.close()
         d.stop(60)
