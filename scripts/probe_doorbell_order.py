@@ -78,6 +78,10 @@ def run(order, models):
     finally:
         if child and child.poll() is None:
             child.kill()
+        # SIGTERM: a moed SIGKILLed with its kernel resident gives the next
+        # MPS client a fatal error (bench/NOTES.md, 2026-12-01 late)
+        if d.proc is not None and d.alive():
+            d.stop()
         d.kill()
     time.sleep(2)
 
