@@ -36,8 +36,7 @@ import sys, time
 sys.path[:0] = sys.argv[2].split(":")
 import torch
 """
-CHILD = {
-    "idle": HEAD + r"""
+SESSION = r"""
 import moed_client as mc, moed_client.cuda as mcc
 s = mcc.DoorbellSession(mc.Client(sys.argv[1], timeout=60), max_tokens=4)
 x = torch.randn(2, s.info.hidden, device="cuda").to(torch.bfloat16)
@@ -45,6 +44,9 @@ ids = torch.zeros(2, s.info.top_k, dtype=torch.int32, device="cuda")
 w = torch.ones(2, s.info.top_k, device="cuda")
 s.fused_experts(x, w, ids, s.info.moe_layers[0])
 torch.cuda.synchronize()
+"""
+CHILD = {
+    "idle": HEAD + SESSION + r"""
 print("ready", flush=True)
 while True:
     time.sleep(1)
@@ -64,14 +66,7 @@ print("ready", flush=True)
 while True:
     g.replay()
 """,
-    "graph": HEAD + r"""
-import moed_client as mc, moed_client.cuda as mcc
-s = mcc.DoorbellSession(mc.Client(sys.argv[1], timeout=60), max_tokens=4)
-x = torch.randn(2, s.info.hidden, device="cuda").to(torch.bfloat16)
-ids = torch.zeros(2, s.info.top_k, dtype=torch.int32, device="cuda")
-w = torch.ones(2, s.info.top_k, device="cuda")
-s.fused_experts(x, w, ids, s.info.moe_layers[0])
-torch.cuda.synchronize()
+    "graph": HEAD + SESSION + r"""
 g = torch.cuda.CUDAGraph()
 with torch.cuda.graph(g):
     for _ in range(50):
