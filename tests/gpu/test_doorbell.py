@@ -10,7 +10,7 @@ into the arena, the one-thread doorbell kernel spinning for its answer)
 always find room next to moed's resident kernel.
 
   MOED_TEST_KILLS (100), MOED_TEST_KILL_PAR (10): clients killed, and how
-  many at a time, in test_killed_clients_mid_graph_leave_nothing
+  many at a time, in test_killed_clients_with_open_channels_leave_nothing
   MOED_TEST_REPLAYS (10000): calls of test_replays_each_answered_once
 """
 
@@ -315,7 +315,7 @@ while True:
 """
 
 
-def test_killed_clients_mid_graph_leave_nothing(daemon):
+def test_killed_clients_with_open_channels_leave_nothing(daemon):
     """Clients (DoorbellSession: the channel's arena, nothing registered)
     killed with SIGKILL after their graph of doorbell calls, channel open:
     each time the daemon closes their channels (/status back to 0, arenas
