@@ -12,7 +12,7 @@
 #   PROBES  "132 256 0;1 1024 0;132 128 200000"  probe <ctas> <threads> <smem>
 #   PCTS    "100 52"   CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of the holding process
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 BIN=${BIN:-build-cuda/sm_placement}
 OUT=${OUT:-build-cuda/gpu-logs}
 HOLD_S=${HOLD_S:-8}
