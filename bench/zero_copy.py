@@ -183,7 +183,8 @@ def run_model(torch, preset, tokens, iters, per, tmp):
                     except (mc.MoedError, RuntimeError, ValueError) as e:
                         print("# %s T=%d failed: %s" % (preset, t, e), flush=True)
                         r = None
-                    faulthandler.cancel_dump_traceback_later()
+                    finally:
+                        faulthandler.cancel_dump_traceback_later()
                     rows.append((preset, t, r))
             dc.close()
         d.stop(60)

@@ -65,6 +65,9 @@ def test_model_served_through_the_doorbell(tmp_path, family):
         sess = mcc.DoorbellSession(mc.Client(d.sock_path, timeout=du.wait_s(60)), device=dev,
                                    timeout_s=du.wait_s(5))
         ex = pc.Experts(zero_copy_mode="doorbell", sessions={str(dev): sess})
+
+        def serve(L, x, ids, w):  # the plugins' doorbell path for every MoE layer
+            return ex._forward_doorbell(L, x, ids, w, routed_only=False)
         try:
             # one call by itself first: a channel that nothing answers fails
             # here within the call timeout, with its ring words, instead of
@@ -84,13 +87,11 @@ def test_model_served_through_the_doorbell(tmp_path, family):
             assert sess.max_tokens == e2e.MAX_TOKENS < e2e.PROMPT  # prefill goes in chunks
             # one chunk of prefill by itself: a call of the model's that is
             # not answered fails here after one call timeout per layer
-            with e2e.Served(model, None, call=lambda L, x, ids, w: ex._forward_doorbell(
-                    L, x, ids, w, routed_only=False)), torch.no_grad():
+            with e2e.Served(model, None, call=serve), torch.no_grad():
                 model(input_ids=prompt[:, :e2e.MAX_TOKENS])
                 torch.cuda.synchronize()
             sess.check()
-            with e2e.Served(model, None, call=lambda L, x, ids, w: ex._forward_doorbell(
-                    L, x, ids, w, routed_only=False)):
+            with e2e.Served(model, None, call=serve):
                 logits, tokens = e2e.prefill_and_decode(model, prompt, follow=ref_tokens)
                 torch.cuda.synchronize()
                 sess.check()
@@ -127,5 +128,6 @@ def test_model_served_through_the_doorbell(tmp_path, family):
                 print("%s: MoE layer %d in a CUDA graph, 3 replays = the eager doorbell call "
                       "bit for bit" % (family, L0))
         finally:
+            faulthandler.cancel_dump_traceback_later()  # the first call's, if it failed
             sess.close()
         assert d.stop() == 0, d.log()[-3000:]
