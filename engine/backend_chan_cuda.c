@@ -97,7 +97,9 @@ void cuda_chan_teardown(struct cuda_backend *cb, int device_ok)
 static int put_entry(struct cuda_backend *cb, uint32_t i, size_t off, const void *src, size_t len)
 {
     uint8_t *dst = (uint8_t *)&cb->chans_d[i] + off;
-    cudaError_t ce = cudaMemcpyAsync(dst, src, len, cudaMemcpyHostToDevice, cb->side);
+    cudaError_t ce = cuda_use(cb); /* chan_close: the loop thread */
+    if (ce == cudaSuccess)
+        ce = cudaMemcpyAsync(dst, src, len, cudaMemcpyHostToDevice, cb->side);
     if (ce == cudaSuccess)
         ce = cudaStreamSynchronize(cb->side);
     if (ce != cudaSuccess) {
@@ -113,7 +115,9 @@ static void mark_closed(struct cuda_backend *cb, uint32_t i)
 {
     static const uint64_t one = 1;
     uint8_t *dst = (uint8_t *)cb->chan[i].mem + offsetof(struct moe_gpu_chan, closed);
-    cudaError_t ce = cudaMemcpyAsync(dst, &one, sizeof one, cudaMemcpyHostToDevice, cb->side);
+    cudaError_t ce = cuda_use(cb);
+    if (ce == cudaSuccess)
+        ce = cudaMemcpyAsync(dst, &one, sizeof one, cudaMemcpyHostToDevice, cb->side);
     if (ce == cudaSuccess)
         ce = cudaStreamSynchronize(cb->side);
     if (ce != cudaSuccess) {
@@ -198,7 +202,7 @@ int cuda_chan_open(struct moed_backend *be, const struct moed_chan_buf *bufs, ui
                            "every doorbell channel is in use or closing (engine.max_channels %u)",
                            cb->n_chans);
     struct cuda_chan *ch = &cb->chan[i];
-    cudaError_t ce = cudaSetDevice(cb->dev);
+    cudaError_t ce = cuda_use(cb);
     if (ce == cudaSuccess)
         ce = chan_mem(cb, ch, need);
     /* a clean channel: bell, done, status and slots zero, and nothing of a

@@ -373,8 +373,8 @@ static void *completion_thread(void *arg)
     struct cuda_backend *cb = arg;
     uint64_t last_progress = moed_mono_ns(), last_query = 0, hb_val = 0, hb_at = moed_mono_ns();
     unsigned backoff_us = 0;
-    if (cudaSetDevice(cb->dev) != cudaSuccess) {
-        fail_all(cb, "cudaSetDevice failed in the completion thread");
+    if (cuda_use(cb) != cudaSuccess) {
+        fail_all(cb, "cannot make the device's context current in the completion thread");
         return NULL;
     }
     for (;;) {
@@ -535,6 +535,8 @@ static void cuda_describe(struct moed_backend *be, char *buf, unsigned len)
 
 void cuda_free_all(struct cuda_backend *cb, int device_ok)
 {
+    if (device_ok)
+        (void)cuda_use(cb);
     if (device_ok) {
         while (cb->host_freed) {
             struct host_blk *hb = cb->host_freed;
@@ -558,6 +560,8 @@ void cuda_free_all(struct cuda_backend *cb, int device_ok)
     free(cb->rel); /* left mapped or allocated when the device is not ok */
     free(cb->slot_of);
     free(cb->ep_loc);
+    if (device_ok) /* a hung kernel's context is left to process exit */
+        cuda_ctx_close(cb);
     pthread_mutex_destroy(&cb->mu);
     pthread_cond_destroy(&cb->cv);
     free(cb);
@@ -568,6 +572,7 @@ static void cuda_close(struct moed_backend *be)
     struct cuda_backend *cb = (struct cuda_backend *)be;
     if (!cb)
         return;
+    (void)cuda_use(cb); /* the closing thread may have made another current */
     cuda_chan_deactivate_all(cb);
     pthread_mutex_lock(&cb->mu);
     cb->closing = 1;
@@ -695,11 +700,28 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     for (uint32_t l = 0; l < src->n_layers; l++)
         cb->slot_of[src->layer_ids ? src->layer_ids[l] : l] = (int32_t)l;
 
-    MOED_CUDA_TRY(cudaSetDevice(cb->dev));
     MOED_CUDA_TRY(cudaGetDeviceProperties(&prop, cb->dev));
     snprintf(cb->dev_name, sizeof cb->dev_name, "%s", prop.name);
     cb->n_sms = prop.multiProcessorCount;
     cuda_sharing_probe(cb, &prop);
+    /* the SMs the kernel takes, and (under MPS, one backend on the GPU) a
+     * context limited to them, made before anything of cb is allocated: an
+     * allocation belongs to the context it was made in */
+    int sms_free = cuda_sms_free(cb, cfg->sms_free, cfg->mps_sms_free_percent);
+    if (cfg->sm_share > 1) { /* one of sm_share backends on this GPU: its share of the SMs */
+        const int use = (cb->n_sms - sms_free) / (int)cfg->sm_share;
+        sms_free = cb->n_sms - (use > 0 ? use : 1);
+        LOG_I("cuda: GPU %d: one of %u backends on this GPU: its kernel takes %d SMs", cb->dev,
+              cfg->sm_share, cb->n_sms - sms_free);
+    } else if (!cfg->ep_place) {
+        cuda_ctx_open(cb, cb->n_sms - sms_free);
+    }
+    MOED_CUDA_TRY(cuda_use(cb));
+    if (cb->ctx) { /* the grid fills the context's SMs, as many as the driver granted */
+        int seen = 0;
+        MOED_CUDA_TRY(cudaDeviceGetAttribute(&seen, cudaDevAttrMultiProcessorCount, cb->dev));
+        sms_free = seen > cb->ctx_sms ? seen - cb->ctx_sms : 0;
+    }
 
     /* the kernel module and this build must agree on the host-device layout
      * (kernels/moe_gpu_abi.h) before anything is placed or launched */
@@ -775,14 +797,10 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     MOED_CUDA_TRY(cudaHostGetDevicePointer((void **)&cb->stage_d, cb->stage, 0));
     MOED_CUDA_TRY(cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking));
 
-    int sms_free = cuda_sms_free(cb, cfg->sms_free, cfg->mps_sms_free_percent);
-    if (cfg->sm_share > 1) { /* one of sm_share backends on this GPU: its share of the SMs */
-        const int use = (cb->n_sms - sms_free) / (int)cfg->sm_share;
-        sms_free = cb->n_sms - (use > 0 ? use : 1);
-        LOG_I("cuda: GPU %d: one of %u backends on this GPU: its kernel takes %d SMs", cb->dev,
-              cfg->sm_share, cb->n_sms - sms_free);
-    }
     MOED_TRY(moe_gpu_plan(cb->dev, &cb->d, sms_free, &cb->launch, err, errlen));
+    if (cb->ctx && cb->launch.sms != cb->ctx_sms)
+        LOG_W("cuda: GPU %d: the kernel's grid spans %d SMs, its context %d", cb->dev,
+              cb->launch.sms, cb->ctx_sms);
     MOED_TRY(scratch_alloc(cb, G_ROUTE, (void **)&cb->route_g,
                            (size_t)cb->launch.grid * moe_gpu_route_gmem_bytes(&cb->d), err, errlen));
     cb->params = (struct moe_gpu_params){

@@ -45,6 +45,9 @@ struct cuda_backend {
     uint8_t uuid[16];  /* cudaDeviceProp.uuid, read at open */
     int mps;           /* the device runs under MPS (cudaDevAttrMpsEnabled) */
     int n_sms;
+    void *ctx;         /* a CUcontext limited to ctx_sms SMs (MPS execution affinity),
+                          or NULL: the device's primary context (cuda_use) */
+    int ctx_sms;
     uint32_t deadline_ms, idle_exit_ms;
     moed_progress_fn progress; /* weight placement progress (open only) */
     void *progress_ctx;
@@ -154,6 +157,18 @@ int cuda_place_weights(struct cuda_backend *cb, const struct moed_cuda_src *src,
 /* The zero-copy path (backend_ipc_cuda.c): the backend's ops device_uuid,
  * ipc_open, ipc_close (backend.h). */
 int cuda_device_uuid(struct moed_backend *be, uint8_t uuid[16], int *mps);
+/* Under MPS with SMs to leave free (sms < n_sms): a context of the device that
+ * may use `sms` SMs only (cuCtxCreate with CU_EXEC_AFFINITY_TYPE_SM_COUNT),
+ * so that moed's CTAs leave the other SMs whole for the engine's kernels;
+ * cb->ctx, cb->ctx_sms (what the driver granted, rounded up). Without MPS,
+ * without driver support or on failure (logged): the primary context, as
+ * before. Current on the calling thread on return. */
+void cuda_ctx_open(struct cuda_backend *cb, int sms);
+/* Make cb's context current on this thread: every thread, before any CUDA
+ * call for cb (cudaSetDevice when cb has the primary context). */
+cudaError_t cuda_use(const struct cuda_backend *cb);
+/* Destroy cb's own context (none: nothing); after every free of cb's. */
+void cuda_ctx_close(struct cuda_backend *cb);
 int cuda_peer_gpu(struct moed_backend *be, const uint8_t uuid[16], char *err, size_t errlen);
 int cuda_ipc_open(struct moed_backend *be, const uint8_t handle[64], struct moed_buf *out,
                   char *err, size_t errlen);

@@ -82,7 +82,7 @@ int moed_backend_cuda_check_guards(struct moed_backend *be, char *err, size_t er
         return moed_seterr(err, errlen, MOED_E_INVAL,
                            "cuda backend: opened without guard regions "
                            "(moed_backend_cuda_test_guards)");
-    MOED_CUDA_TRY(cudaSetDevice(cb->dev));
+    MOED_CUDA_TRY(cuda_use(cb));
     for (int i = 0; i < G_COUNT; i++) {
         const struct guarded *g = &cb->g[i];
         if (!g->base)

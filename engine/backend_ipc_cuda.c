@@ -22,11 +22,15 @@
  * mapping goes through the release queue as any other (cudaIpcCloseMemHandle
  * waits for an idle device). Loop thread. Also what the backend knows of
  * sharing its GPU: the
- * device's UUID and whether it runs under MPS, and the SMs the kernel then
- * leaves to the other processes (cuda_sms_free).
+ * device's UUID and whether it runs under MPS, the SMs the kernel then
+ * leaves to the other processes (cuda_sms_free), and the context that keeps
+ * it off them (cuda_ctx_open: a smaller grid alone does not, since the
+ * hardware may spread its CTAs over every SM; the driver calls through the
+ * same entry points).
  */
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -55,6 +59,98 @@ int cuda_sms_free(const struct cuda_backend *cb, int sms_free, int mps_percent)
           "(engine.mps_sms_free_percent %d; engine.sms_free sets it)",
           cb->dev, sms_free, cb->n_sms, mps_percent);
     return sms_free;
+}
+
+/* The driver calls of the SM-limited context, through the runtime's entry
+ * points (no link against libcuda); NULL where the driver lacks one. */
+typedef CUresult (*ctx_create_fn)(CUcontext *, CUctxCreateParams *, unsigned, CUdevice);
+typedef CUresult (*ctx_affinity_fn)(CUexecAffinityParam *, CUexecAffinityType);
+typedef CUresult (*ctx_ctx_fn)(CUcontext);
+typedef CUresult (*affinity_support_fn)(int *, CUexecAffinityType, CUdevice);
+static struct {
+    pthread_once_t once;
+    ctx_create_fn create;
+    ctx_affinity_fn get_affinity;
+    ctx_ctx_fn set_current, destroy;
+    affinity_support_fn support;
+} g_drv = {.once = PTHREAD_ONCE_INIT};
+
+static void *drv_fn(const char *name, int version)
+{
+    void *p = NULL;
+    enum cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion(name, &p, (unsigned)version, cudaEnableDefault, &q) !=
+            cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    return p;
+}
+
+static void drv_load(void)
+{
+    g_drv.create = (ctx_create_fn)drv_fn("cuCtxCreate", 12050); /* CUctxCreateParams */
+    g_drv.get_affinity = (ctx_affinity_fn)drv_fn("cuCtxGetExecAffinity", 11040);
+    g_drv.set_current = (ctx_ctx_fn)drv_fn("cuCtxSetCurrent", 4000);
+    g_drv.destroy = (ctx_ctx_fn)drv_fn("cuCtxDestroy", 4000);
+    g_drv.support = (affinity_support_fn)drv_fn("cuDeviceGetExecAffinitySupport", 11040);
+}
+
+void cuda_ctx_open(struct cuda_backend *cb, int sms)
+{
+    cb->ctx = NULL;
+    cb->ctx_sms = cb->n_sms;
+    if (!cb->mps || sms <= 0 || sms >= cb->n_sms)
+        return;
+    pthread_once(&g_drv.once, drv_load);
+    int ok = 0;
+    if (!g_drv.create || !g_drv.get_affinity || !g_drv.set_current || !g_drv.destroy ||
+        !g_drv.support || g_drv.support(&ok, CU_EXEC_AFFINITY_TYPE_SM_COUNT, cb->dev) !=
+                              CUDA_SUCCESS ||
+        !ok) {
+        LOG_W("cuda: GPU %d: the driver cannot make a context limited to %d SMs (execution "
+              "affinity); the kernel's grid is smaller, but its CTAs may still land on every SM",
+              cb->dev, sms);
+        return;
+    }
+    CUexecAffinityParam aff = {.type = CU_EXEC_AFFINITY_TYPE_SM_COUNT};
+    aff.param.smCount.val = (unsigned)sms;
+    CUctxCreateParams cp = {.execAffinityParams = &aff, .numExecAffinityParams = 1};
+    CUcontext ctx = NULL;
+    CUresult r = g_drv.create(&ctx, &cp, CU_CTX_MAP_HOST, (CUdevice)cb->dev);
+    CUexecAffinityParam got = {.type = CU_EXEC_AFFINITY_TYPE_SM_COUNT};
+    if (r == CUDA_SUCCESS)
+        r = g_drv.get_affinity(&got, CU_EXEC_AFFINITY_TYPE_SM_COUNT);
+    if (r != CUDA_SUCCESS) {
+        if (ctx)
+            (void)g_drv.destroy(ctx);
+        LOG_W("cuda: GPU %d: a context limited to %d SMs failed (CUresult %d); the kernel's "
+              "grid is smaller, but its CTAs may still land on every SM", cb->dev, sms, (int)r);
+        return;
+    }
+    cb->ctx = ctx;
+    cb->ctx_sms = (int)got.param.smCount.val;
+    LOG_I("cuda: GPU %d: moed's context is limited to %d of %d SMs under MPS (%d asked): the "
+          "other %d are left whole", cb->dev, cb->ctx_sms, cb->n_sms, sms,
+          cb->n_sms - cb->ctx_sms);
+}
+
+cudaError_t cuda_use(const struct cuda_backend *cb)
+{
+    if (!cb->ctx)
+        return cudaSetDevice(cb->dev);
+    return g_drv.set_current((CUcontext)cb->ctx) == CUDA_SUCCESS ? cudaSuccess
+                                                                 : cudaErrorInvalidResourceHandle;
+}
+
+void cuda_ctx_close(struct cuda_backend *cb)
+{
+    if (!cb->ctx)
+        return;
+    (void)g_drv.set_current(NULL);
+    (void)g_drv.destroy((CUcontext)cb->ctx);
+    cb->ctx = NULL;
 }
 
 int cuda_device_uuid(struct moed_backend *be, uint8_t uuid[16], int *mps)
@@ -124,7 +220,7 @@ int cuda_ipc_open(struct moed_backend *be, const uint8_t handle[64], struct moed
     _Static_assert(sizeof h == 64, "cudaIpcMemHandle_t is 64 bytes");
     memcpy(&h, handle, sizeof h);
     void *p = NULL;
-    cudaError_t ce = cudaSetDevice(cb->dev);
+    cudaError_t ce = cuda_use(cb);
     if (ce == cudaSuccess)
         ce = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
     if (ce != cudaSuccess) {
@@ -195,7 +291,7 @@ void cuda_release_queued(struct cuda_backend *cb)
     cb->rel = NULL;
     cb->n_rel = cb->cap_rel = 0;
     pthread_mutex_unlock(&cb->mu);
-    cudaError_t ce = cudaSetDevice(cb->dev);
+    cudaError_t ce = cuda_use(cb);
     for (uint32_t i = 0; i < n; i++) {
         const int fr = list[i].kind == CUDA_REL_FREE;
         if (ce == cudaSuccess)

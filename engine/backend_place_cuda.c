@@ -166,7 +166,7 @@ void *cuda_host_alloc(struct moed_backend *be, size_t bytes)
 {
     struct cuda_backend *cb = (struct cuda_backend *)be;
     void *p = NULL, *dp = NULL;
-    cudaError_t e = cudaSetDevice(cb->dev); /* the caller's thread may have another */
+    cudaError_t e = cuda_use(cb); /* the caller's thread may have another */
     if (e == cudaSuccess)
         e = cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
     if (e != cudaSuccess) {
