@@ -525,11 +525,12 @@ static void cuda_describe(struct moed_backend *be, char *buf, unsigned len)
     struct cuda_backend *cb = (struct cuda_backend *)be;
     snprintf(buf, len,
              "cuda: GPU %d %s, %d SMs used, grid %d CTAs (%d/SM x %d threads, %d B smem), "
-             "weights %.2f GiB, scratch %.2f GiB, device memory used %.2f of %.2f GiB, MPS %s%s%s",
+             "weights %.2f GiB, scratch %.2f GiB, device memory used %.2f of %.2f GiB, MPS %s%s%s%s",
              cb->dev, cb->dev_name, cb->launch.sms, cb->launch.grid, cb->launch.ctas_per_sm,
              cb->launch.block, cb->launch.smem_bytes, cb->weight_bytes / 1073741824.0,
              cb->scratch_bytes / 1073741824.0, cb->dev_used / 1073741824.0,
-             cb->dev_total / 1073741824.0, cb->mps ? "on" : "off", cb->failed ? "; UNHEALTHY: " : "",
+             cb->dev_total / 1073741824.0, cb->mps ? "on" : "off",
+             cb->ctx ? " (context limited to its SMs)" : "", cb->failed ? "; UNHEALTHY: " : "",
              cb->failed ? cb->fail_msg : "");
 }
 
