@@ -66,6 +66,8 @@ int cuda_chan_setup(struct cuda_backend *cb, uint32_t max_channels, char *err, s
     memset(cb->chanctl, 0, sizeof *cb->chanctl);
     MOED_CUDA_TRY(cudaHostGetDevicePointer((void **)&cb->chanctl_d, cb->chanctl, 0));
     MOED_CUDA_TRY(cudaStreamCreateWithFlags(&cb->side, cudaStreamNonBlocking));
+    MOED_CUDA_TRY(cudaHostAlloc(&cb->zeros, MOE_GPU_CHAN_ALLOC, cudaHostAllocDefault));
+    memset(cb->zeros, 0, MOE_GPU_CHAN_ALLOC);
     cb->params.chans = cb->chans_d;
     cb->params.chanctl = cb->chanctl_d;
     cb->params.slot_of = cb->slot_of_d;
@@ -87,6 +89,8 @@ void cuda_chan_teardown(struct cuda_backend *cb, int device_ok)
         cudaFree(cb->slot_of_d);
         if (cb->chanctl)
             cudaFreeHost(cb->chanctl);
+        if (cb->zeros)
+            cudaFreeHost(cb->zeros);
     }
     free(cb->chan);
     cb->chan = NULL;
@@ -207,8 +211,11 @@ int cuda_chan_open(struct moed_backend *be, const struct moed_chan_buf *bufs, ui
         ce = chan_mem(cb, ch, need);
     /* a clean channel: bell, done, status and slots zero, and nothing of a
      * previous owner's arena (the client maps the whole allocation) */
-    if (ce == cudaSuccess)
-        ce = cudaMemsetAsync(ch->mem, 0, ch->mem_bytes, cb->side);
+    for (size_t off = 0; ce == cudaSuccess && off < ch->mem_bytes; off += MOE_GPU_CHAN_ALLOC)
+        ce = cudaMemcpyAsync((uint8_t *)ch->mem + off, cb->zeros,
+                             ch->mem_bytes - off < MOE_GPU_CHAN_ALLOC ? ch->mem_bytes - off
+                                                                      : MOE_GPU_CHAN_ALLOC,
+                             cudaMemcpyHostToDevice, cb->side);
     if (ce == cudaSuccess)
         ce = cudaStreamSynchronize(cb->side);
     if (ce != cudaSuccess) {

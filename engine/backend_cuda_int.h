@@ -103,6 +103,10 @@ struct cuda_backend {
     struct moe_gpu_chanctl *chanctl, *chanctl_d;
     int32_t *slot_of_d;
     cudaStream_t side;
+    void *zeros;             /* MOE_GPU_CHAN_ALLOC pinned zero bytes: a channel's
+                                allocation is cleared by copies from it (a copy
+                                engine's work; a memset may need an SM, and under
+                                an SM-limited context the kernel holds them all) */
     struct cuda_chan *chan;  /* [n_chans] */
     uint32_t chans_live;     /* open or draining: the kernel stays resident */
     int stopping;            /* an idle stop is under way (the kernel sees a bell only
