@@ -561,8 +561,10 @@ void cuda_free_all(struct cuda_backend *cb, int device_ok)
     free(cb->rel); /* left mapped or allocated when the device is not ok */
     free(cb->slot_of);
     free(cb->ep_loc);
-    if (device_ok) /* a hung kernel's context is left to process exit */
+    if (device_ok) { /* a hung kernel's context (and the GPU's lock) are left to process exit */
         cuda_ctx_close(cb);
+        cuda_gpu_unlock(cb);
+    }
     pthread_mutex_destroy(&cb->mu);
     pthread_cond_destroy(&cb->cv);
     free(cb);
@@ -705,6 +707,7 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     snprintf(cb->dev_name, sizeof cb->dev_name, "%s", prop.name);
     cb->n_sms = prop.multiProcessorCount;
     cuda_sharing_probe(cb, &prop);
+    MOED_TRY(cuda_gpu_lock(cb, err, errlen));
     /* the SMs the kernel takes, and (under MPS, one backend on the GPU) a
      * context limited to them, made before anything of cb is allocated: an
      * allocation belongs to the context it was made in */

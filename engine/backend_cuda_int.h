@@ -48,6 +48,7 @@ struct cuda_backend {
     void *ctx;         /* a CUcontext limited to ctx_sms SMs (MPS execution affinity),
                           or NULL: the device's primary context (cuda_use) */
     int ctx_sms;
+    char lock_path[64]; /* the GPU's lock file under MPS (cuda_gpu_lock), or "" */
     uint32_t deadline_ms, idle_exit_ms;
     moed_progress_fn progress; /* weight placement progress (open only) */
     void *progress_ctx;
@@ -168,6 +169,14 @@ int cuda_device_uuid(struct moed_backend *be, uint8_t uuid[16], int *mps);
  * without driver support or on failure (logged): the primary context, as
  * before. Current on the calling thread on return. */
 void cuda_ctx_open(struct cuda_backend *cb, int sms);
+/* Under MPS: take the GPU's lock file (/dev/shm/moed-gpu-<uuid>.lock,
+ * moed_lock.h), so that a second moed on the GPU is refused at open with
+ * MOED_E_BUSY naming the first one's pid, before it makes a context or
+ * launches a kernel. A file that cannot be used is logged and skipped.
+ * Without MPS nothing is taken: two moeds on one GPU take turns there, each
+ * kernel resident while the other's has idled out (engine.idle_exit_ms). */
+int cuda_gpu_lock(struct cuda_backend *cb, char *err, size_t errlen);
+void cuda_gpu_unlock(struct cuda_backend *cb);
 /* Make cb's context current on this thread: every thread, before any CUDA
  * call for cb (cudaSetDevice when cb has the primary context). */
 cudaError_t cuda_use(const struct cuda_backend *cb);

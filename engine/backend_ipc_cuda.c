@@ -37,6 +37,7 @@
 
 #include "backend_cuda_int.h"
 #include "moed_err.h"
+#include "moed_lock.h"
 #include "moed_log.h"
 
 typedef CUresult (*get_range_fn)(CUdeviceptr *base, size_t *size, CUdeviceptr p);
@@ -48,6 +49,37 @@ void cuda_sharing_probe(struct cuda_backend *cb, const struct cudaDeviceProp *pr
         (void)cudaGetLastError();
         cb->mps = 0;
     }
+}
+
+int cuda_gpu_lock(struct cuda_backend *cb, char *err, size_t errlen)
+{
+    cb->lock_path[0] = '\0';
+    if (!cb->mps)
+        return 0;
+    char id[33], what[96], why[384];
+    for (int i = 0; i < 16; i++)
+        snprintf(id + 2 * i, 3, "%02x", cb->uuid[i]);
+    snprintf(what, sizeof what, "GPU %d (uuid %s) under MPS", cb->dev, id);
+    snprintf(cb->lock_path, sizeof cb->lock_path, "/dev/shm/moed-gpu-%s.lock", id);
+    const int rc = moed_lock_take(cb->lock_path, what, why, sizeof why);
+    if (rc == 0)
+        return 0;
+    cb->lock_path[0] = '\0';
+    if (rc == MOED_E_BUSY)
+        return moed_seterr(err, errlen, rc,
+                           "cuda backend: %s; one moed per GPU under MPS: the first one's kernel "
+                           "holds the SMs a second one's needs, and a process that exits with "
+                           "its kernel unfinished faults every client of the GPU",
+                           why);
+    LOG_W("cuda: %s; going on without it (a second moed on this GPU would not be refused)", why);
+    return 0;
+}
+
+void cuda_gpu_unlock(struct cuda_backend *cb)
+{
+    if (cb->lock_path[0])
+        moed_lock_drop(cb->lock_path);
+    cb->lock_path[0] = '\0';
 }
 
 int cuda_sms_free(const struct cuda_backend *cb, int sms_free, int mps_percent)
