@@ -51,6 +51,89 @@ def daemon(tmp_path_factory):
         assert d.stop() == 0, d.log()[-4000:]
 
 
+# The two tests with daemons of their own come first, before the module's
+# daemon is made (at the first test that asks for it): under MPS one moed
+# serves a GPU, and a second is refused at start (the GPU's lock file).
+
+
+def test_arena_outgrows_its_allocation(tmp_path_factory):
+    """engine.max_tokens 4096: a first channel with a small arena gets the
+    entry a 2 MiB allocation; once it is closed, a channel with the largest
+    arena (about 4.3 MB on the tiny model) needs more, so the entry gets a
+    new allocation and the old one is freed later with no kernel resident
+    (the debug log says so). A call whose y lies past 2 MiB into the arena
+    is answered bit for bit like the inline path."""
+    tmp = tmp_path_factory.mktemp("db-grow")
+    cfg = doorbell_config(tmp, du.models_dir(tmp_path_factory), engine__max_tokens=4096,
+                          engine__max_channels=1, server__max_frame_bytes=4 << 20,
+                          server__max_client_buffer_bytes=16 << 20)
+    cfg["log"]["level"] = "debug"
+    with du.Daemon(tmp, cfg) as d, mc.Client(d.sock_path, timeout=du.wait_s(60)) as c:
+        info = c.hello()
+        with mcc.DoorbellSession(mc.Client(d.sock_path, timeout=du.wait_s(60)),
+                                 max_tokens=4) as s:
+            x, ids, w = batch(info, 4, 31, "cuda")
+            s.fused_experts(x, w, ids, info.moe_layers[0])
+            torch.cuda.synchronize()
+            s.check()
+        wait_idle(d)
+        with mcc.DoorbellSession(mc.Client(d.sock_path, timeout=du.wait_s(60)),
+                                 max_tokens=4096) as s:
+            assert s.arena.off_y > 2 << 20 and s.channel.arena.numel() > 4 << 20
+            x, ids, w = batch(info, 8, 37, "cuda")
+            y = s.fused_experts(x, w, ids, info.moe_layers[0])
+            torch.cuda.synchronize()
+            s.check()
+            assert np.array_equal(bits(y), inline(c, info.moe_layers[0], x, ids, w))
+            deadline = time.monotonic() + du.wait_s(20)
+            while "1 channel allocations freed" not in d.log():
+                assert time.monotonic() < deadline, d.log()[-4000:]
+                time.sleep(0.02)
+        wait_idle(d)
+        assert d.alive()
+        assert d.stop() == 0, d.log()[-4000:]
+
+
+def test_malformed_descriptors_under_memcheck(tmp_path_factory):
+    """The same descriptors against a daemon run under compute-sanitizer
+    memcheck (as scripts/daemon_probe.py does), on a one-layer tiny model:
+    0 errors reported."""
+    cs = os.environ.get("COMPUTE_SANITIZER") or next(
+        (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.access(p, os.X_OK)), None)
+    if cs is None:
+        pytest.skip("compute-sanitizer not found")
+    tmp = tmp_path_factory.mktemp("db-san")
+    log = os.path.join(os.environ.get("LOGDIR", str(tmp)), "doorbell-memcheck.txt")
+    wrap = os.path.join(str(tmp), "wrap.sh")
+    with open(wrap, "w") as f:
+        f.write('#!/bin/sh\nexec "%s" --tool memcheck --print-limit 20 --log-file "%s" "%s" "$@"\n'
+                % (cs, log, du.MOED))
+    os.chmod(wrap, 0o755)
+    cfg = doorbell_config(tmp, str(tmp / "models"), engine__batch_deadline_ms=60000)
+    cfg["model"]["path"] = "synthetic:tiny:layers=1:seed=7"
+    cfg["server"]["frame_timeout_ms"] = 60000
+    # no pinned pool: memcheck checks a kernel's reads of host_alloc memory
+    # against the allocations it knew at the kernel's launch, so the pool's
+    # blocks (allocated later) read as out of bounds (H200, 2026-12-01: 147
+    # errors, every one a read of the self-check's x; tests/gpu/test_moe_gpu.c
+    # runs its pinned cases with host buffers under the tool for the same
+    # reason). Ordinary memory goes through the staging slots, allocated
+    # before the launch.
+    cfg["server"]["pinned_pool_bytes"] = 0
+    real, du.MOED = du.MOED, wrap
+    try:
+        with du.Daemon(tmp, cfg, start_timeout=300) as d:
+            with mc.Client(d.sock_path, timeout=du.wait_s(120)) as c:
+                n = run_bad_descriptors(d, c, timeout_s=du.wait_s(100))
+            assert d.stop(timeout=120) == 0, d.log()[-4000:]
+    finally:
+        du.MOED = real
+    with open(log) as f:
+        text = f.read()
+    print("memcheck (%d bad descriptors): %s" % (n, text.strip().splitlines()[-1:]))
+    assert "ERROR SUMMARY: 0 errors" in text, text[-4000:]
+
+
 def chan_status(daemon):
     """/status channels: open, draining, doorbell_requests, doorbell_refused
     (since start, all channels), list (per channel)."""
@@ -205,44 +288,6 @@ def test_arena_zeroed_for_a_new_owner(daemon):
         raw = mcc._cudrv.read_device(s.channel._chan, 2 << 20)  # MOE_GPU_CHAN_ALLOC
         assert raw.count(0) == len(raw), len(raw) - raw.count(0)
     wait_idle(daemon)
-
-
-def test_arena_outgrows_its_allocation(tmp_path_factory):
-    """engine.max_tokens 4096: a first channel with a small arena gets the
-    entry a 2 MiB allocation; once it is closed, a channel with the largest
-    arena (about 4.3 MB on the tiny model) needs more, so the entry gets a
-    new allocation and the old one is freed later with no kernel resident
-    (the debug log says so). A call whose y lies past 2 MiB into the arena
-    is answered bit for bit like the inline path."""
-    tmp = tmp_path_factory.mktemp("db-grow")
-    cfg = doorbell_config(tmp, du.models_dir(tmp_path_factory), engine__max_tokens=4096,
-                          engine__max_channels=1, server__max_frame_bytes=4 << 20,
-                          server__max_client_buffer_bytes=16 << 20)
-    cfg["log"]["level"] = "debug"
-    with du.Daemon(tmp, cfg) as d, mc.Client(d.sock_path, timeout=du.wait_s(60)) as c:
-        info = c.hello()
-        with mcc.DoorbellSession(mc.Client(d.sock_path, timeout=du.wait_s(60)),
-                                 max_tokens=4) as s:
-            x, ids, w = batch(info, 4, 31, "cuda")
-            s.fused_experts(x, w, ids, info.moe_layers[0])
-            torch.cuda.synchronize()
-            s.check()
-        wait_idle(d)
-        with mcc.DoorbellSession(mc.Client(d.sock_path, timeout=du.wait_s(60)),
-                                 max_tokens=4096) as s:
-            assert s.arena.off_y > 2 << 20 and s.channel.arena.numel() > 4 << 20
-            x, ids, w = batch(info, 8, 37, "cuda")
-            y = s.fused_experts(x, w, ids, info.moe_layers[0])
-            torch.cuda.synchronize()
-            s.check()
-            assert np.array_equal(bits(y), inline(c, info.moe_layers[0], x, ids, w))
-            deadline = time.monotonic() + du.wait_s(20)
-            while "1 channel allocations freed" not in d.log():
-                assert time.monotonic() < deadline, d.log()[-4000:]
-                time.sleep(0.02)
-        wait_idle(d)
-        assert d.alive()
-        assert d.stop() == 0, d.log()[-4000:]
 
 
 def test_replays_each_answered_once(daemon):
@@ -443,43 +488,3 @@ def test_malformed_descriptors_from_the_gpu(daemon):
         run_bad_descriptors(daemon, c)
     assert daemon.alive()
     wait_idle(daemon)
-
-
-def test_malformed_descriptors_under_memcheck(tmp_path_factory):
-    """The same descriptors against a daemon run under compute-sanitizer
-    memcheck (as scripts/daemon_probe.py does), on a one-layer tiny model:
-    0 errors reported."""
-    cs = os.environ.get("COMPUTE_SANITIZER") or next(
-        (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.access(p, os.X_OK)), None)
-    if cs is None:
-        pytest.skip("compute-sanitizer not found")
-    tmp = tmp_path_factory.mktemp("db-san")
-    log = os.path.join(os.environ.get("LOGDIR", str(tmp)), "doorbell-memcheck.txt")
-    wrap = os.path.join(str(tmp), "wrap.sh")
-    with open(wrap, "w") as f:
-        f.write('#!/bin/sh\nexec "%s" --tool memcheck --print-limit 20 --log-file "%s" "%s" "$@"\n'
-                % (cs, log, du.MOED))
-    os.chmod(wrap, 0o755)
-    cfg = doorbell_config(tmp, str(tmp / "models"), engine__batch_deadline_ms=60000)
-    cfg["model"]["path"] = "synthetic:tiny:layers=1:seed=7"
-    cfg["server"]["frame_timeout_ms"] = 60000
-    # no pinned pool: memcheck checks a kernel's reads of host_alloc memory
-    # against the allocations it knew at the kernel's launch, so the pool's
-    # blocks (allocated later) read as out of bounds (H200, 2026-12-01: 147
-    # errors, every one a read of the self-check's x; tests/gpu/test_moe_gpu.c
-    # runs its pinned cases with host buffers under the tool for the same
-    # reason). Ordinary memory goes through the staging slots, allocated
-    # before the launch.
-    cfg["server"]["pinned_pool_bytes"] = 0
-    real, du.MOED = du.MOED, wrap
-    try:
-        with du.Daemon(tmp, cfg, start_timeout=300) as d:
-            with mc.Client(d.sock_path, timeout=du.wait_s(120)) as c:
-                n = run_bad_descriptors(d, c, timeout_s=du.wait_s(100))
-            assert d.stop(timeout=120) == 0, d.log()[-4000:]
-    finally:
-        du.MOED = real
-    with open(log) as f:
-        text = f.read()
-    print("memcheck (%d bad descriptors): %s" % (n, text.strip().splitlines()[-1:]))
-    assert "ERROR SUMMARY: 0 errors" in text, text[-4000:]

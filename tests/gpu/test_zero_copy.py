@@ -9,6 +9,7 @@ always find room.
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,6 +35,35 @@ def daemon(tmp_path_factory):
     with du.Daemon(tmp, cfg) as d:
         yield d
         assert d.alive(), d.log()
+        assert d.stop() == 0, d.log()[-4000:]
+
+
+
+def test_mps_leaves_sms_free_by_default(tmp_path_factory):
+    """Under MPS with engine.sms_free 0, the kernel leaves
+    engine.mps_sms_free_percent (50) of the SMs free, and says so. First in
+    the file: it starts a daemon of its own, and under MPS one moed serves a
+    GPU (test_second_moed_on_the_gpu_refused)."""
+    import json
+    import re
+    import urllib.request
+    tmp = tmp_path_factory.mktemp("zc-mps")
+    cfg = du.base_config(str(tmp), du.models_dir(tmp_path_factory), status__port=du.free_port(),
+                         engine__backend="cuda", engine__sms_free=0)
+    n_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    with du.Daemon(tmp, cfg) as d:
+        url = "http://127.0.0.1:%d/status" % d.http_port()
+        with urllib.request.urlopen(url, timeout=du.wait_s(5)) as r:
+            desc = json.loads(r.read().decode())["backend"]["description"]
+        print("backend: %s" % desc)
+        assert "MPS on" in desc, desc
+        used = int(re.search(r"(\d+) SMs used", desc).group(1))
+        assert used == n_sms - n_sms * 50 // 100, (used, n_sms)
+        assert "leaving %d of %d SMs free" % (n_sms * 50 // 100, n_sms) in d.log()
+        # and its context is limited to them (MPS execution affinity), so
+        # that its CTAs leave the other SMs whole
+        assert "(context limited to its SMs)" in desc, desc
+        assert "moed's context is limited to %d of %d SMs under MPS" % (used, n_sms) in d.log()
         assert d.stop() == 0, d.log()[-4000:]
 
 
@@ -170,23 +200,30 @@ def test_latency_inline_vs_descriptor(daemon):
                   % (t, res["inline"], res["descriptor"]))
 
 
-def test_mps_leaves_sms_free_by_default(tmp_path_factory):
-    """Under MPS with engine.sms_free 0, the kernel leaves
-    engine.mps_sms_free_percent (50) of the SMs free, and says so."""
-    import json
-    import re
-    import urllib.request
-    tmp = tmp_path_factory.mktemp("zc-mps")
+def test_second_moed_on_the_gpu_refused(daemon, tmp_path_factory):
+    """A second moed on the module daemon's GPU under MPS is refused at start
+    (exit 4, the backend), naming the first one's pid and the lock file,
+    before it makes a context or launches a kernel; the first one keeps
+    serving, the same answer bit for bit."""
+    def call(c, info):
+        x, ids, w = batch(info, 4, 11)
+        return np.asarray(c.forward(info.first_moe_layer, x.view(torch.int16).numpy()
+                                    .view(np.uint16), ids.numpy(), w.numpy())).view(np.uint16)
+
+    with mc.Client(daemon.sock_path, timeout=du.wait_s(60)) as c:
+        info = c.hello()
+        before = call(c, info)
+    tmp = tmp_path_factory.mktemp("zc-second")
     cfg = du.base_config(str(tmp), du.models_dir(tmp_path_factory), status__port=du.free_port(),
-                         engine__backend="cuda", engine__sms_free=0)
-    n_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    with du.Daemon(tmp, cfg) as d:
-        url = "http://127.0.0.1:%d/status" % d.http_port()
-        with urllib.request.urlopen(url, timeout=du.wait_s(5)) as r:
-            desc = json.loads(r.read().decode())["backend"]["description"]
-        print("backend: %s" % desc)
-        assert "MPS on" in desc, desc
-        used = int(re.search(r"(\d+) SMs used", desc).group(1))
-        assert used == n_sms - n_sms * 50 // 100, (used, n_sms)
-        assert "leaving %d of %d SMs free" % (n_sms * 50 // 100, n_sms) in d.log()
-        assert d.stop() == 0, d.log()[-4000:]
+                         engine__backend="cuda", engine__sms_free=64)
+    with pytest.raises(RuntimeError) as ei:
+        with du.Daemon(tmp, cfg):
+            pass
+    text = str(ei.value)
+    assert "moed exited with 4 during start-up" in text, text[-4000:]
+    assert re.search(r"GPU 0 \(uuid [0-9a-f]{32}\) under MPS is held by another process, "
+                     r"pid %d \(lock file /dev/shm/moed-gpu-[0-9a-f]{32}\.lock\); one moed per "
+                     r"GPU under MPS" % daemon.proc.pid, text), text[-4000:]
+    assert "persistent kernel" not in text, text[-4000:]
+    with mc.Client(daemon.sock_path, timeout=du.wait_s(60)) as c:
+        assert np.array_equal(call(c, c.hello()), before)
