@@ -1,20 +1,26 @@
 #!/usr/bin/env python3
-"""Probe (GPU machine, under MPS): does SIGKILL of a client process take moed
-down, and does it matter what the client was doing on the GPU?
+"""Probe (GPU machine, under MPS): does a client process's end take moed
+down (SIGKILL, or its own exit), and does it matter what the client was doing
+on the GPU?
 
 For each mode, a fresh daemon (backend cuda, engine.sms_free 64), N child
-processes started and killed with SIGKILL at once, then: is the daemon
-alive, does /status answer, does an inline FORWARD still return? Modes:
+processes started and then killed with SIGKILL at once (or left to exit),
+then: is the daemon alive, does /status answer, does an inline FORWARD still
+return? Modes:
   idle    a DoorbellSession opened, one call made, synchronized, then sleep
           (no kernel of the child's running when it dies)
   torch   no moed at all: a CUDA graph of matmuls replayed in a loop (the
           child's kernels running when it dies, none of them moed's)
   graph   a DoorbellSession's graph of 50 calls replayed in a loop (as
           tests/gpu/test_doorbell.py's killed-client test)
+  exit    torch's graph of matmuls replayed 20 times, synchronized, and the
+          process exits by itself (a serving engine's clean shutdown)
+  exitbusy  the same graph replayed 20 times and the process exits at once,
+          its work still queued (os._exit, no synchronize)
 This process makes no CUDA context of its own (the MPS server recovers from a
 fatal error only once every client has gone). Usage, from the tree root with
 MPS started (scripts/mps.sh) and MOED_BUILD set:
-  python3 scripts/probe_mps_kill.py [modes...] [--kills N]
+  python3 scripts/probe_mps_kill.py [modes...] [--kills N]  (N clients per mode)
 """
 import argparse
 import os
@@ -78,6 +84,12 @@ while True:
     g.replay()
 """,
 }
+CHILD["exit"] = CHILD["torch"].replace("while True:\n    g.replay()\n",
+                                       "for _ in range(20):\n    g.replay()\n"
+                                       "torch.cuda.synchronize()\n")
+CHILD["exitbusy"] = CHILD["torch"].replace("while True:\n    g.replay()\n",
+                                           "for _ in range(20):\n    g.replay()\n"
+                                           "import os\nos._exit(0)\n")
 
 
 def inline_ok(sock):
@@ -102,7 +114,8 @@ def run(mode, kills, models):
         lines = [p.stdout.readline().strip() for p in procs]
         t0 = time.monotonic()
         for p in procs:
-            p.send_signal(signal.SIGKILL)
+            if not mode.startswith("exit"):
+                p.send_signal(signal.SIGKILL)
         for p in procs:
             p.wait()
         time.sleep(3)
@@ -112,17 +125,17 @@ def run(mode, kills, models):
         except Exception as e:  # noqa: BLE001 (a probe reports whatever happened)
             ok = "error: %s" % e
         tail = [ln for ln in d.log().splitlines() if "ERROR" in ln or "illegal" in ln][:3]
-        print("mode %-5s kills %d (ready %d): daemon alive %s, inline forward after: %s%s"
+        print("mode %-8s clients %d (ready %d): daemon alive %s, inline forward after: %s%s"
               % (mode, kills, lines.count("ready"), alive, ok,
                  "".join("\n    " + ln for ln in tail)), flush=True)
-        print("    %.1f s after the kills; daemon stopped with SIGTERM: exit %s"
+        print("    %.1f s after the clients' end; daemon stopped with SIGTERM: exit %s"
               % (time.monotonic() - t0, d.stop() if d.alive() else d.proc.returncode), flush=True)
     time.sleep(3)  # the MPS server recreates its context once every client has gone
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("modes", nargs="*", default=["torch", "idle", "graph"])
+    ap.add_argument("modes", nargs="*", default=["torch", "idle", "graph", "exit", "exitbusy"])
     ap.add_argument("--kills", type=int, default=10)
     a = ap.parse_args()
     models = tempfile.mkdtemp(prefix="mpskill-models-")
