@@ -189,9 +189,10 @@ fi # daemon
 
 # 6. zero-copy: registered buffers + FORWARD by descriptor, and 7. the GPU
 #    doorbell in CUDA graphs (tests/gpu/test_doorbell.py: graph = inline bit
-#    for bit, 10,000 replays, 100 killed clients, bad descriptors, memcheck;
+#    for bit, 10,000 replays, 100 killed clients, bad descriptors;
 #    test_doorbell_model.py: a transformers model served through the plugins'
-#    doorbell path), torch clients on the daemon's GPU under MPS (started
+#    doorbell path; test_doorbell_memcheck.py, last: the bad descriptors
+#    under memcheck), torch clients on the daemon's GPU under MPS (started
 #    here, stopped after)
 if [ "$ONLY" = base ] || [ "$ONLY" = kernel ] || [ "$ONLY" = daemon ]; then
     : # steps 1-5 only
@@ -202,7 +203,8 @@ elif python3 -c 'import torch, numpy, pytest; assert torch.cuda.is_available()' 
     # verbose (a test that hangs shows where); SIGINT first, so that the fixtures
     # stop their daemons, and no moed of a file outlives it
     export PYTHONPATH="$PWD/ipc/python${PYTHONPATH:+:$PYTHONPATH}" MOED_BUILD="$BUILD" MOED_TEST_MPS=1 LOGDIR
-    for t in zero-copy:test_zero_copy.py doorbell:test_doorbell.py doorbell-model:test_doorbell_model.py; do
+    for t in zero-copy:test_zero_copy.py doorbell:test_doorbell.py doorbell-model:test_doorbell_model.py \
+             doorbell-memcheck:test_doorbell_memcheck.py; do
         name=${t%%:*}
         [ -z "$ONLY" ] || [ "$ONLY" = mps ] || [ "$ONLY" = "${name%%-*}" ] || continue
         timeout -s INT -k 20 "${GPU_TEST_PY_TIMEOUT:-600}" python3 -m pytest -v -s -rs -p no:cacheprovider \
