@@ -45,46 +45,54 @@ def one_share(torch, sms_free, model, tmp, T, layers, gemms, reps):
                          engine__sms_free=sms_free, engine__batch_deadline_ms=60000)
     cfg["model"]["path"] = "synthetic:%s:layers=1:seed=3" % model
     with du.Daemon(dd, cfg, start_timeout=600 / du.TIME_SCALE) as d:
-        sess = mcc.DoorbellSession(mc.Client(d.sock_path, timeout=120), max_tokens=max(T, 16))
         try:
-            info = sess.info
-            layer = info.moe_layers[0]
-            H = info.hidden
-            g = torch.Generator(device="cuda").manual_seed(1)
-            x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
-            wd = [(torch.randn(H, H, device="cuda", generator=g) / H ** 0.5).to(torch.bfloat16)
-                  for _ in range(gemms)]
-            ids = torch.stack([torch.randperm(info.n_experts, device="cuda", generator=g)
-                               [:info.top_k] for _ in range(T)]).to(torch.int32)
-            w = torch.rand(T, info.top_k, device="cuda", generator=g)
-
-            def step(with_moe):
-                h = x
-                for _ in range(layers):
-                    for m in wd:
-                        h = h @ m
-                    if with_moe:
-                        h = h + sess.fused_experts(h, w, ids, layer)
-                return h
-
-            graphs = {}
-            for with_moe in (False, True):
-                step(with_moe)
-                torch.cuda.synchronize()
-                gr = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(gr):
-                    step(with_moe)
-                graphs[with_moe] = gr
-            dense = replay_us(torch, graphs[False], reps) / layers
-            n0, k0 = chan_kernel(status(d), sess.channel.chan_id)
-            total = replay_us(torch, graphs[True], reps) / layers
-            sess.check()
-            n1, k1 = chan_kernel(status(d), sess.channel.chan_id)
-            kern = (k1 - k0) * 1e6 / (n1 - n0) if n1 > n0 else float("nan")
-            return dense, total, kern
+            return measure(torch, d, T, layers, gemms, reps)
+        except (mc.MoedError, KeyError) as e:  # with what the daemon said
+            raise RuntimeError("%s\n# its log's tail:\n%s" % (e, d.log()[-1200:])) from e
         finally:
-            sess.close()
             d.stop(60)
+
+
+def measure(torch, d, T, layers, gemms, reps):
+    sess = mcc.DoorbellSession(mc.Client(d.sock_path, timeout=120), max_tokens=max(T, 16))
+    try:
+        info = sess.info
+        layer = info.moe_layers[0]
+        H = info.hidden
+        g = torch.Generator(device="cuda").manual_seed(1)
+        x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+        wd = [(torch.randn(H, H, device="cuda", generator=g) / H ** 0.5).to(torch.bfloat16)
+              for _ in range(gemms)]
+        ids = torch.stack([torch.randperm(info.n_experts, device="cuda", generator=g)
+                           [:info.top_k] for _ in range(T)]).to(torch.int32)
+        w = torch.rand(T, info.top_k, device="cuda", generator=g)
+
+        def step(with_moe):
+            h = x
+            for _ in range(layers):
+                for m in wd:
+                    h = h @ m
+                if with_moe:
+                    h = h + sess.fused_experts(h, w, ids, layer)
+            return h
+
+        graphs = {}
+        for with_moe in (False, True):
+            step(with_moe)
+            torch.cuda.synchronize()
+            gr = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gr):
+                step(with_moe)
+            graphs[with_moe] = gr
+        dense = replay_us(torch, graphs[False], reps) / layers
+        n0, k0 = chan_kernel(status(d), sess.channel.chan_id)
+        total = replay_us(torch, graphs[True], reps) / layers
+        sess.check()
+        n1, k1 = chan_kernel(status(d), sess.channel.chan_id)
+        kern = (k1 - k0) * 1e6 / (n1 - n0) if n1 > n0 else float("nan")
+        return dense, total, kern
+    finally:
+        sess.close()
 
 
 def main():

@@ -5,7 +5,8 @@
 #   BUILD=build-cuda  build dir with moed, moectl and tests/gpu_* (CUDA=1)
 #   LOGDIR=dir        where the logs go (default $BUILD/gpu-logs)
 #   GPU_TESTS_QUICK=1 skip the deepseek-v3 shape (needs ~16 GB host memory)
-#   GPU_TESTS_ONLY=zero-copy|doorbell  run step 6 or 7 alone (under MPS);
+#   GPU_TESTS_ONLY=zero-copy|doorbell  run step 6 or 7 alone (under MPS;
+#                 doorbell-model, doorbell-memcheck: one file of 7);
 #                 base: steps 1-5 only (kernel: 1-2, daemon: 3-5); mps: 6 and
 #                 7 only (each part fits one device call of 10 minutes, the
 #                 whole may not)
@@ -28,8 +29,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 
 ONLY=${GPU_TESTS_ONLY:-}
 case "$ONLY" in
-    ""|base|kernel|daemon|mps|zero-copy|doorbell) ;;
-    *) echo "GPU_TESTS_ONLY=$ONLY: not one of base, kernel, daemon, mps, zero-copy, doorbell" >&2
+    ""|base|kernel|daemon|mps|zero-copy|doorbell|doorbell-model|doorbell-memcheck) ;;
+    *) echo "GPU_TESTS_ONLY=$ONLY: not one of base, kernel, daemon, mps, zero-copy, doorbell," \
+            "doorbell-model, doorbell-memcheck" >&2
        exit 2 ;;
 esac
 part() { [ -z "$ONLY" ] || [ "$ONLY" = base ] || [ "$ONLY" = "$1" ]; } # steps 1-5: kernel, daemon
@@ -206,7 +208,8 @@ elif python3 -c 'import torch, numpy, pytest; assert torch.cuda.is_available()' 
     for t in zero-copy:test_zero_copy.py doorbell:test_doorbell.py doorbell-model:test_doorbell_model.py \
              doorbell-memcheck:test_doorbell_memcheck.py; do
         name=${t%%:*}
-        [ -z "$ONLY" ] || [ "$ONLY" = mps ] || [ "$ONLY" = "${name%%-*}" ] || continue
+        [ -z "$ONLY" ] || [ "$ONLY" = mps ] || [ "$ONLY" = "${name%%-*}" ] || [ "$ONLY" = "$name" ] ||
+            continue
         timeout -s INT -k 20 "${GPU_TEST_PY_TIMEOUT:-600}" python3 -m pytest -v -s -rs -p no:cacheprovider \
             -W ignore::FutureWarning "tests/gpu/${t#*:}" > "$LOGDIR/pytest-$name.log" 2>&1
         rc=$?
