@@ -84,12 +84,27 @@ def timed(fn, iters):
     return p50(ts) * 1e6
 
 
+STAGES = ("recv", "submit", "backend", "reply", "write", "total")
+
+
+def stage_sums(st):
+    """(requests timed, {stage: us summed over them}) since start."""
+    su = st["stages_us"]
+    return su["count"], {k: su[k]["mean"] * su["count"] for k in STAGES}
+
+
 def socket_path(d, fn, iters):
-    """p50 us of fn and the mean kernel us of the requests it made."""
-    n0, s0 = kernel_sum(status(d))
+    """p50 us of fn, the mean kernel us of the requests it made, and the mean
+    us of each daemon stage over them (None where none was timed)."""
+    st0 = status(d)
+    n0, s0 = kernel_sum(st0)
+    c0, g0 = stage_sums(st0)
     lat = timed(fn, iters)
-    n1, s1 = kernel_sum(status(d))
-    return lat, ((s1 - s0) / (n1 - n0) if n1 > n0 else None)
+    st1 = status(d)
+    n1, s1 = kernel_sum(st1)
+    c1, g1 = stage_sums(st1)
+    stages = {k: (g1[k] - g0[k]) / (c1 - c0) for k in STAGES} if c1 > c0 else None
+    return lat, ((s1 - s0) / (n1 - n0) if n1 > n0 else None), stages
 
 
 def bench_t(torch, d, c, ch, arena, info, t, iters, per):
@@ -100,13 +115,14 @@ def bench_t(torch, d, c, ch, arena, info, t, iters, per):
                        for _ in range(t)]).to(torch.int32)
     w = torch.rand(t, info.top_k, device="cuda", generator=g)
     row = {}
-    row["inline"], row["k_inline"] = socket_path(d, lambda: c.forward(layer, x, ids, w), iters)
+    row["inline"], row["k_inline"], _ = socket_path(d, lambda: c.forward(layer, x, ids, w),
+                                                   iters)
 
     xa, ia, wa, ya = arena.fill(x, w, ids, info, t)
     torch.cuda.synchronize()
     b = ch.buf_ids[0]
     refs = [(b, o) for o in (arena.off_x, arena.off_ids, arena.off_w, arena.off_y)]
-    row["desc"], row["k_desc"] = socket_path(
+    row["desc"], row["k_desc"], row["desc_stages"] = socket_path(
         d, lambda: ch.client.forward_desc(layer, t, *refs), iters)
     if row["k_desc"] is None:  # descriptor requests without stage timing: the same batch's
         row["k_desc"], row["k_desc_note"] = row["k_inline"], "*"  # kernel time, inline's
@@ -228,6 +244,24 @@ def main():
             over(r["desc"], r["k_desc"], TARGET_DESC_US),
             fmt(r["doorbell"]), fmt(r["k_doorbell"]),
             over(r["doorbell"], r["k_doorbell"], TARGET_DOORBELL_US)))
+    print()
+    print("descriptor calls by the daemon's stages (/status stages_us, means over the run's "
+          "requests, us): recv (the frame read), submit, backend (submit -> the batch back), "
+          "of it the kernel, reply, write, the daemon's total, and the client's p50 over it "
+          "(the socket both ways, the Python client)")
+    print()
+    print("| model | T | recv | submit | backend | kernel | backend - kernel | reply | write "
+          "| daemon total | client p50 - total |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for m, t, r in rows:
+        g = r and r.get("desc_stages")
+        if not g:
+            continue
+        k = r["k_desc"]
+        print("| %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+            m, t, fmt(g["recv"]), fmt(g["submit"]), fmt(g["backend"]), fmt(k),
+            fmt(None if k is None else g["backend"] - k), fmt(g["reply"]), fmt(g["write"]),
+            fmt(g["total"]), fmt(r["desc"] - g["total"])))
     print()
     print("doorbell calls by their stamps (moe_gpu_chan.stamp, %globaltimer), p50 us of the "
           "last 8 calls of a graph: rang -> taken (the persistent kernel sees the bell, "
