@@ -23,10 +23,11 @@
  * waits for an idle device). Loop thread. Also what the backend knows of
  * sharing its GPU: the
  * device's UUID and whether it runs under MPS, the SMs the kernel then
- * leaves to the other processes (cuda_sms_free), and the context that keeps
+ * leaves to the other processes (cuda_sms_free), the context that keeps
  * it off them (cuda_ctx_open: a smaller grid alone does not, since the
  * hardware may spread its CTAs over every SM; the driver calls through the
- * same entry points).
+ * same entry points), and the GPU's lock file under MPS, one moed per GPU
+ * (cuda_gpu_lock).
  */
 #include <cuda.h>
 #include <cuda_runtime.h>
