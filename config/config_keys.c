@@ -160,7 +160,10 @@ const struct cfg_key cfg_keys[] = {
     {.path = "engine.sms_free", .type = T_UINT, .min = 0, .max = 255, .def = "0",
      FIELD(sms_free),
      .doc = "SMs per GPU left free of the persistent kernel (for NCCL or a co-located "
-            "server). 0 under MPS means engine.mps_sms_free_percent of them."},
+            "server). 0 under MPS means engine.mps_sms_free_percent of them. Under MPS with "
+            "SMs left free, moed's CUDA context is limited to the others (MPS execution "
+            "affinity), so that its CTAs leave the free SMs whole; one moed serves a GPU "
+            "under MPS (a second is refused at start: docs/ZERO_COPY.md)."},
     {.path = "engine.mps_sms_free_percent", .type = T_UINT, .min = 0, .max = 90, .def = "50",
      FIELD(mps_sms_free_percent),
      .doc = "When the GPU runs under MPS (other processes' kernels share it, e.g. a serving "

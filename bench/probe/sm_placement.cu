@@ -66,12 +66,14 @@ __global__ void hold(unsigned *sm_of, unsigned long long ns)
         __nanosleep(1000);
 }
 
-__global__ void probe(unsigned *sm_of)
+__global__ void probe(unsigned *sm_of, int smem_bytes)
 {
     extern __shared__ unsigned char smem[];
     if (threadIdx.x == 0) {
         sm_of[blockIdx.x] = smid();
-        smem[0] = 1;
+        if (smem_bytes > 0) /* a store past a 0-byte dynamic area faults, and under MPS a
+                               fault of one client is every client's (the hold's too) */
+            smem[0] = 1;
     }
 }
 
@@ -118,7 +120,7 @@ int main(int argc, char **argv)
         hold<<<ctas, threads, smem, s>>>(d_sm, (unsigned long long)(atof(argv[4]) * 1e9));
     } else {
         CK(cudaFuncSetAttribute(probe, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        probe<<<ctas, threads, smem, s>>>(d_sm);
+        probe<<<ctas, threads, smem, s>>>(d_sm, smem);
     }
     CK(cudaGetLastError());
     std::vector<unsigned> sm_of(ctas);
