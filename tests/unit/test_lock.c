@@ -1,9 +1,10 @@
 /* test_lock.c - lock files (common/moed_lock.h) between real processes: a
  * second process is refused with MOED_E_BUSY naming the holder's pid and the
  * file, takes within one process are counted, the lock goes with the last
- * drop and with the holder's death (SIGKILL), and an unusable path is an
- * MOED_E_IO naming it. The other process is a fork made before the parent
- * takes anything (a fork inherits its parent's open lock), driven over pipes.
+ * drop and with the holder's death (SIGKILL), an unusable path is an
+ * MOED_E_IO naming it, a path too long MOED_E_RANGE, a 65th lock
+ * MOED_E_NOMEM. The other process is a fork made before the parent takes
+ * anything (a fork inherits its parent's open lock), driven over pipes.
  */
 #include <check.h>
 #include <signal.h>
@@ -137,6 +138,33 @@ START_TEST(unusable_path_is_io_error)
 }
 END_TEST
 
+START_TEST(path_too_long_and_too_many_locks)
+{
+    char err[512], path[400];
+    memset(path, 'a', sizeof path - 1);
+    path[0] = '/';
+    path[sizeof path - 1] = '\0';
+    ck_assert_int_eq(moed_lock_take(path, "GPU 1", err, sizeof err), MOED_E_RANGE);
+    ck_assert_msg(strncmp(err, "GPU 1: lock file path over 255 bytes: /aaa", 42) == 0, "%s", err);
+    /* 64 locks held at once, the 65th refused; each drop frees a place */
+    char paths[65][128];
+    for (int i = 0; i < 65; i++) {
+        snprintf(paths[i], sizeof paths[i], "/tmp/moed-test-lock-many-%ld-%d", (long)getpid(), i);
+        unlink(paths[i]);
+    }
+    for (int i = 0; i < 64; i++)
+        ck_assert_int_eq(moed_lock_take(paths[i], "GPU 0", err, sizeof err), 0);
+    ck_assert_int_eq(moed_lock_take(paths[64], "GPU 9", err, sizeof err), MOED_E_NOMEM);
+    ck_assert_str_eq(err, "GPU 9: over 64 lock files held");
+    moed_lock_drop(paths[0]);
+    ck_assert_int_eq(moed_lock_take(paths[64], "GPU 9", err, sizeof err), 0);
+    for (int i = 1; i < 65; i++)
+        moed_lock_drop(paths[i]);
+    for (int i = 0; i < 65; i++)
+        unlink(paths[i]);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("lock");
@@ -144,6 +172,7 @@ int main(void)
     tcase_add_test(tc, second_process_refused_with_holder_pid);
     tcase_add_test(tc, killed_holder_releases);
     tcase_add_test(tc, unusable_path_is_io_error);
+    tcase_add_test(tc, path_too_long_and_too_many_locks);
     suite_add_tcase(s, tc);
     return moed_check_run(s);
 }
