@@ -58,6 +58,7 @@ struct moed_cfg {
     uint32_t cpu_threads;             /* 0 = all cores */
     uint32_t batch_deadline_ms;
     uint32_t idle_exit_ms;
+    uint32_t loop_spin_us;            /* the loop polls without sleeping around GPU batches */
     uint32_t max_channels;            /* doorbell channels at once; 0 = off */
     uint32_t drain_stall_ms;          /* drain gives up after batch_deadline_ms + this without progress */
     /* log */

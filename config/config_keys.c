@@ -190,6 +190,15 @@ const struct cfg_key cfg_keys[] = {
      FIELD(idle_exit_ms),
      .doc = "Idle milliseconds after which the persistent kernel exits, to be relaunched "
             "by the next batch; 0: never."},
+    {.path = "engine.loop_spin_us", .type = T_UINT, .min = 0, .max = 1000000, .def = "1000",
+     FIELD(loop_spin_us),
+     .doc = "CUDA backend: while a batch is on the GPU, and for this many microseconds after "
+            "the last one came back, the daemon's event loop polls without sleeping (one CPU "
+            "core busy), so that a reply leaves as soon as the kernel is done and the next "
+            "request is read at once; a loop asleep through a batch wakes up tens of "
+            "microseconds late (bench/NOTES.md). 0: the loop sleeps between events. The CPU "
+            "backend's batches take milliseconds and its threads need the cores: it never "
+            "spins."},
     {.path = "engine.max_channels", .type = T_UINT, .min = 0, .max = 16, .def = "8",
      FIELD(max_channels),
      .doc = "GPU doorbell channels (ipc/PROTOCOL.md section 10: a client's kernel, in a CUDA "

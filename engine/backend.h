@@ -115,6 +115,9 @@ typedef void (*moed_backend_done_fn)(void *ctx, struct moed_batch *b);
 
 struct moed_backend_ops {
     const char *name; /* "cpu", "cuda" */
+    /* 1: batches come back in microseconds (a resident kernel): the engine's
+     * loop polls for them without sleeping (engine.loop_spin_us) */
+    int completes_in_us;
     /* Queue a batch; returns 0 or a negative code (then done is not called). */
     int (*submit)(struct moed_backend *be, struct moed_batch *b);
     /* 1 if healthy (kernel heartbeat advancing, no sticky error). */

@@ -427,6 +427,7 @@ int moed_backend_cpu_open(struct moed_model *m, const struct moed_backend_cfg *c
             cb->ops.peer_gpu = cpu_test_peer_gpu;
     }
     cb->no_mps = moed_test_switch(MOED_TEST_CPU_NO_MPS);
+    cb->ops.completes_in_us = moed_test_switch(MOED_TEST_CPU_SPIN);
     int chans = moed_test_switch(MOED_TEST_CPU_CHANNELS);
     if (chans) {
         cb->max_chans = cfg->max_channels < MOE_GPU_MAX_CHANS ? cfg->max_channels

@@ -605,6 +605,7 @@ static void cuda_close(struct moed_backend *be)
 
 static const struct moed_backend_ops cuda_ops = {
     .name = "cuda",
+    .completes_in_us = 1,
     .submit = cuda_submit,
     .healthy = cuda_healthy,
     .heartbeat = moed_backend_cuda_heartbeat,

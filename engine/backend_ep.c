@@ -298,6 +298,7 @@ static void ep_close(struct moed_backend *be)
 
 static const struct moed_backend_ops ep_ops = {
     .name = "ep",
+    .completes_in_us = 1,
     .submit = ep_submit,
     .healthy = ep_healthy,
     .describe = ep_describe,

@@ -38,16 +38,47 @@ static int is_moe_layer_cb(const void *ctx, uint32_t layer)
 static size_t x_bytes(const struct moed_engine *e, uint32_t t) { return (size_t)t * e->dims->hidden * 2; }
 static size_t ids_bytes(const struct moed_engine *e, uint32_t t) { return (size_t)t * e->dims->top_k * 4; }
 
+/* The loop spins (polls with a zero timeout) while a batch is at the backend
+ * and for spin_ns after the last one: a thread asleep in epoll_wait through
+ * a batch of a few hundred microseconds wakes up tens of microseconds late
+ * (the CPU's deeper idle states), and every request of that batch waits for
+ * it (bench/NOTES.md, 2026-12-02 night). */
+static void on_spin(uv_idle_t *h)
+{
+    struct moed_engine *e = h->data;
+    on_async(&e->async); /* completions handed over since the last round */
+    const uint64_t now = now_ns();
+    e->stats.loop_spin_ns += now - e->spin_round_ns;
+    e->spin_round_ns = now;
+    if (e->outstanding == 0 && now - e->spin_last_ns > e->spin_ns) {
+        MOED_UV_CHECK(uv_idle_stop(h));
+        e->spinning = 0;
+    }
+}
+
+static void spin_kick(struct moed_engine *e)
+{
+    if (!e->spin_on)
+        return;
+    e->spin_last_ns = now_ns();
+    if (!e->spinning && MOED_UV_CHECK(uv_idle_start(&e->spin, on_spin)) == 0) {
+        e->spinning = 1;
+        e->spin_round_ns = e->spin_last_ns;
+    }
+}
+
 void busy_begin(struct moed_engine *e)
 {
     if (e->outstanding++ == 0)
         e->busy_since_ns = now_ns();
+    spin_kick(e);
 }
 
 void busy_end(struct moed_engine *e)
 {
     if (--e->outstanding == 0)
         e->stats.busy_ns += now_ns() - e->busy_since_ns;
+    spin_kick(e);
 }
 
 void maybe_drained(struct moed_engine *e)
@@ -174,6 +205,13 @@ int moed_engine_attach(struct moed_engine *e, char *err, size_t errlen)
         e->chan_timer.data = e;
         e->chan_timer_on = 1;
         uv_unref((uv_handle_t *)&e->chan_timer);
+    }
+    if (e->spin_ns && e->be->ops->completes_in_us &&
+        MOED_UV_CHECK(uv_idle_init(e->loop, &e->spin)) == 0) {
+        e->spin.data = e;
+        e->spin_on = 1;
+        e->stats.loop_spin_us = (uint32_t)(e->spin_ns / 1000);
+        uv_unref((uv_handle_t *)&e->spin);
     }
     return 0;
 }

@@ -85,6 +85,12 @@ struct moed_engine {
      * CHAN_REAP_POLL_MS while any drains (moed_desc_chan_reap) */
     uv_timer_t chan_timer;
     int chan_timer_on, chan_timer_running;
+    /* engine.loop_spin_us: while batches are at a backend whose batches come
+     * back in microseconds, and for spin_ns after the last one, the loop
+     * polls without sleeping (an idle handle) */
+    uv_idle_t spin;
+    uint64_t spin_ns, spin_last_ns, spin_round_ns; /* spin_ns 0: off */
+    int spin_on, spinning;
     int attached;             /* moed_engine_attach ran: handles to close */
     int closes_pending;       /* handles still to close before freeing */
     uint64_t hb_last, hb_changed_ns;

@@ -216,6 +216,7 @@ int moed_engine_open(uv_loop_t *loop, struct moed_model *model, const struct moe
     e->model = model;
     e->dims = moed_model_dims(model);
     e->max_tokens = cfg->max_tokens;
+    e->spin_ns = (uint64_t)cfg->loop_spin_us * 1000;
     e->max_frame_bytes = cfg->max_frame_bytes;
     e->first_moe_layer = e->dims->n_layers;
     for (uint32_t l = 0; l < e->dims->n_layers; l++)
@@ -489,6 +490,10 @@ void moed_engine_close(struct moed_engine *e)
     if (e->chan_timer_on) {
         e->closes_pending++;
         uv_close((uv_handle_t *)&e->chan_timer, on_async_closed);
+    }
+    if (e->spin_on) {
+        e->closes_pending++;
+        uv_close((uv_handle_t *)&e->spin, on_async_closed);
     }
     uv_close((uv_handle_t *)&e->async, on_async_closed);
 }

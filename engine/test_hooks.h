@@ -16,6 +16,10 @@
  *       FORWARD_DESC run end to end (mapping, ranges, refcounts, closing on
  *       disconnect) without a GPU. Without it the CPU backend refuses
  *       REGISTER_BUF (it cannot open CUDA IPC handles);
+ *   MOED_TEST_CPU_SPIN  the CPU backend says its batches come back in
+ *       microseconds (backend.h completes_in_us) as the CUDA backend does,
+ *       so that the event loop's spin around batches (engine.loop_spin_us,
+ *       /status loop_spin_seconds) runs without a GPU;
  *   MOED_TEST_CPU_NO_MPS  with MOED_TEST_CPU_SHM_IPC, that "GPU" is not under
  *       MPS (a client on it cannot get a doorbell channel);
  *   MOED_TEST_CPU_PEERS  (not a switch: a list) with MOED_TEST_CPU_SHM_IPC,
@@ -48,6 +52,7 @@
 #define MOED_TEST_CPU_KERNEL_TIME "MOED_TEST_CPU_KERNEL_TIME"
 #define MOED_TEST_CPU_SHM_IPC "MOED_TEST_CPU_SHM_IPC"
 #define MOED_TEST_CPU_NO_MPS "MOED_TEST_CPU_NO_MPS"
+#define MOED_TEST_CPU_SPIN "MOED_TEST_CPU_SPIN"
 #define MOED_TEST_CPU_CHANNELS "MOED_TEST_CPU_CHANNELS"
 #define MOED_TEST_CPU_PEERS "MOED_TEST_CPU_PEERS"
 #define MOED_TEST_CPU_UUID "moed-cpu-test-id" /* 16 bytes, no NUL */

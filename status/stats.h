@@ -106,6 +106,11 @@ struct moed_stats {
     uint64_t stage_hist[MOED_STAGE__COUNT][MOED_LAT_BUCKETS];
     /* backend busy accounting: ns with at least one batch queued or running */
     uint64_t busy_ns;
+    /* the event loop's spin around GPU batches (engine.loop_spin_us): the
+     * setting, 0 when off or the backend's batches take milliseconds (CPU),
+     * and the ns spent polling without sleeping since start */
+    uint32_t loop_spin_us;
+    uint64_t loop_spin_ns;
     /* per-layer, per-expert hits: n_hit_layers rows (row = the checkpoint's
      * absolute layer index; dense layers stay 0) of n_expert_hits entries
      * (routed experts, then shared); n_hit_layers 0 reads as one row */

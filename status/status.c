@@ -402,6 +402,11 @@ static int json_body(cJSON *root, const struct moed_stats *s, uint64_t now_ns)
     if (jnum(root, "busy_fraction", busy_fraction(s, now_ns)))
         return -1;
 
+    cJSON *ls = cJSON_AddObjectToObject(root, "loop_spin");
+    if (!ls || jnum(ls, "us", (double)s->loop_spin_us) ||
+        jnum(ls, "seconds", (double)s->loop_spin_ns / 1e9))
+        return -1;
+
     cJSON *hb = cJSON_AddObjectToObject(root, "buffers");
     if (!hb || jnum(hb, "pinned_bytes", (double)s->pinned_bytes) ||
         jnum(hb, "pinned_free_bytes", (double)s->pinned_free_bytes) ||
@@ -714,6 +719,10 @@ char *moed_status_prometheus(const struct moed_stats *s, uint64_t now_ns)
     prom_dbl(&b, "moed_busy_fraction", "gauge",
              "busy_seconds / uptime_seconds since start (0..1).",
              busy_fraction(s, now_ns));
+    prom_dbl(&b, "moed_loop_spin_seconds_total", "counter",
+             "Seconds the event loop polled without sleeping around GPU batches "
+             "(engine.loop_spin_us).",
+             (double)s->loop_spin_ns / 1e9);
 
     prom_u64(&b, "moed_buffer_pinned_bytes", "gauge",
              "Backend host memory (CUDA: pinned) held for buffers used in place.",

@@ -312,3 +312,67 @@ def test_kernel_stages_with_kernel_time(tmp_path_factory, models_dir):
         st2 = wait_count(d, 0)
         assert st2["kernel"]["count"] == st2["count"], st2
         assert d.stop() == 0, d.log()[-4000:]
+
+
+def loop_spin(daemon):
+    return json.loads(http_get(daemon, "/status"))["loop_spin"]
+
+
+def spin_metric(daemon):
+    lines = [l for l in http_get(daemon, "/metrics").splitlines()
+             if l.startswith("moed_loop_spin_seconds_total ")]
+    assert len(lines) == 1, lines
+    return float(lines[0].split()[1])
+
+
+def test_cpu_backend_never_spins(daemon, cases):
+    """engine.loop_spin_us defaults to 1000, but the CPU backend's batches
+    take milliseconds and its threads need the cores: its loop sleeps."""
+    import moed_client
+    with moed_client.Client(daemon.sock_path) as c:
+        for layer, x, ids, w, ref in cases:
+            assert du.rel_l2(c.forward(layer, x, ids, w), ref) < 1e-2
+    assert loop_spin(daemon) == {"us": 0, "seconds": 0}
+    assert spin_metric(daemon) == 0
+
+
+@pytest.mark.skipif(du.TEST_BACKEND != "cpu", reason="MOED_TEST_CPU_SPIN is the CPU backend's")
+@pytest.mark.parametrize("spin_us", [0, 20000])
+def test_loop_spins_around_batches_and_stops(tmp_path_factory, models_dir, spin_us):
+    """With MOED_TEST_CPU_SPIN=1 the CPU backend's batches count as coming back
+    in microseconds (as the CUDA backend's do): the loop polls without
+    sleeping while one is out and for engine.loop_spin_us after it, the
+    answers are still the reference's, /status and /metrics count the time,
+    and once the requests stop the spin stops (the count stands still).
+    loop_spin_us 0 turns it off."""
+    import moed_client
+    tmp = tmp_path_factory.mktemp("spin")
+    cfg = du.base_config(str(tmp), models_dir, status__port=du.free_port(),
+                         engine__loop_spin_us=spin_us)
+    with du.Daemon(tmp, cfg, env={"MOED_TEST_CPU_SPIN": "1"}) as d:
+        s = d.connect()
+        info = du.hello(s)
+        s.close()
+        cs = du.reference_cases(d, info, n=4, max_t=info["max_tokens"], seed=17)
+        with moed_client.Client(d.sock_path) as c:
+            for layer, x, ids, w, ref in cs * 3:
+                assert du.rel_l2(c.forward(layer, x, ids, w), ref) < 1e-2
+        ls = loop_spin(d)
+        assert ls["us"] == spin_us, ls
+        if spin_us == 0:
+            assert ls["seconds"] == 0, ls
+        else:
+            assert ls["seconds"] > 0, ls
+            # idle now: within loop_spin_us of the last batch the spin ends;
+            # wait until two reads a poll apart agree
+            deadline = time.monotonic() + du.wait_s(20)
+            prev = loop_spin(d)["seconds"]
+            while True:
+                time.sleep(du.wait_s(0.2))
+                cur = loop_spin(d)["seconds"]
+                if cur == prev:
+                    break
+                assert time.monotonic() < deadline, "the loop still spins: %r -> %r" % (prev, cur)
+                prev = cur
+            assert abs(spin_metric(d) - cur) <= 1e-6 * max(1.0, cur), cur
+        assert d.stop() == 0, d.log()[-4000:]

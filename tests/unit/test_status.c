@@ -58,6 +58,8 @@ static void fill(struct moed_stats *s)
     s->errors[-MOED_E_INVAL] = 7;
     s->errors[-MOED_E_BUSY] = 2;
     s->busy_ns = 2500000000ull; /* 2.5 s of 10 s */
+    s->loop_spin_us = 1000;
+    s->loop_spin_ns = 1500000000ull; /* 1.5 s */
     s->expert_hits = g_hits;
     s->n_expert_hits = 5;
     moed_stats_record_latency(s, 10.0);
@@ -139,6 +141,8 @@ START_TEST(json_loaded)
     ck_assert_double_eq(jget(j, "batches.count"), 100);
     ck_assert_double_eq_tol(jget(j, "batches.mean_tokens"), 30.0, 1e-12);
     ck_assert_double_eq_tol(jget(j, "busy_fraction"), 0.25, 1e-12);
+    ck_assert_double_eq(jget(j, "loop_spin.us"), 1000);
+    ck_assert_double_eq_tol(jget(j, "loop_spin.seconds"), 1.5, 1e-12);
     const cJSON *hits = jitem(j, "experts", "hits");
     ck_assert(cJSON_IsArray(hits));
     ck_assert_int_eq(cJSON_GetArraySize(hits), 5);
@@ -434,6 +438,7 @@ START_TEST(prometheus_grammar_and_values)
     ck_assert_double_eq(sample(t, "moed_batches_total"), 100);
     ck_assert_double_eq(sample(t, "moed_batch_tokens_total"), 3000);
     ck_assert_double_eq_tol(sample(t, "moed_busy_fraction"), 0.25, 1e-9);
+    ck_assert_double_eq_tol(sample(t, "moed_loop_spin_seconds_total"), 1.5, 1e-9);
     ck_assert_double_eq_tol(sample(t, "moed_busy_seconds_total"), 2.5, 1e-9);
     ck_assert_double_eq_tol(sample(t, "moed_uptime_seconds"), 10, 1e-9);
     ck_assert_double_eq(sample(t, "moed_errors_total{code=\"inval\"}"), 7);
