@@ -444,3 +444,61 @@ def test_fused_experts_and_torch(daemon):
     assert yt.dtype == torch.bfloat16 and yt.device == xt.device and tuple(yt.shape) == (4, H)
     np.testing.assert_array_equal(yt.float().numpy(), bf16_to_f32(expected(x, w)))
     c.close()
+
+
+def desc_daemon(mode):
+    """A version-2 daemon whose FORWARD_DESC reply (n_tokens, hidden) comes
+    after a pause: in one write ("whole"), header and payload apart
+    ("split"), or as an ERROR ("error")."""
+    import time
+
+    def script(conn, mtype, rid, p):
+        if mtype == 1:
+            rep = struct.pack("<HHIIIIIIIIIQ16s", 2, 0, H, INTER, E, K, 1, 4, 1, MAX_T, 0,
+                              1 << 20, b"fake") + struct.pack("<IIII", 3, 1, 2, 3)
+            conn.sendall(hdr(0x8001, rid, len(rep)) + rep)
+            return True
+        if mtype != 18:
+            return False
+        t = u32(p, 4)
+        time.sleep(0.02)
+        v2 = lambda h: h[:4] + (2).to_bytes(2, "little") + h[6:]  # noqa: E731
+        body = struct.pack("<II", t, H)
+        if mode == "whole":
+            conn.sendall(v2(hdr(0x8012, rid, 8)) + body)
+        elif mode == "split":
+            conn.sendall(v2(hdr(0x8012, rid, 8)))
+            time.sleep(0.02)
+            conn.sendall(body)
+        else:
+            conn.sendall(error_frame(rid, -4, "x range past the end of buffer 1"))
+        return True
+    return FakeDaemon(script=script)
+
+
+@pytest.mark.parametrize("spin_us", [0, 10000, 200000])
+@pytest.mark.parametrize("mode", ["whole", "split", "error"])
+def test_forward_desc_reply_with_and_without_spin(spin_us, mode):
+    """forward_desc polls for its reply (spin_us) and takes the one expected
+    reply without parsing; any other reply, a reply in pieces, or one that
+    comes after the spin gave up, goes through the full read, with the same
+    result. The request is one write (header and payload together)."""
+    d = desc_daemon(mode)
+    try:
+        with mc.Client(d.path, timeout=5, spin_us=spin_us) as c:
+            assert c.hello().version == 2
+            for i in range(3):
+                if mode == "error":
+                    with pytest.raises(mc.MoedError) as e:
+                        c.forward_desc(1, 5, (1, 0), (1, 4096), (1, 8192), (1, 65536))
+                    assert e.value.name == "range" and "past the end" in e.value.message
+                else:
+                    assert c.forward_desc(1, 5, (1, 0), (1, 4096), (1, 8192), (1, 65536)) is None
+            assert c._rx == b""  # nothing read ahead is left over
+            assert c.ping() >= 0
+        req = [f for f in d.seen if int.from_bytes(f[6:8], "little") == 18]
+        assert len(req) == 3 and all(len(f) == 32 + 80 for f in req)
+        assert u32(req[0][32:], 4) == 5 and int.from_bytes(req[0][32 + 64 + 8:32 + 80], "little") \
+            == 65536
+    finally:
+        d.close()

@@ -53,6 +53,7 @@ PROTO_MAGIC = 0x44454F4D  # b"MOED" read as a little-endian u32
 PROTO_VERSION = 2  # the highest this client speaks
 PROTO_MIN_VERSION = 1
 HDR_SIZE = 32
+RX_AHEAD = 4096  # bytes a spinning wait reads at once (a FORWARD_DESC reply is 40)
 REPLY = 0x8000
 MAX_ERRMSG = 1024
 MAX_PING = 64
@@ -240,17 +241,23 @@ class Client:
     path: the daemon's Unix socket (default: $MOED_SOCKET or /tmp/moed.sock).
     timeout: seconds to wait for a connect and for each reply (None: forever).
     sock: an already connected stream socket to use instead of path (tests).
+    spin_us: how long forward_desc polls the socket for its reply without
+    sleeping (one core busy) before it blocks; default 10000, longer than a
+    decode layer on the GPU: a thread asleep through a layer wakes up tens
+    of microseconds late (bench/NOTES.md, 2026-12-02); 0: block at once.
     The constructor connects at once (MoedError "conn" if it cannot); hello()
     is sent lazily by the first forward()/send_forward() if not called.
     """
 
-    def __init__(self, path=None, timeout=30.0, sock=None, max_inflight=8):
+    def __init__(self, path=None, timeout=30.0, sock=None, max_inflight=8, spin_us=10000):
         self.path = path or os.environ.get("MOED_SOCKET") or DEFAULT_SOCKET
         self.timeout = timeout
+        self.spin_s = max(0, int(spin_us)) / 1e6
         self.max_inflight = max(1, int(max_inflight))  # chunks of a split forward in flight
         self.info = None
         self._next_id = 0
         self._pending = {}  # pipelined request id -> (T, kind)
+        self._rx = b""  # bytes read ahead of a reply (by _spin_for_reply)
         if sock is not None:  # an already connected socket (tests, socketpair)
             self._sock = sock
         else:
@@ -277,6 +284,7 @@ class Client:
             self._sock.close()
             self._sock = None
         self._pending.clear()
+        self._rx = b""
 
     @property
     def inflight(self):
@@ -296,11 +304,16 @@ class Client:
                             % len(self._pending))
 
     def _send(self, msg_type, request_id, payload=b""):
+        hdr = _HDR.pack(PROTO_MAGIC, frame_version(msg_type), msg_type, 0, 0, request_id,
+                        len(payload))
         try:
-            self._sock.sendall(_HDR.pack(PROTO_MAGIC, frame_version(msg_type), msg_type, 0, 0,
-                                         request_id, len(payload)))
-            if payload:
-                self._sock.sendall(payload)
+            # header and payload in one call: the daemon wakes up once
+            sent = self._sock.sendmsg((hdr, payload)) if payload else self._sock.send(hdr)
+            if sent < HDR_SIZE:
+                self._sock.sendall(hdr[sent:])
+                sent = HDR_SIZE
+            if sent < HDR_SIZE + len(payload):
+                self._sock.sendall(memoryview(payload)[sent - HDR_SIZE:])
         except socket.timeout:
             self._fail(E_TIMEOUT, "write to the daemon timed out after %s s" % self.timeout)
         except (BrokenPipeError, ConnectionResetError) as e:
@@ -323,7 +336,35 @@ class Client:
         except OSError:
             pass
 
+    def _spin_for_reply(self):
+        """Poll the socket without sleeping for up to spin_s, until bytes of
+        a reply (or the end of the connection) are there; what arrives is
+        kept in _rx for the reads that follow."""
+        if not self.spin_s or self._rx:
+            return
+        sock = self._sock
+        end = time.perf_counter() + self.spin_s
+        sock.settimeout(0.0)
+        try:
+            while True:
+                try:
+                    self._rx = sock.recv(RX_AHEAD)  # b"": closed, read as such below
+                    return
+                except (BlockingIOError, InterruptedError):
+                    if time.perf_counter() > end:
+                        return
+                except OSError:
+                    return  # the read below reports it
+        finally:
+            sock.settimeout(self.timeout)
+
     def _recv_exact(self, n):
+        if self._rx:
+            if len(self._rx) >= n:
+                out, self._rx = self._rx[:n], self._rx[n:]
+                return out
+            head, self._rx = self._rx, b""
+            return head + self._recv_exact(n - len(head))
         buf = bytearray(n)
         view = memoryview(buf)
         got = 0
@@ -390,11 +431,22 @@ class Client:
             raise MoedError(code, payload[8:].decode("utf-8", "replace"), rid)
         return mtype, rid, payload
 
-    def _call(self, msg_type, payload=b""):
+    def _call(self, msg_type, payload=b"", spin=False, expect=None):
+        """One request and its reply's payload. spin: poll for the reply
+        first (_spin_for_reply); expect(rid): the one reply payload that
+        needs no parsing (compared as bytes, header included)."""
         self._check_open(True)
         self._next_id += 1
         rid = self._next_id
         self._send(msg_type, rid, payload)
+        if spin:
+            self._spin_for_reply()
+            if expect is not None:
+                want = _HDR.pack(PROTO_MAGIC, frame_version(msg_type), msg_type | REPLY, 0, 0,
+                                 rid, len(expect)) + expect
+                if self._rx[:len(want)] == want:
+                    self._rx = self._rx[len(want):]
+                    return expect
         try:
             mtype, got, reply = self._read_frame()
         except MoedError as e:
@@ -508,7 +560,7 @@ class Client:
         k = self.info.top_k if top_k is None else top_k
         rep = self._call(MSG_FORWARD_DESC, _DESC_REQ.pack(
             layer, n_tokens, k, 0, x[0], 0, x[1], ids[0], 0, ids[1], w[0], 0, w[1],
-            y[0], 0, y[1]))
+            y[0], 0, y[1]), spin=True, expect=_FWD_REP.pack(n_tokens, self.info.hidden))
         if len(rep) != 8 or _FWD_REP.unpack(rep)[0] != n_tokens:
             self._fail(E_PROTO, "FORWARD_DESC reply does not echo T=%d" % n_tokens)
 
@@ -694,6 +746,7 @@ class Client:
                 r, w, _ = select.select([self._sock], [self._sock], [], self.timeout)
             except (OSError, ValueError) as e:
                 self._fail(E_CONN, "select on the daemon's socket: %s" % e)
+            r = r or self._rx  # bytes read ahead count as readable
             if not r and not w:
                 self._fail(E_TIMEOUT, "write to the daemon timed out after %s s" % self.timeout)
             if r and len(pending) > 1:  # a reply to an earlier request
