@@ -105,9 +105,13 @@ def test_bad_input_answered_as_without(daemon, dims, cases):
 
 
 def test_steady_client_allocates_nothing(tmp_path_factory):
-    """One client, one request at a time (the SGLang pattern): after a few
-    requests the daemon holds a fixed set of pinned buffers and takes no more
-    from the backend, however long the stream."""
+    """One client, one request at a time (the SGLang pattern): the daemon holds
+    a small fixed set of pinned buffers (a read buffer, the one the next
+    frame is read into, a reply frame, at most one more) and takes no more
+    from the backend, however long the stream. Which of the set a run needs
+    depends on timing: with the loop spinning (engine.loop_spin_us on the
+    CUDA backend) the next request can be read before the last reply's write
+    has completed, so the bound is checked, not the count after warm-up."""
     with start(tmp_path_factory, "buffers-steady", server__pinned_pool_bytes=16 << 20,
                env=HOST_ALLOC) as d:
         s = d.connect()
@@ -118,15 +122,13 @@ def test_steady_client_allocates_nothing(tmp_path_factory):
         for _ in range(10):
             s.sendall(f)
             du.check_forward_reply(s, {1: ref})
-        warm = buffers(d)
-        for _ in range(200):
-            s.sendall(f)
-            du.check_forward_reply(s, {1: ref})
-        after = buffers(d)
-        assert after["pinned_allocations"] == warm["pinned_allocations"], (warm, after)
-        assert after["pinned_bytes"] == warm["pinned_bytes"], (warm, after)
-        # a read buffer, the one the next frame is read into, a reply frame
-        assert 0 < after["pinned_bytes"] <= 4 * 64 << 10, after
+        for _ in range(2):
+            for _ in range(200):
+                s.sendall(f)
+                du.check_forward_reply(s, {1: ref})
+            after = buffers(d)
+            assert 0 < after["pinned_allocations"] <= 4, after
+            assert 0 < after["pinned_bytes"] <= 4 * 64 << 10, after
         s.close()
         assert d.stop() == 0, d.log()[-4000:]
 
