@@ -17,15 +17,11 @@
 
 #include "moe_gpu_abi.h"
 
-static __device__ __forceinline__ unsigned long long ld_relaxed_sys(const uint64_t *p)
+static __device__ __forceinline__ unsigned long long ld_acquire_sys(const uint64_t *p)
 {
     unsigned long long v;
-    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
     return v;
-}
-static __device__ __forceinline__ void fence_acq_rel_sys(void)
-{
-    asm volatile("fence.acq_rel.sys;" ::: "memory");
 }
 static __device__ __forceinline__ void st_release_sys(uint64_t *p, unsigned long long v)
 {
@@ -49,11 +45,8 @@ extern "C" __global__ void moed_chan_call(struct moe_gpu_chan *ch, struct moe_gp
 {
     if (threadIdx.x != 0 || blockIdx.x != 0)
         return;
-    /* the two loads in flight together (each a round trip to L2) */
-    const unsigned long long bell = ld_relaxed_sys(&ch->bell);
-    const unsigned long long closed = ld_relaxed_sys(&ch->closed);
-    const unsigned long long seq = bell + 1;
-    if (closed) { /* nothing will answer: do not ring */
+    const unsigned long long seq = *(volatile uint64_t *)&ch->bell + 1;
+    if (*(volatile uint64_t *)&ch->closed) { /* nothing will answer: do not ring */
         atomicCAS(err, 0ull, moe_gpu_chan_word(seq, MOE_GPU_CHAN_E_CLOSED));
         return;
     }
@@ -69,32 +62,19 @@ extern "C" __global__ void moed_chan_call(struct moe_gpu_chan *ch, struct moe_gp
     __stcg(&stamp[0], t0);
     st_release_sys(&ch->bell, seq); /* release: the slot before the bell, at system scope */
 
-    /* Each round loads done, this seq's status word and closed together,
-     * so that a round is one round trip. The status word loaded before the
-     * acquire fence is used only when it is this seq's OK: no other answer
-     * writes that value, and the fence (after done >= seq was seen) makes y
-     * visible. Otherwise it is loaded again after the fence. */
-    const uint64_t *status = &ch->status[seq % MOE_GPU_CHAN_SLOTS];
-    const unsigned long long ok = moe_gpu_chan_word(seq, MOE_GPU_CHAN_OK);
     unsigned ns = 32;
     unsigned long long word;
     for (;;) {
-        const unsigned long long done = ld_relaxed_sys(&ch->done);
-        const unsigned long long w = ld_relaxed_sys(status);
-        const unsigned long long gone = ld_relaxed_sys(&ch->closed);
-        if (done >= seq) {
-            fence_acq_rel_sys(); /* acquire: y and the status, written before done */
+        if (ld_acquire_sys(&ch->done) >= seq) {
             __stcg(&stamp[3], globaltimer_ns());
-            if (w == ok)
-                return;
-            word = ld_relaxed_sys(status);
-            if (word == ok)
+            word = ld_acquire_sys(&ch->status[seq % MOE_GPU_CHAN_SLOTS]);
+            if (word == moe_gpu_chan_word(seq, MOE_GPU_CHAN_OK))
                 return;
             if (word >> 8 != seq) /* answered past seq and overwritten: not ours */
                 word = moe_gpu_chan_word(seq, MOE_GPU_CHAN_E_SEQ);
             break;
         }
-        if (gone) {
+        if (*(volatile uint64_t *)&ch->closed) {
             word = moe_gpu_chan_word(seq, MOE_GPU_CHAN_E_CLOSED);
             break;
         }
