@@ -160,6 +160,9 @@ static int read_all(struct moedc *c, uint8_t *buf, size_t len, int64_t deadline,
         if (errno == EINTR)
             continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            if (c->spin_until_ns && moed_mono_ns() < c->spin_until_ns &&
+                (deadline < 0 || now_ms() < deadline))
+                continue; /* moedc_set_spin_us: poll without sleeping a while */
             int rc = wait_fd(c, POLLIN, deadline, err, errlen);
             if (rc)
                 return rc;
@@ -336,6 +339,12 @@ int moedc__call(struct moedc *c, uint16_t type, const void *payload, size_t len,
     return 0;
 }
 
+void moedc_set_spin_us(struct moedc *c, uint32_t us)
+{
+    if (c)
+        c->spin_us = us;
+}
+
 int moedc_connect(const char *path, int timeout_ms, struct moedc **out, char *err, size_t errlen)
 {
     int rc = 0;
@@ -353,6 +362,7 @@ int moedc_connect(const char *path, int timeout_ms, struct moedc **out, char *er
     if (!c)
         return moed_seterr(err, errlen, MOED_E_NOMEM, "cannot allocate a connection");
     c->timeout_ms = timeout_ms;
+    c->spin_us = MOEDC_DEFAULT_SPIN_US;
     c->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (c->fd < 0) {
         rc = moed_seterr(err, errlen, MOED_E_CONN, "socket: %s", strerror(errno));

@@ -2,6 +2,7 @@
  * REGISTER_BUF, UNREGISTER_BUF and FORWARD_DESC. */
 #include "client_int.h"
 #include "moed_le.h"
+#include "moed_util.h"
 
 #include <inttypes.h>
 #include <string.h>
@@ -100,7 +101,9 @@ int moedc_forward_desc(struct moedc *c, uint32_t layer, uint32_t n_tokens, uint3
     put_ref(p + 48, w);
     put_ref(p + 64, y);
     struct moed_frame_hdr h;
+    c->spin_until_ns = c->spin_us ? moed_mono_ns() + (uint64_t)c->spin_us * 1000 : 0;
     rc = moedc__call(c, MOED_MSG_FORWARD_DESC, p, sizeof p, &h, err, errlen);
+    c->spin_until_ns = 0;
     if (rc)
         return rc;
     if (h.payload_len != sizeof(struct moed_forward_rep) || le_get32(c->rbuf) != n_tokens) {

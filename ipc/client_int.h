@@ -13,6 +13,8 @@
 struct moedc {
     int fd;
     int timeout_ms;          /* <= 0: no deadline */
+    uint32_t spin_us;        /* moedc_set_spin_us (default MOEDC_DEFAULT_SPIN_US) */
+    uint64_t spin_until_ns;  /* a read that finds nothing polls until then, not poll() */
     int broken;              /* a local failure happened; stream position lost */
     int have_hello;
     uint16_t version;        /* the version the daemon chose at HELLO */

@@ -55,6 +55,15 @@ struct moedc; /* opaque: one connection */
 MOEDC_API int moedc_connect(const char *path, int timeout_ms, struct moedc **out, char *err,
                             size_t errlen);
 
+/* How long moedc_forward_desc polls the socket for its reply without
+ * sleeping (one core busy) before it waits in poll(): a layer on the GPU
+ * takes microseconds, and a thread asleep through it wakes up tens of
+ * microseconds late (bench/NOTES.md, 2026-12-02). Default
+ * MOEDC_DEFAULT_SPIN_US, longer than a decode layer; 0: wait in poll() at
+ * once. */
+#define MOEDC_DEFAULT_SPIN_US 10000u
+MOEDC_API void moedc_set_spin_us(struct moedc *c, uint32_t us);
+
 /* Close the socket and free c (NULL is fine). Pending pipelined replies are
  * dropped. */
 MOEDC_API void moedc_close(struct moedc *c);

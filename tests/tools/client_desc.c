@@ -4,8 +4,10 @@
  *
  *   client_desc SOCKET SHM_NAME SIZE LAYER T OFF_X OFF_IDS OFF_W OFF_Y
  *
- * Registers [0, SIZE) of SHM_NAME (UUID MOED_TEST_CPU_UUID), runs one
- * FORWARD_DESC on it (y written into the object), sends one with y past the
+ * Registers [0, SIZE) of SHM_NAME (UUID MOED_TEST_CPU_UUID), runs
+ * FORWARD_DESC on it twice (y written into the object), waiting for the
+ * reply in poll() at once (moedc_set_spin_us 0) and then polling for it
+ * first (the default spin), sends one with y past the
  * end of the buffer and prints "bad range: NAME" with the daemon's error
  * name, unregisters. Exit 0 on success, 1 on any failure (stderr).
  */
@@ -44,9 +46,11 @@ int main(int argc, char **argv)
     if (!rc)
         rc = moedc_register_buf(c, handle, 0, a[0], uuid, &id, err, sizeof err);
     struct moedc_bufref x = {id, a[3]}, ids = {id, a[4]}, w = {id, a[5]}, y = {id, a[6]};
-    if (!rc)
+    for (int spin = 0; spin < 2 && !rc; spin++) {
+        moedc_set_spin_us(c, spin ? MOEDC_DEFAULT_SPIN_US : 0);
         rc = moedc_forward_desc(c, (uint32_t)a[1], (uint32_t)a[2], rep.top_k, &x, &ids, &w, &y,
                                 err, sizeof err);
+    }
     if (!rc) {
         struct moedc_bufref past = {id, a[0]};
         int bad = moedc_forward_desc(c, (uint32_t)a[1], (uint32_t)a[2], rep.top_k, &x, &ids, &w,
