@@ -13,9 +13,12 @@ graph replays, p50 of BENCH_MPS_REPS replays): the dense part alone (a graph
 without the MoE calls, moed's kernel resident and idle), the whole layer,
 and moed's kernel time of the same calls (/status channels: kernel seconds /
 requests). over = layer - dense - kernel: what sharing and the doorbell add.
-Prints a markdown table.
+BENCH_MPS_SMS_FREE defaults to 44,66,99,16; each share's figures are printed
+as it ends, a share that takes over BENCH_MPS_CASE_S (150) seconds prints
+every thread's stack. Prints a markdown table.
 """
 
+import faulthandler
 import os
 import sys
 import tempfile
@@ -100,7 +103,8 @@ def main():
     if not torch.cuda.is_available():
         print("mps_share bench: no CUDA device")
         return 1
-    shares = [int(s) for s in os.environ.get("BENCH_MPS_SMS_FREE", "16,44,66,99").split(",")]
+    # 16 last: on 2026-12-02 it failed once and hung once; the others come first
+    shares = [int(s) for s in os.environ.get("BENCH_MPS_SMS_FREE", "44,66,99,16").split(",")]
     model = os.environ.get("BENCH_MPS_MODEL", "qwen3-30b-a3b")
     T = int(os.environ.get("BENCH_MPS_TOKENS", "16"))
     layers = int(os.environ.get("BENCH_MPS_LAYERS", "8"))
@@ -110,11 +114,19 @@ def main():
     rows, failed = [], False
     with tempfile.TemporaryDirectory() as tmp:
         for s in shares:
+            # a share that hangs (a GPU wait that never ends) shows where:
+            # every thread's Python stack after BENCH_MPS_CASE_S
+            print("# engine.sms_free %d ..." % s, flush=True)
+            faulthandler.dump_traceback_later(int(os.environ.get("BENCH_MPS_CASE_S", "150")))
             try:
                 rows.append((s,) + one_share(torch, s, model, tmp, T, layers, gemms, reps))
+                print("# engine.sms_free %d: dense %.1f, layer %.1f, moed kernel %.1f us"
+                      % ((s,) + rows[-1][1:]), flush=True)
             except (RuntimeError, mc.MoedError, KeyError) as e:
                 print("# engine.sms_free %d failed: %s" % (s, str(e)[-1500:]), flush=True)
                 failed = True
+            finally:
+                faulthandler.cancel_dump_traceback_later()
     print()
     print("moed and an engine on one GPU under MPS: %s, T = %d, per layer: %d bf16 GEMMs "
           "[%d, H] x [H, H] then the MoE call through the doorbell, a graph of %d layers, "
