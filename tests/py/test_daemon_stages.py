@@ -59,6 +59,19 @@ def wait_count(daemon, n, timeout=5.0):
     return st
 
 
+def forward_reference_cases(d, seed):
+    """4 random batches on d's model, 3 times each through the Python client
+    (12 requests), each output checked against the float64 reference."""
+    import moed_client
+    s = d.connect()
+    info = du.hello(s)
+    s.close()
+    cs = du.reference_cases(d, info, n=4, max_t=info["max_tokens"], seed=seed)
+    with moed_client.Client(d.sock_path) as c:
+        for layer, x, ids, w, ref in cs * 3:
+            assert du.rel_l2(c.forward(layer, x, ids, w), ref) < 1e-2
+
+
 def check_sane(st):
     assert set(st) == {"count", "window"} | set(STAGES) | set(KERNEL_STAGES), st
     assert st["window"] == min(st["count"], 1024)
@@ -283,17 +296,10 @@ def test_kernel_stages_with_kernel_time(tmp_path_factory, models_dir):
     statistic over the same window), added_kernel = total - kernel summed over
     the requests (and >= added), /metrics agrees, and moectl bench prints the
     latency added over the kernel and budgets that figure."""
-    import moed_client
     tmp = tmp_path_factory.mktemp("stages-kernel")
     cfg = du.base_config(str(tmp), models_dir, status__port=du.free_port())
     with du.Daemon(tmp, cfg, env={"MOED_TEST_CPU_KERNEL_TIME": "1"}) as d:
-        s = d.connect()
-        info = du.hello(s)
-        s.close()
-        cs = du.reference_cases(d, info, n=4, max_t=info["max_tokens"], seed=13)
-        with moed_client.Client(d.sock_path) as c:
-            for layer, x, ids, w, ref in cs * 3:
-                assert du.rel_l2(c.forward(layer, x, ids, w), ref) < 1e-2
+        forward_reference_cases(d, seed=13)
         st = wait_count(d, 12)
         assert st["count"] == 12
         check_sane(st)
@@ -351,18 +357,11 @@ def test_loop_spins_around_batches_and_stops(tmp_path_factory, models_dir, spin_
     answers are still the reference's, /status and /metrics count the time,
     and once the requests stop the spin stops (the count stands still).
     loop_spin_us 0 turns it off."""
-    import moed_client
     tmp = tmp_path_factory.mktemp("spin")
     cfg = du.base_config(str(tmp), models_dir, status__port=du.free_port(),
                          engine__loop_spin_us=spin_us)
     with du.Daemon(tmp, cfg, env={"MOED_TEST_CPU_SPIN": "1"}) as d:
-        s = d.connect()
-        info = du.hello(s)
-        s.close()
-        cs = du.reference_cases(d, info, n=4, max_t=info["max_tokens"], seed=17)
-        with moed_client.Client(d.sock_path) as c:
-            for layer, x, ids, w, ref in cs * 3:
-                assert du.rel_l2(c.forward(layer, x, ids, w), ref) < 1e-2
+        forward_reference_cases(d, seed=17)
         ls = loop_spin(d)
         assert ls["us"] == spin_us, ls
         if spin_us == 0:
