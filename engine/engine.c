@@ -40,9 +40,9 @@ static size_t ids_bytes(const struct moed_engine *e, uint32_t t) { return (size_
 
 /* The loop spins (polls with a zero timeout) while a batch is at the backend
  * and for spin_ns after the last one: a thread asleep in epoll_wait through
- * a batch of a few hundred microseconds wakes up tens of microseconds late
- * (the CPU's deeper idle states), and every request of that batch waits for
- * it (bench/NOTES.md, 2026-12-02 night). */
+ * a batch of a few hundred microseconds wakes up late (7-70 us on the H200
+ * host, a VM, later the longer it slept), and every request of that batch
+ * waits for it (bench/NOTES.md, 2026-12-02 night). */
 static void on_spin(uv_idle_t *h)
 {
     struct moed_engine *e = h->data;
