@@ -502,3 +502,22 @@ def test_forward_desc_reply_with_and_without_spin(spin_us, mode):
             == 65536
     finally:
         d.close()
+
+
+@pytest.mark.parametrize("mode", ["whole", "split", "error"])
+def test_forward_desc_on_a_blocking_socket(mode):
+    """Client(timeout=None): the socket blocks, so forward_desc does not spin
+    (a read would wait) and the replies come through the blocking reads."""
+    d = desc_daemon(mode)
+    try:
+        with mc.Client(d.path, timeout=None) as c:
+            assert c.hello().version == 2
+            if mode == "error":
+                with pytest.raises(mc.MoedError) as e:
+                    c.forward_desc(1, 3, (1, 0), (1, 4096), (1, 8192), (1, 65536))
+                assert e.value.name == "range"
+            else:
+                assert c.forward_desc(1, 3, (1, 0), (1, 4096), (1, 8192), (1, 65536)) is None
+            assert c._rx == b"" and c.ping() >= 0
+    finally:
+        d.close()

@@ -308,7 +308,16 @@ class Client:
                         len(payload))
         try:
             # header and payload in one call: the daemon wakes up once
-            sent = self._sock.sendmsg((hdr, payload)) if payload else self._sock.send(hdr)
+            if self.timeout is not None and len(payload) <= RX_AHEAD:
+                # a small frame straight to the (non-blocking: the socket has
+                # a timeout) descriptor: no poll() first, as the socket's own
+                # send does; a full socket buffer falls back to sendall
+                try:
+                    sent = os.write(self._sock.fileno(), hdr + payload)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+            else:
+                sent = self._sock.sendmsg((hdr, payload)) if payload else self._sock.send(hdr)
             if sent < HDR_SIZE:
                 self._sock.sendall(hdr[sent:])
                 sent = HDR_SIZE
@@ -340,23 +349,21 @@ class Client:
         """Poll the socket without sleeping for up to spin_s, until bytes of
         a reply (or the end of the connection) are there; what arrives is
         kept in _rx for the reads that follow."""
-        if not self.spin_s or self._rx:
+        # read(2) on the descriptor, non-blocking since the socket has a
+        # timeout (without one it is blocking: no spin then)
+        if not self.spin_s or self._rx or self.timeout is None:
             return
-        sock = self._sock
+        fd = self._sock.fileno()
         end = time.perf_counter() + self.spin_s
-        sock.settimeout(0.0)
-        try:
-            while True:
-                try:
-                    self._rx = sock.recv(RX_AHEAD)  # b"": closed, read as such below
+        while True:
+            try:
+                self._rx = os.read(fd, RX_AHEAD)  # b"": closed, read as such below
+                return
+            except (BlockingIOError, InterruptedError):
+                if time.perf_counter() > end:
                     return
-                except (BlockingIOError, InterruptedError):
-                    if time.perf_counter() > end:
-                        return
-                except OSError:
-                    return  # the read below reports it
-        finally:
-            sock.settimeout(self.timeout)
+            except OSError:
+                return  # the read below reports it
 
     def _recv_exact(self, n):
         if self._rx:
