@@ -245,6 +245,7 @@ class Client:
     sleeping (one core busy) before it blocks; default 10000, longer than a
     decode layer on the GPU: a thread asleep through a layer wakes up tens
     of microseconds late (bench/NOTES.md, 2026-12-02); 0: block at once.
+    Only with a timeout (a socket without one, timeout None, blocks).
     The constructor connects at once (MoedError "conn" if it cannot); hello()
     is sent lazily by the first forward()/send_forward() if not called.
     """
