@@ -314,7 +314,7 @@ class Client:
                 # a timeout) descriptor: no poll() first, as the socket's own
                 # send does; a full socket buffer falls back to sendall
                 try:
-                    sent = os.write(self._sock.fileno(), hdr + payload)
+                    sent = os.write(self._sock.fileno(), b"".join((hdr, payload)))
                 except (BlockingIOError, InterruptedError):
                     sent = 0
             else:
