@@ -521,3 +521,38 @@ def test_forward_desc_on_a_blocking_socket(mode):
             assert c._rx == b"" and c.ping() >= 0
     finally:
         d.close()
+
+
+def test_small_frame_with_a_full_socket_buffer_is_sent_whole():
+    """A small frame goes out in one write to the descriptor; when the socket
+    buffer is full (that write fails or is short) the rest goes through
+    sendall, and the peer gets every byte in order."""
+    a, b = socket.socketpair()
+    try:
+        a.setblocking(False)
+        filler = 0
+        for chunk in (4096, 1):  # until not one byte more fits
+            try:
+                while True:
+                    filler += a.send(b"\0" * chunk)
+            except BlockingIOError:
+                pass
+        c = mc.Client(sock=a, timeout=5)
+        got = bytearray()
+
+        def drain():
+            import time
+            time.sleep(0.05)
+            while len(got) < filler + 32 + 80:
+                got.extend(b.recv(1 << 16))
+        t = threading.Thread(target=drain)
+        t.start()
+        c._send(18, 9, bytes(range(80)))
+        t.join(5)
+        assert len(got) == filler + 32 + 80
+        frame = bytes(got[filler:])
+        assert frame[:4] == b"MOED" and u32(frame, 24) == 80 and frame[32:] == bytes(range(80))
+        assert int.from_bytes(frame[16:24], "little") == 9
+    finally:
+        a.close()
+        b.close()
