@@ -27,6 +27,7 @@ enum mode {
     MODE_TRUNCATE,   /* a reply header, then hang up */
     MODE_WRONG_ID,   /* a reply with request_id + 1 */
     MODE_SILENT,     /* never answers */
+    MODE_SILENT_V2,  /* HELLO answered with version 2, then nothing */
     MODE_BAD_FWD,    /* FORWARD reply with the wrong T */
     MODE_REFUSE,     /* an ERROR busy at accept, then close without reading */
 };
@@ -130,7 +131,7 @@ static void *fake_main(void *arg)
         if (fd < 0 || read_n(fd, hb, 32) || moed_frame_parse(hb, 32, 1 << 20, &h) < 0 ||
             read_n(fd, p, (size_t)h.payload_len))
             break;
-        if (f->mode == MODE_SILENT)
+        if (f->mode == MODE_SILENT || (f->mode == MODE_SILENT_V2 && h.type != MOED_MSG_HELLO))
             continue;
         if (f->mode == MODE_HUGE) {
             uint8_t r[32];
@@ -147,8 +148,9 @@ static void *fake_main(void *arg)
         uint64_t id = h.request_id + (f->mode == MODE_WRONG_ID);
         switch (h.type) {
         case MOED_MSG_HELLO: {
-            uint8_t r[64] = {0};
-            r[0] = 1;
+            uint8_t r[64 + 4 + 3 * 4] = {0}; /* version 2: and the MoE layers 1, 2, 3 */
+            const int v2 = f->mode == MODE_SILENT_V2;
+            r[0] = v2 ? 2 : 1;
             put32(r + 4, H);
             put32(r + 8, 16);
             put32(r + 12, E);
@@ -158,7 +160,10 @@ static void *fake_main(void *arg)
             put32(r + 32, MAX_T);
             put32(r + 40, 1 << 20);
             memcpy(r + 48, "fake", 4);
-            send_frame(fd, MOED_MSG_HELLO | MOED_PROTO_REPLY, h.request_id, r, 64);
+            put32(r + 64, 3);
+            for (int l = 0; l < 3; l++)
+                put32(r + 68 + 4 * l, (uint32_t)l + 1);
+            send_frame(fd, MOED_MSG_HELLO | MOED_PROTO_REPLY, h.request_id, r, v2 ? sizeof r : 64);
             break;
         }
         case MOED_MSG_PING:
@@ -408,6 +413,28 @@ START_TEST(test_bad_replies)
 }
 END_TEST
 
+/* moedc_forward_desc's spin for its reply ends at the call's timeout: with a
+ * 200 ms timeout and a spin of 10 minutes the silent daemon's call fails with
+ * the timeout (a spin past it would outlast the test case's limit). */
+START_TEST(test_forward_desc_spin_ends_at_the_timeout)
+{
+    struct fake f;
+    struct moedc *c;
+    char err[MOED_ERRLEN];
+    struct moed_hello_rep h;
+    fake_start(&f, MODE_SILENT_V2);
+    ck_assert_int_eq(moedc_connect(f.path, 200, &c, err, sizeof err), 0);
+    ck_assert_int_eq(moedc_hello(c, &h, err, sizeof err), 0);
+    ck_assert_int_eq(h.version, 2);
+    moedc_set_spin_us(c, 600u * 1000 * 1000);
+    const struct moedc_bufref r = {1, 0};
+    ck_assert_int_eq(moedc_forward_desc(c, 1, 1, K, &r, &r, &r, &r, err, sizeof err),
+                     MOED_E_TIMEOUT);
+    ck_assert_str_eq(err, "no reply from the daemon within 200 ms");
+    fake_stop(&f, c);
+}
+END_TEST
+
 START_TEST(test_bad_forward_reply)
 {
     struct fake f;
@@ -570,6 +597,7 @@ static Suite *client_suite(void)
     tcase_add_test(tc, test_pipelined_error);
     tcase_add_test(tc, test_bad_replies);
     tcase_add_test(tc, test_bad_forward_reply);
+    tcase_add_test(tc, test_forward_desc_spin_ends_at_the_timeout);
     tcase_add_test(tc, test_refused_error_after_epipe);
     tcase_add_test(tc, test_connect_errors);
     tcase_add_test(tc, test_connect_backlog_full);
