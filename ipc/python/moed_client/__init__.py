@@ -450,8 +450,7 @@ class Client:
         if spin:
             self._spin_for_reply()
             if expect is not None:
-                want = _HDR.pack(PROTO_MAGIC, frame_version(msg_type), msg_type | REPLY, 0, 0,
-                                 rid, len(expect)) + expect
+                want = encode_frame(msg_type | REPLY, rid, expect)
                 if self._rx[:len(want)] == want:
                     self._rx = self._rx[len(want):]
                     return expect
