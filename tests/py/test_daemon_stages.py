@@ -13,6 +13,7 @@ settings on and off.
 """
 
 import json
+import subprocess
 import time
 import urllib.request
 
@@ -324,6 +325,11 @@ def loop_spin(daemon):
     return json.loads(http_get(daemon, "/status"))["loop_spin"]
 
 
+def moectl_status(daemon):
+    return subprocess.run([du.MOECTL, "status", "--socket", daemon.sock_path],
+                          capture_output=True, text=True, timeout=du.wait_s(30))
+
+
 def spin_metric(daemon):
     lines = [l for l in http_get(daemon, "/metrics").splitlines()
              if l.startswith("moed_loop_spin_seconds_total ")]
@@ -366,6 +372,8 @@ def test_loop_spins_around_batches_and_stops(tmp_path_factory, models_dir, spin_
         assert ls["us"] == spin_us, ls
         if spin_us == 0:
             assert ls["seconds"] == 0, ls
+            r = moectl_status(d)
+            assert r.returncode == 0 and "event loop spun" not in r.stdout, r.stdout
         else:
             assert ls["seconds"] > 0, ls
             # idle now: within loop_spin_us of the last batch the spin ends;
@@ -380,4 +388,8 @@ def test_loop_spins_around_batches_and_stops(tmp_path_factory, models_dir, spin_
                 assert time.monotonic() < deadline, "the loop still spins: %r -> %r" % (prev, cur)
                 prev = cur
             assert abs(spin_metric(d) - cur) <= 1e-6 * max(1.0, cur), cur
+            r = moectl_status(d)
+            assert r.returncode == 0, r.stderr
+            assert "; event loop spun %.1f s (engine.loop_spin_us %d)" % (cur, spin_us) \
+                in r.stdout, r.stdout
         assert d.stop() == 0, d.log()[-4000:]

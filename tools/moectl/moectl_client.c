@@ -332,8 +332,12 @@ static void print_summary(const struct opts *o, const cJSON *r)
         printf("; added p50 %s p99 %s\n", fmt_us(a, sizeof a, jd(r, "stages_us.added.p50")),
                fmt_us(b, sizeof b, jd(r, "stages_us.added.p99")));
     }
-    printf("batches   %.0f, mean %.1f tokens; busy %.1f%%\n", jd(r, "batches.count"),
+    printf("batches   %.0f, mean %.1f tokens; busy %.1f%%", jd(r, "batches.count"),
            jd(r, "batches.mean_tokens"), 100 * jd(r, "busy_fraction"));
+    if (jd(r, "loop_spin.us") > 0) /* NaN (an older daemon) and 0 (off, CPU) say nothing */
+        printf("; event loop spun %.1f s (engine.loop_spin_us %.0f)", jd(r, "loop_spin.seconds"),
+               jd(r, "loop_spin.us"));
+    printf("\n");
     if (jget(r, "kernel") && cJSON_IsObject(jget(r, "kernel")))
         printf("kernel    heartbeat %.0f, last advanced %.0f ms ago\n", jd(r, "kernel.heartbeat"),
                jd(r, "kernel.heartbeat_age_ms"));
