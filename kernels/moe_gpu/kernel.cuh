@@ -362,8 +362,9 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                 if (s_bad == MOE_GPU_CHAN_OK) {
                     /* stage ids and w, checking every expert id */
                     const bool bad = stage_routing(sd.n_tokens * p.d.top_k, (const int32_t *)sd.ids,
-                                                   (const float *)sd.w, p.ids_s, p.w_s, true,
-                                                   p.d.n_experts, cd->flags);
+                                                   (const float *)sd.w, p.ids_s, p.w_s,
+                                                   smem + p.smem_route, true, p.d.n_experts,
+                                                   cd->flags);
                     if (__syncthreads_or(bad)) {
                         if (tid == 0)
                             s_bad = MOE_GPU_CHAN_E_EXPERT;
@@ -416,7 +417,7 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                     }
                 } else {
                     stage_routing(T * k, (const int32_t *)sd.ids, (const float *)sd.w,
-                                  p.ids_s, p.w_s);
+                                  p.ids_s, p.w_s, smem + p.smem_route);
                 }
                 if (tid == 0) {
                     st->desc = sd;

@@ -279,44 +279,54 @@ __device__ __forceinline__ unsigned ntile_for(unsigned tiles, unsigned grid)
     return n < 1 ? 1u : n > NTILE_MAX ? (unsigned)NTILE_MAX : n;
 }
 
-/* CTA 0 copies a batch's ids and w (n entries each) from where the host put
- * them (mapped host memory: PCIe) into device memory. Every load of a round
- * is issued before any is used: one round trip per THREADS * XR entries, not
- * per THREADS (H200: release 11.8 us at T = 64 and 39.9 at T = 256 when
- * each thread waited for its load). XR = 2: more, inlined or not, makes the
- * persistent kernel spill. With check (a doorbell descriptor's ids, from
- * client GPU memory) every id is checked as it is staged (moe_gpu_id_ok) and
- * a bad one staged as -1; returns whether this thread saw a bad one. */
+/* CTA 0 copies a batch's ids and w (n entries each) from where the client
+ * or the host put them (client GPU memory, or mapped host memory: PCIe) into
+ * device memory, through its own stage buffers (buf: free between batches):
+ * the 16-byte blocks that hold them are copied with cp.async.cg (L2, never
+ * a stale L1 line of the last batch), all in flight at once, so a pass costs
+ * one round trip whatever n (H200: register loads two per thread cost one
+ * round trip per 256 entries, 8 at T = 256 and k = 8, +4 us in the doorbell's
+ * take; more loads per thread in registers made the persistent kernel
+ * spill). A block can start before ids or end after w + n: it never crosses
+ * a page, and those bytes are not used. With check (a doorbell descriptor's
+ * ids, from client GPU memory) every id is checked as it is staged
+ * (moe_gpu_id_ok) and a bad one staged as -1; returns whether this thread saw
+ * a bad one. Every thread of CTA 0 calls this. */
 __device__ __forceinline__ bool stage_routing(unsigned n, const int32_t *ids, const float *w,
-                                              int32_t *ids_s, float *w_s, bool check = false,
-                                              unsigned n_experts = 0, unsigned flags = 0)
+                                              int32_t *ids_s, float *w_s, uint8_t *buf,
+                                              bool check = false, unsigned n_experts = 0,
+                                              unsigned flags = 0)
 {
-    constexpr unsigned XR = 2;
+    /* entries per pass: each array's blocks in half of the CTA's stage buffers */
+    constexpr unsigned HALF = NWARPS * WARP_SMEM / 2, CAP = (HALF - 16) / 4;
     bool bad = false;
-    for (unsigned i0 = 0; i0 < n; i0 += THREADS * XR) {
-        int32_t a[XR];
-        float b[XR];
-#pragma unroll
-        for (unsigned j = 0; j < XR; j++) {
-            const unsigned i = i0 + j * THREADS + threadIdx.x;
-            if (i < n) {
-                a[j] = __ldcv(ids + i);
-                b[j] = __ldcv(w + i);
-            }
+    for (unsigned i0 = 0; i0 < n; i0 += CAP) {
+        const unsigned m = min(CAP, n - i0);
+        const uintptr_t a0 = (uintptr_t)(ids + i0), b0 = (uintptr_t)(w + i0);
+        const uintptr_t a16 = a0 & ~(uintptr_t)15, b16 = b0 & ~(uintptr_t)15;
+        const unsigned na = (unsigned)((a0 + 4 * m + 15 - a16) / 16);
+        const unsigned nb = (unsigned)((b0 + 4 * m + 15 - b16) / 16);
+        for (unsigned c = threadIdx.x; c < na + nb; c += THREADS) {
+            if (c < na)
+                cp_async16(buf + 16 * c, (const void *)(a16 + 16 * c));
+            else
+                cp_async16(buf + HALF + 16 * (c - na), (const void *)(b16 + 16 * (c - na)));
         }
-#pragma unroll
-        for (unsigned j = 0; j < XR; j++) {
-            const unsigned i = i0 + j * THREADS + threadIdx.x;
-            if (i < n) {
-                if (check && !moe_gpu_id_ok(a[j], n_experts, flags)) {
-                    bad = true;
-                    a[j] = -1; /* never routed: the batch is not released */
-                }
-                ids_s[i] = a[j];
-                w_s[i] = b[j];
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+        const int32_t *sa = reinterpret_cast<const int32_t *>(buf + (a0 - a16));
+        const float *sb = reinterpret_cast<const float *>(buf + HALF + (b0 - b16));
+        for (unsigned i = threadIdx.x; i < m; i += THREADS) {
+            int32_t a = sa[i];
+            if (check && !moe_gpu_id_ok(a, n_experts, flags)) {
+                bad = true;
+                a = -1; /* never routed: the batch is not released */
             }
+            ids_s[i0 + i] = a;
+            w_s[i0 + i] = sb[i];
         }
+        __syncthreads(); /* buf is the next pass's */
     }
     return bad;
 }
-
