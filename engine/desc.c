@@ -66,6 +66,7 @@ struct desc_req {
     struct desc_buf *ref[4]; /* x, ids, w, y */
     struct moed_buf buf[4];
     int leak;                /* abandoned: the device may still touch them */
+    int times;               /* MOED_FORWARD_DESC_TIMES: the reply carries its times */
 };
 
 static void map_put(struct moed_desc *d, struct desc_map *m)
@@ -618,8 +619,9 @@ static int desc_reply(const struct moed_reqio_env *env, struct moed_reqio *io,
     (void)b;
     (void)bound;
     (void)row;
+    const int times = ((const struct desc_req *)io->src)->times;
     req_release(io);
-    return moed_server_reply_desc(io->conn, io->request_id, io->n_tokens, env->hidden, t);
+    return moed_server_reply_desc(io->conn, io->request_id, io->n_tokens, env->hidden, times, t);
 }
 
 static void desc_fail(const struct moed_reqio_env *env, struct moed_reqio *io, int code,
@@ -673,6 +675,7 @@ int moed_desc_request(struct moed_desc *d, struct moed_conn *c, uint64_t request
     if (!q)
         return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory for a request");
     q->d = d;
+    q->times = (rq->head.flags & MOED_FORWARD_DESC_TIMES) != 0;
     for (int i = 0; i < 4; i++) {
         int k = find(t, refs[i]->buf_id);
         if (k < 0) {

@@ -161,6 +161,18 @@ struct moed_forward_desc_req {
 };
 _Static_assert(sizeof(struct moed_forward_desc_req) == 80, "forward-by-descriptor request");
 
+/* FORWARD_DESC head flag (its only one): the reply is
+ * moed_forward_desc_times_rep, the request's own times (for benchmarks: a
+ * call's time over its own kernel, PROTOCOL.md 9.3). */
+#define MOED_FORWARD_DESC_TIMES 0x100u
+struct moed_forward_desc_times_rep {
+    uint32_t n_tokens;
+    uint32_t hidden;
+    uint64_t kernel_ns; /* the batch's kernel time as the backend measured it; 0: unknown */
+    uint64_t daemon_ns; /* the frame's first byte read -> the reply queued */
+};
+_Static_assert(sizeof(struct moed_forward_desc_times_rep) == 24, "forward-by-descriptor times");
+
 /* Decode and check a REGISTER_BUF payload (pure): length, size > 0, offset
  * aligned, offset + size without overflow. MOED_E_INVAL / MOED_E_RANGE with a
  * message. */

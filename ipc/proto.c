@@ -293,9 +293,11 @@ int moed_forward_desc_decode(const uint8_t *payload, uint64_t len, uint32_t top_
         .y = bufref_get(payload + 64),
     };
     *out = r;
-    if (r.head.flags != 0)
-        return moed_seterr(err, errlen, MOED_E_INVAL, "FORWARD_DESC flags 0x%" PRIx32 " are not 0",
-                           r.head.flags);
+    if (r.head.flags & ~MOED_FORWARD_DESC_TIMES)
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "FORWARD_DESC flags 0x%" PRIx32 " have unknown bits 0x%" PRIx32
+                           " (known: 0x100 times)",
+                           r.head.flags, r.head.flags & ~MOED_FORWARD_DESC_TIMES);
     if (is_moe_layer && !is_moe_layer(ctx, r.head.layer))
         return moed_seterr(err, errlen, MOED_E_INVAL,
                            "layer %" PRIu32 " is not an MoE layer of this model", r.head.layer);

@@ -682,13 +682,20 @@ int moed_server_forward_parse(const uint8_t *payload, uint64_t len, uint32_t hid
 }
 
 int moed_server_reply_desc(struct moed_conn *c, uint64_t request_id, uint32_t n_tokens,
-                           uint32_t hidden, const struct moed_req_times *t)
+                           uint32_t hidden, int times, const struct moed_req_times *t)
 {
-    uint8_t rep[sizeof(struct moed_forward_rep)];
+    uint8_t rep[sizeof(struct moed_forward_desc_times_rep)];
     le_put32(rep, n_tokens);
     le_put32(rep + 4, hidden);
+    if (times) {
+        const uint64_t now = uv_hrtime();
+        le_put64(rep + 8, t ? t->kernel_ns : 0);
+        le_put64(rep + 16, t && t->rx_ns && now > t->rx_ns ? now - t->rx_ns : 0);
+    }
+    const size_t n = times ? sizeof(struct moed_forward_desc_times_rep)
+                           : sizeof(struct moed_forward_rep);
     int queued = !c->closing &&
-                 conn_send_timed(c, MOED_MSG_FORWARD_DESC, request_id, rep, sizeof rep, t);
+                 conn_send_timed(c, MOED_MSG_FORWARD_DESC, request_id, rep, n, t);
     conn_request_done(c);
     return queued;
 }

@@ -201,10 +201,12 @@ void moed_server_reply_forward(struct moed_conn *c, struct moed_hbuf *frame, siz
                                uint64_t request_id, uint32_t n_tokens, uint32_t hidden,
                                const struct moed_req_times *t);
 
-/* Answer a FORWARD_DESC with its head alone (y is in the client's buffer);
- * 1 when the reply was queued, 0 when the client is gone. */
+/* Answer a FORWARD_DESC with its head alone (y is in the client's buffer),
+ * with times (MOED_FORWARD_DESC_TIMES) followed by the request's kernel time
+ * (t->kernel_ns) and its time in the daemon (t->rx_ns -> now); 1 when the
+ * reply was queued, 0 when the client is gone. */
 int moed_server_reply_desc(struct moed_conn *c, uint64_t request_id, uint32_t n_tokens,
-                           uint32_t hidden, const struct moed_req_times *t);
+                           uint32_t hidden, int times, const struct moed_req_times *t);
 
 /* A pointer the engine keeps per connection (NULL at accept). */
 void **moed_server_conn_user(struct moed_conn *c);

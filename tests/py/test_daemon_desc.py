@@ -390,3 +390,51 @@ def test_c_client_register_and_forward_desc(daemon, dims, cases):
     finally:
         shm.close()
     wait_status(daemon, registered=0, mappings=0)
+
+
+def test_forward_desc_times(daemon, dims, cases, tmp_path_factory):
+    """Flag 0x100 (DESC_TIMES): the reply carries the request's kernel time
+    and its time in the daemon. Without a kernel time (this CPU backend) the
+    first is 0; with the CPU backend's MOED_TEST_CPU_KERNEL_TIME it is the
+    batch's compute time, inside the daemon time. y is the same either way,
+    and another flag bit is refused with its name."""
+    layer, x, ids, w, ref = cases[1]
+    t = x.shape[0]
+    ox, oi, ow, oy, total = layout(dims, t)
+    shm = Shm(total)
+    tmp = tmp_path_factory.mktemp("desc-times")
+    cfg = du.base_config(str(tmp), du.models_dir(tmp_path_factory), status__port=du.free_port())
+    try:
+        shm.put(ox, x)
+        shm.put(oi, ids)
+        shm.put(ow, w)
+        refs = [(None, o) for o in (ox, oi, ow, oy)]
+        with mc.Client(daemon.sock_path, timeout=du.wait_s(30)) as c:
+            bid = c.register_buf(shm.handle, 0, total, UUID)
+            r = [(bid, o) for _, o in refs]
+            y_inline = np.asarray(c.forward(layer, x, ids, w)).view(np.uint16)
+            assert c.forward_desc(layer, t, *r) is None
+            kernel_ns, daemon_ns = c.forward_desc(layer, t, *r, times=True)
+            assert kernel_ns == 0 and daemon_ns > 0, (kernel_ns, daemon_ns)
+            assert np.array_equal(shm.get(oy, t * dims["hidden"], np.uint16).reshape(t, -1),
+                                  y_inline)
+            req = mc._DESC_REQ.pack(layer, t, dims["top_k"], 0x300, *[v for b, o in r
+                                                                     for v in (b, 0, o)])
+            with pytest.raises(mc.MoedError) as e:
+                c._call(mc.MSG_FORWARD_DESC, req)
+            assert e.value.name == "inval" and "unknown bits 0x200" in e.value.message, e.value
+            c.unregister_buf(bid)
+        with du.Daemon(tmp, cfg, env=dict(SHM_IPC, MOED_TEST_CPU_KERNEL_TIME="1")) as d2, \
+                mc.Client(d2.sock_path, timeout=du.wait_s(30)) as c:
+            bid = c.register_buf(shm.handle, 0, total, UUID)
+            for _ in range(3):
+                kernel_ns, daemon_ns = c.forward_desc(layer, t, *[(bid, o) for _, o in refs],
+                                                      times=True)
+                assert 0 < kernel_ns < daemon_ns, (kernel_ns, daemon_ns)
+            assert np.array_equal(shm.get(oy, t * dims["hidden"], np.uint16).reshape(t, -1),
+                                  y_inline)
+            c.unregister_buf(bid)
+            assert d2.stop() == 0, d2.log()[-4000:]
+    finally:
+        shm.close()
+    wait_status(daemon, registered=0, mappings=0)

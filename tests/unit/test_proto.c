@@ -447,6 +447,46 @@ START_TEST(test_chan_open_decode)
 }
 END_TEST
 
+/* FORWARD_DESC's flags: 0, or MOED_FORWARD_DESC_TIMES alone; any other bit
+ * refused naming the unknown bits (the FORWARD flags included: they do not
+ * apply to a descriptor). */
+static void desc_req(uint8_t *b, uint32_t flags)
+{
+    memset(b, 0, 80);
+    put32(b, 3);     /* layer */
+    put32(b + 4, 2); /* T */
+    put32(b + 8, 4); /* top_k */
+    put32(b + 12, flags);
+    for (int i = 0; i < 4; i++) {
+        put32(b + 16 + 16 * i, 7 + i);             /* buf_id */
+        put32(b + 16 + 16 * i + 8, (uint32_t)(64 * i)); /* offset (low word) */
+    }
+}
+
+START_TEST(test_forward_desc_flags)
+{
+    uint8_t b[80];
+    struct moed_forward_desc_req r;
+    char err[256];
+    desc_req(b, 0);
+    ck_assert_int_eq(moed_forward_desc_decode(b, 80, 4, 16, NULL, NULL, &r, err, sizeof err), 0);
+    ck_assert_uint_eq(r.head.flags, 0);
+    ck_assert_uint_eq(r.ids.buf_id, 8);
+    ck_assert_uint_eq(r.y.offset, 192);
+    desc_req(b, MOED_FORWARD_DESC_TIMES);
+    ck_assert_int_eq(moed_forward_desc_decode(b, 80, 4, 16, NULL, NULL, &r, err, sizeof err), 0);
+    ck_assert_uint_eq(r.head.flags, 0x100);
+    desc_req(b, MOED_FORWARD_ROUTED_ONLY);
+    ck_assert_int_eq(moed_forward_desc_decode(b, 80, 4, 16, NULL, NULL, &r, err, sizeof err),
+                     MOED_E_INVAL);
+    ck_assert_str_eq(err, "FORWARD_DESC flags 0x1 have unknown bits 0x1 (known: 0x100 times)");
+    desc_req(b, 0x300);
+    ck_assert_int_eq(moed_forward_desc_decode(b, 80, 4, 16, NULL, NULL, &r, err, sizeof err),
+                     MOED_E_INVAL);
+    ck_assert_str_eq(err, "FORWARD_DESC flags 0x300 have unknown bits 0x200 (known: 0x100 times)");
+}
+END_TEST
+
 /* The 96-byte form: arena_bytes at 88; with an arena n_bufs is 0..15 (the
  * arena is buffer 0), without one (0 there) 1..16 as in the 88-byte form. */
 START_TEST(test_chan_open_decode_arena)
@@ -594,6 +634,7 @@ static Suite *proto_suite(void)
     tcase_add_test(tc, test_unaligned);
     tcase_add_test(tc, test_hello_parse);
     tcase_add_test(tc, test_chan_open_decode);
+    tcase_add_test(tc, test_forward_desc_flags);
     tcase_add_test(tc, test_chan_open_decode_arena);
     tcase_add_test(tc, test_chan_close_decode);
     tcase_add_test(tc, test_chan_open_reply);

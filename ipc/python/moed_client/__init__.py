@@ -101,6 +101,9 @@ _REG_REQ = struct.Struct("<64sQQ16s")
 _REG_REP = struct.Struct("<II")
 # FORWARD_DESC: the FORWARD head, then (buf_id u32, reserved u32, offset u64) for x, ids, w, y
 _DESC_REQ = struct.Struct("<IIII" + "IIQ" * 4)
+# FORWARD_DESC flag TIMES: the reply is n_tokens u32, hidden u32, kernel_ns u64, daemon_ns u64
+DESC_TIMES = 0x100
+_DESC_TIMES_REP = struct.Struct("<IIQQ")
 # CHAN_OPEN: uuid 16s, n_bufs u32, flags u32, buf_ids u32[16], arena_bytes u64 (the 88-byte
 # form leaves it out); reply head: chan_id u32, slots u32, key u64, handle 64s, size u64,
 # abi_version u32, kernel_bytes u32, arena_off u64, arena_bytes u64 (then the fatbin)
@@ -404,8 +407,10 @@ class Client:
             return MAX_PING
         if mtype == MSG_ERROR | REPLY:
             return 8 + MAX_ERRMSG
-        if mtype in (MSG_REGISTER_BUF | REPLY, MSG_FORWARD_DESC | REPLY):
+        if mtype == MSG_REGISTER_BUF | REPLY:
             return 8
+        if mtype == MSG_FORWARD_DESC | REPLY:  # with times (DESC_TIMES) 24
+            return _DESC_TIMES_REP.size
         if mtype in (MSG_UNREGISTER_BUF | REPLY, MSG_CHAN_CLOSE | REPLY):
             return 0
         if mtype == MSG_CHAN_OPEN | REPLY:
@@ -559,17 +564,29 @@ class Client:
         self._v2()
         self._call(MSG_UNREGISTER_BUF, _REG_REP.pack(buf_id, 0))
 
-    def forward_desc(self, layer, n_tokens, x, ids, w, y, top_k=None):
+    def forward_desc(self, layer, n_tokens, x, ids, w, y, top_k=None, times=False):
         """FORWARD_DESC: one MoE layer on registered buffers; x, ids, w, y are
         (buf_id, offset) pairs (x bf16 [T, H], ids int32 [T, k], w fp32 [T, k],
-        y bf16 [T, H] written by the daemon). Returns when y is written."""
+        y bf16 [T, H] written by the daemon). Returns when y is written: None,
+        or with times (flag DESC_TIMES, for benchmarks) the request's
+        (kernel_ns, daemon_ns): its batch's kernel time (0: not measured) and
+        its time in the daemon, the frame's first byte read to the reply
+        queued."""
         self._v2()
         k = self.info.top_k if top_k is None else top_k
-        rep = self._call(MSG_FORWARD_DESC, _DESC_REQ.pack(
-            layer, n_tokens, k, 0, x[0], 0, x[1], ids[0], 0, ids[1], w[0], 0, w[1],
-            y[0], 0, y[1]), spin=True, expect=_FWD_REP.pack(n_tokens, self.info.hidden))
+        req = _DESC_REQ.pack(layer, n_tokens, k, DESC_TIMES if times else 0, x[0], 0, x[1],
+                             ids[0], 0, ids[1], w[0], 0, w[1], y[0], 0, y[1])
+        if times:
+            rep = self._call(MSG_FORWARD_DESC, req, spin=True)
+            if len(rep) != _DESC_TIMES_REP.size or _DESC_TIMES_REP.unpack(rep)[0] != n_tokens:
+                self._fail(E_PROTO, "FORWARD_DESC reply with times is %d bytes or does not "
+                           "echo T=%d" % (len(rep), n_tokens))
+            return _DESC_TIMES_REP.unpack(rep)[2:]
+        rep = self._call(MSG_FORWARD_DESC, req, spin=True,
+                         expect=_FWD_REP.pack(n_tokens, self.info.hidden))
         if len(rep) != 8 or _FWD_REP.unpack(rep)[0] != n_tokens:
             self._fail(E_PROTO, "FORWARD_DESC reply does not echo T=%d" % n_tokens)
+        return None
 
     def chan_open(self, buf_ids, uuid, arena_bytes=0):
         """CHAN_OPEN: a GPU doorbell channel for kernels on the GPU with the

@@ -10,6 +10,7 @@ ERROR_NAMES: Dict[int, str]
 PROTO_MIN_VERSION: int
 FORWARD_ROUTED_ONLY: int
 FORWARD_EMPTY_SLOTS: int
+DESC_TIMES: int
 EXPERT_NONE: int
 
 class MoedError(Exception):
@@ -66,7 +67,8 @@ class Client:
     def unregister_buf(self, buf_id: int) -> None: ...
     def forward_desc(self, layer: int, n_tokens: int, x: Tuple[int, int], ids: Tuple[int, int],
                      w: Tuple[int, int], y: Tuple[int, int],
-                     top_k: Optional[int] = ...) -> None: ...
+                     top_k: Optional[int] = ...,
+                     times: bool = ...) -> Optional[Tuple[int, int]]: ...
     def chan_open(self, buf_ids: Sequence[int], uuid: bytes) -> "ChanInfo": ...
     def chan_close(self, chan_id: int) -> None: ...
 
