@@ -120,26 +120,35 @@ def socket_path(d, fn, iters, per_call=False):
     return lat, ((s1 - s0) / (n1 - n0) if n1 > n0 else None), stages
 
 
-def desc_calls(fn, iters):
-    """FORWARD_DESC calls with their times (fn() -> (kernel_ns, daemon_ns)):
-    p50 us of the latency, of the kernel time, of each call's latency less its
-    own kernel time, and of its latency less its time in the daemon."""
+def desc_calls(client, fn, iters):
+    """FORWARD_DESC calls with their times (fn() -> (kernel_ns, daemon_ns),
+    client.desc_stamps): p50 us of the latency, of the kernel time, of each
+    call's latency less its own kernel time and less its time in the daemon,
+    and of that last part's three pieces: the request built and written, the
+    wait for the reply less the daemon's time (the socket both ways), the
+    reply read and checked."""
     for _ in range(max(5, iters // 10)):
         fn()
-    lat, kern, dmn = [], [], []
+    lat, kern, dmn, pre, way, post = [], [], [], [], [], []
     ru0 = resource.getrusage(resource.RUSAGE_THREAD)
     for _ in range(iters):
         t0 = time.perf_counter()
         k_ns, d_ns = fn()
-        lat.append((time.perf_counter() - t0) * 1e6)
+        t3 = time.perf_counter()
+        t1, t2 = client.desc_stamps
+        lat.append((t3 - t0) * 1e6)
         kern.append(k_ns / 1e3)
         dmn.append(d_ns / 1e3)
+        pre.append((t1 - t0) * 1e6)
+        way.append((t2 - t1) * 1e6 - d_ns / 1e3)
+        post.append((t3 - t2) * 1e6)
     ru1 = resource.getrusage(resource.RUSAGE_THREAD)
     if not all(kern):
         raise RuntimeError("a FORWARD_DESC reply without a kernel time")
     return {"p50": p50(lat), "kernel": p50(kern),
             "over": p50([a - b for a, b in zip(lat, kern)]),
             "client": p50([a - b for a, b in zip(lat, dmn)]),
+            "pre": p50(pre), "way": p50(way), "post": p50(post),
             # this thread taken off its CPU per call (by the kernel's
             # scheduler: the spinning client preempted) and blocking per call
             "nivcsw": (ru1.ru_nivcsw - ru0.ru_nivcsw) / iters,
@@ -165,7 +174,8 @@ def bench_t(torch, d, c, ch, arena, info, t, iters, per):
     # the kernel per call (a p50 less a mean, or less another p50, is off by
     # the kernel time's spread)
     row["desc"], row["k_desc"], row["desc_stages"] = socket_path(
-        d, lambda n: desc_calls(lambda: ch.client.forward_desc(layer, t, *refs, times=True), n),
+        d, lambda n: desc_calls(ch.client,
+                                lambda: ch.client.forward_desc(layer, t, *refs, times=True), n),
         iters, per_call=True)
 
     ch.call(xa, ia, wa, ya, layer)
@@ -305,22 +315,27 @@ def main():
           "requests, us): recv (the frame read), submit, backend (submit -> the batch back), "
           "of it the kernel, reply, write, the daemon's total, and the p50 over calls of "
           "each call's latency less its time in the daemon (the reply's daemon_ns: the "
-          "socket both ways, the Python client); the client thread's involuntary and "
-          "voluntary context switches per call (getrusage)")
+          "socket both ways, the Python client), split per call into the request built and "
+          "written / the wait for the reply less the daemon's time / the reply read and "
+          "checked (p50s); the client thread's involuntary and voluntary context switches "
+          "per call (getrusage)")
     print()
     print("| model | T | recv | submit | backend | kernel | backend - kernel | reply | write "
-          "| daemon total | client over daemon | preempted / blocked per call |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "| daemon total | client over daemon | write / way / read | preempted / blocked "
+          "per call |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
     for m, t, r in rows:
         g = r and r.get("desc_stages")
         if not g:
             continue
         k = r["k_desc"]
-        print("| %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %.3f / %.3f |" % (
-            m, t, fmt(g["recv"]), fmt(g["submit"]), fmt(g["backend"]), fmt(k),
-            fmt(None if k is None else g["backend"] - k), fmt(g["reply"]), fmt(g["write"]),
-            fmt(g["total"]), fmt(r["desc"]["client"]), r["desc"]["nivcsw"],
-            r["desc"]["nvcsw"]))
+        dd = r["desc"]
+        print("| %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s / %s / %s "
+              "| %.3f / %.3f |" % (
+                  m, t, fmt(g["recv"]), fmt(g["submit"]), fmt(g["backend"]), fmt(k),
+                  fmt(None if k is None else g["backend"] - k), fmt(g["reply"]),
+                  fmt(g["write"]), fmt(g["total"]), fmt(dd["client"]), fmt(dd["pre"]),
+                  fmt(dd["way"]), fmt(dd["post"]), dd["nivcsw"], dd["nvcsw"]))
     print()
     print("doorbell calls by their stamps (moe_gpu_chan.stamp, %globaltimer), p50 us of the "
           "last 8 calls of a graph: rang -> taken (the persistent kernel sees the bell, "

@@ -194,8 +194,9 @@ static uint64_t reply_bound(const struct moedc *c, uint16_t type)
 {
     switch (type) {
     case MOED_MSG_REGISTER_BUF | MOED_PROTO_REPLY:
-    case MOED_MSG_FORWARD_DESC | MOED_PROTO_REPLY:
         return 8;
+    case MOED_MSG_FORWARD_DESC | MOED_PROTO_REPLY: /* with times, 24 */
+        return sizeof(struct moed_forward_desc_times_rep);
     case MOED_MSG_UNREGISTER_BUF | MOED_PROTO_REPLY:
     case MOED_MSG_CHAN_CLOSE | MOED_PROTO_REPLY:
         return 0;

@@ -81,11 +81,14 @@ static void put_ref(uint8_t *p, const struct moedc_bufref *r)
     le_put64(p + 8, r->offset);
 }
 
-int moedc_forward_desc(struct moedc *c, uint32_t layer, uint32_t n_tokens, uint32_t top_k,
-                       const struct moedc_bufref *x, const struct moedc_bufref *ids,
-                       const struct moedc_bufref *w, const struct moedc_bufref *y, char *err,
-                       size_t errlen)
+/* FORWARD_DESC; with times (kernel_ns and daemon_ns not NULL) flag 0x100
+ * and the reply's two times. */
+static int forward_desc(struct moedc *c, uint32_t layer, uint32_t n_tokens, uint32_t top_k,
+                        const struct moedc_bufref *x, const struct moedc_bufref *ids,
+                        const struct moedc_bufref *w, const struct moedc_bufref *y,
+                        uint64_t *kernel_ns, uint64_t *daemon_ns, char *err, size_t errlen)
 {
+    const int times = kernel_ns != NULL;
     if (!x || !ids || !w || !y)
         return moed_seterr(err, errlen, MOED_E_INVAL, "moedc_forward_desc: a NULL buffer ref");
     int rc = moedc__v2_ready(c, "registered buffers", err, errlen);
@@ -95,7 +98,7 @@ int moedc_forward_desc(struct moedc *c, uint32_t layer, uint32_t n_tokens, uint3
     le_put32(p, layer);
     le_put32(p + 4, n_tokens);
     le_put32(p + 8, top_k);
-    le_put32(p + 12, 0);
+    le_put32(p + 12, times ? MOED_FORWARD_DESC_TIMES : 0);
     put_ref(p + 16, x);
     put_ref(p + 32, ids);
     put_ref(p + 48, w);
@@ -106,12 +109,39 @@ int moedc_forward_desc(struct moedc *c, uint32_t layer, uint32_t n_tokens, uint3
     c->spin_until_ns = 0;
     if (rc)
         return rc;
-    if (h.payload_len != sizeof(struct moed_forward_rep) || le_get32(c->rbuf) != n_tokens) {
+    const size_t want = times ? sizeof(struct moed_forward_desc_times_rep)
+                              : sizeof(struct moed_forward_rep);
+    if (h.payload_len != want || le_get32(c->rbuf) != n_tokens) {
         c->broken = 1;
         return moed_seterr(err, errlen, MOED_E_PROTO,
                            "FORWARD_DESC reply is %" PRIu64 " bytes for T=%u (expected %zu, T "
                            "echoed)",
-                           h.payload_len, n_tokens, sizeof(struct moed_forward_rep));
+                           h.payload_len, n_tokens, want);
+    }
+    if (times) {
+        *kernel_ns = le_get64(c->rbuf + 8);
+        *daemon_ns = le_get64(c->rbuf + 16);
     }
     return 0;
+}
+
+int moedc_forward_desc(struct moedc *c, uint32_t layer, uint32_t n_tokens, uint32_t top_k,
+                       const struct moedc_bufref *x, const struct moedc_bufref *ids,
+                       const struct moedc_bufref *w, const struct moedc_bufref *y, char *err,
+                       size_t errlen)
+{
+    return forward_desc(c, layer, n_tokens, top_k, x, ids, w, y, NULL, NULL, err, errlen);
+}
+
+int moedc_forward_desc_times(struct moedc *c, uint32_t layer, uint32_t n_tokens,
+                             uint32_t top_k, const struct moedc_bufref *x,
+                             const struct moedc_bufref *ids, const struct moedc_bufref *w,
+                             const struct moedc_bufref *y, uint64_t *kernel_ns,
+                             uint64_t *daemon_ns, char *err, size_t errlen)
+{
+    if (!kernel_ns || !daemon_ns)
+        return moed_seterr(err, errlen, MOED_E_INVAL,
+                           "moedc_forward_desc_times: a NULL kernel_ns or daemon_ns");
+    return forward_desc(c, layer, n_tokens, top_k, x, ids, w, y, kernel_ns, daemon_ns, err,
+                        errlen);
 }

@@ -368,8 +368,8 @@ def test_cpu_backend_refuses_register_with_a_typed_error(tmp_path_factory):
 
 def test_c_client_register_and_forward_desc(daemon, dims, cases):
     """The C library's calls (moed_client.h) against the daemon: register,
-    forward by descriptor (y equal to the inline path's), a bad range's typed
-    error, unregister."""
+    forward by descriptor (y equal to the inline path's), with its times, a
+    bad range's typed error, unregister."""
     tool = os.path.join(du.BUILD, "tools", "client_desc")
     layer, x, ids, w, ref = cases[2]
     t = x.shape[0]
@@ -384,6 +384,9 @@ def test_c_client_register_and_forward_desc(daemon, dims, cases):
                              capture_output=True, text=True, timeout=du.wait_s(60))
         assert out.returncode == 0, out.stdout + out.stderr
         assert "bad range: range" in out.stdout, out.stdout
+        # the times call: no kernel time on this CPU backend, some time in the daemon
+        times = [l.split() for l in out.stdout.splitlines() if l.startswith("times:")]
+        assert len(times) == 1 and times[0][2] == "0" and int(times[0][4]) > 0, out.stdout
         y = shm.get(oy, t * dims["hidden"], np.uint16).reshape(t, -1)
         with mc.Client(daemon.sock_path, timeout=du.wait_s(30)) as c:
             assert np.array_equal(y, np.asarray(c.forward(layer, x, ids, w)).view(np.uint16))
@@ -414,8 +417,12 @@ def test_forward_desc_times(daemon, dims, cases, tmp_path_factory):
             r = [(bid, o) for _, o in refs]
             y_inline = np.asarray(c.forward(layer, x, ids, w)).view(np.uint16)
             assert c.forward_desc(layer, t, *r) is None
+            assert c.desc_stamps is None  # set by calls with times only
+            t_before = time.perf_counter()
             kernel_ns, daemon_ns = c.forward_desc(layer, t, *r, times=True)
             assert kernel_ns == 0 and daemon_ns > 0, (kernel_ns, daemon_ns)
+            sent, got = c.desc_stamps  # request written, then the reply in hand
+            assert t_before <= sent <= got <= time.perf_counter(), (t_before, sent, got)
             assert np.array_equal(shm.get(oy, t * dims["hidden"], np.uint16).reshape(t, -1),
                                   y_inline)
             req = mc._DESC_REQ.pack(layer, t, dims["top_k"], 0x300, *[v for b, o in r

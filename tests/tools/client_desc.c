@@ -7,7 +7,8 @@
  * Registers [0, SIZE) of SHM_NAME (UUID MOED_TEST_CPU_UUID), runs
  * FORWARD_DESC on it twice (y written into the object), waiting for the
  * reply in poll() at once (moedc_set_spin_us 0) and then polling for it
- * first (the default spin), sends one with y past the
+ * first (the default spin), once more with its times
+ * (moedc_forward_desc_times: prints "times: kernel_ns K daemon_ns D"), sends one with y past the
  * end of the buffer and prints "bad range: NAME" with the daemon's error
  * name, unregisters. Exit 0 on success, 1 on any failure (stderr).
  */
@@ -50,6 +51,14 @@ int main(int argc, char **argv)
         moedc_set_spin_us(c, spin ? MOEDC_DEFAULT_SPIN_US : 0);
         rc = moedc_forward_desc(c, (uint32_t)a[1], (uint32_t)a[2], rep.top_k, &x, &ids, &w, &y,
                                 err, sizeof err);
+    }
+    if (!rc) {
+        uint64_t kns = 1, dns = 0;
+        rc = moedc_forward_desc_times(c, (uint32_t)a[1], (uint32_t)a[2], rep.top_k, &x, &ids, &w,
+                                      &y, &kns, &dns, err, sizeof err);
+        if (!rc)
+            printf("times: kernel_ns %llu daemon_ns %llu\n", (unsigned long long)kns,
+                   (unsigned long long)dns);
     }
     if (!rc) {
         struct moedc_bufref past = {id, a[0]};

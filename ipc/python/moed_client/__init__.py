@@ -262,6 +262,7 @@ class Client:
         self._next_id = 0
         self._pending = {}  # pipelined request id -> (T, kind)
         self._rx = b""  # bytes read ahead of a reply (by _spin_for_reply)
+        self.desc_stamps = None  # forward_desc(times=True): (written, reply in hand)
         if sock is not None:  # an already connected socket (tests, socketpair)
             self._sock = sock
         else:
@@ -444,16 +445,20 @@ class Client:
             raise MoedError(code, payload[8:].decode("utf-8", "replace"), rid)
         return mtype, rid, payload
 
-    def _call(self, msg_type, payload=b"", spin=False, expect=None):
+    def _call(self, msg_type, payload=b"", spin=False, expect=None, stamps=False):
         """One request and its reply's payload. spin: poll for the reply
         first (_spin_for_reply); expect(rid): the one reply payload that
-        needs no parsing (compared as bytes, header included)."""
+        needs no parsing (compared as bytes, header included); stamps: the
+        request written and the spin's end into desc_stamps (perf_counter)."""
         self._check_open(True)
         self._next_id += 1
         rid = self._next_id
         self._send(msg_type, rid, payload)
         if spin:
+            t_sent = time.perf_counter() if stamps else 0.0
             self._spin_for_reply()
+            if stamps:
+                self.desc_stamps = (t_sent, time.perf_counter())
             if expect is not None:
                 want = encode_frame(msg_type | REPLY, rid, expect)
                 if self._rx[:len(want)] == want:
@@ -571,13 +576,15 @@ class Client:
         or with times (flag DESC_TIMES, for benchmarks) the request's
         (kernel_ns, daemon_ns): its batch's kernel time (0: not measured) and
         its time in the daemon, the frame's first byte read to the reply
-        queued."""
+        queued; desc_stamps then holds the time.perf_counter() instants at
+        which the request was written and the reply's first bytes were in
+        hand)."""
         self._v2()
         k = self.info.top_k if top_k is None else top_k
         req = _DESC_REQ.pack(layer, n_tokens, k, DESC_TIMES if times else 0, x[0], 0, x[1],
                              ids[0], 0, ids[1], w[0], 0, w[1], y[0], 0, y[1])
         if times:
-            rep = self._call(MSG_FORWARD_DESC, req, spin=True)
+            rep = self._call(MSG_FORWARD_DESC, req, spin=True, stamps=True)
             if len(rep) != _DESC_TIMES_REP.size or _DESC_TIMES_REP.unpack(rep)[0] != n_tokens:
                 self._fail(E_PROTO, "FORWARD_DESC reply with times is %d bytes or does not "
                            "echo T=%d" % (len(rep), n_tokens))
