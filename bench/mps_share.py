@@ -13,9 +13,11 @@ graph replays, p50 of BENCH_MPS_REPS replays): the dense part alone (a graph
 without the MoE calls, moed's kernel resident and idle), the whole layer,
 and moed's kernel time of the same calls (/status channels: kernel seconds /
 requests). over = layer - dense - kernel: what sharing and the doorbell add.
-BENCH_MPS_SMS_FREE defaults to 44,66,99,16; each share's figures are printed
-as it ends, a share that takes over BENCH_MPS_CASE_S (150) seconds prints
-every thread's stack. Prints a markdown table.
+BENCH_MPS_SMS_FREE defaults to 44,66,99 (16 SMs free failed once and hung
+twice on the H200, 2026-12-02: name it to try again); each share's figures
+are printed as it ends, and a share that takes over BENCH_MPS_CASE_S (150)
+seconds prints every thread's stack (the caller's timeout ends it:
+scripts/run-bench.sh BENCH_MPS_TIMEOUT). Prints a markdown table.
 """
 
 import faulthandler
@@ -103,8 +105,7 @@ def main():
     if not torch.cuda.is_available():
         print("mps_share bench: no CUDA device")
         return 1
-    # 16 last: on 2026-12-02 it failed once and hung once; the others come first
-    shares = [int(s) for s in os.environ.get("BENCH_MPS_SMS_FREE", "44,66,99,16").split(",")]
+    shares = [int(s) for s in os.environ.get("BENCH_MPS_SMS_FREE", "44,66,99").split(",")]
     model = os.environ.get("BENCH_MPS_MODEL", "qwen3-30b-a3b")
     T = int(os.environ.get("BENCH_MPS_TOKENS", "16"))
     layers = int(os.environ.get("BENCH_MPS_LAYERS", "8"))
