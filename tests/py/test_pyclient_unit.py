@@ -447,9 +447,11 @@ def test_fused_experts_and_torch(daemon):
 
 
 def desc_daemon(mode):
-    """A version-2 daemon whose FORWARD_DESC reply (n_tokens, hidden) comes
-    after a pause: in one write ("whole"), header and payload apart
-    ("split"), or as an ERROR ("error")."""
+    """A version-2 daemon whose FORWARD_DESC reply (n_tokens, hidden; with
+    flag DESC_TIMES also kernel_ns 1234 and daemon_ns 5678) comes after a
+    pause: in one write ("whole"), header and payload apart ("split"), as an
+    ERROR ("error"), or without the times that were asked for
+    ("short-times")."""
     import time
 
     def script(conn, mtype, rid, p):
@@ -464,10 +466,12 @@ def desc_daemon(mode):
         time.sleep(0.02)
         v2 = lambda h: h[:4] + (2).to_bytes(2, "little") + h[6:]  # noqa: E731
         body = struct.pack("<II", t, H)
-        if mode == "whole":
-            conn.sendall(v2(hdr(0x8012, rid, 8)) + body)
+        if u32(p, 12) & mc.DESC_TIMES and mode != "short-times":  # times asked: 24 bytes
+            body += struct.pack("<QQ", 1234, 5678)
+        if mode in ("whole", "short-times"):
+            conn.sendall(v2(hdr(0x8012, rid, len(body))) + body)
         elif mode == "split":
-            conn.sendall(v2(hdr(0x8012, rid, 8)))
+            conn.sendall(v2(hdr(0x8012, rid, len(body))))
             time.sleep(0.02)
             conn.sendall(body)
         else:
@@ -556,3 +560,28 @@ def test_small_frame_with_a_full_socket_buffer_is_sent_whole():
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("mode", ["whole", "split", "short-times"])
+def test_forward_desc_times_reply(mode):
+    """forward_desc(times=True) sends flag 0x100 and returns the reply's
+    (kernel_ns, daemon_ns), with desc_stamps in order; a reply without the
+    times it asked for is a protocol error naming its length."""
+    d = desc_daemon(mode)
+    try:
+        with mc.Client(d.path, timeout=5) as c:
+            assert c.hello().version == 2
+            if mode == "short-times":
+                with pytest.raises(mc.MoedError) as e:
+                    c.forward_desc(1, 5, (1, 0), (1, 4096), (1, 8192), (1, 65536), times=True)
+                assert e.value.name == "proto" and "with times is 8 bytes" in e.value.message
+                return
+            assert c.forward_desc(1, 5, (1, 0), (1, 4096), (1, 8192), (1, 65536),
+                                  times=True) == (1234, 5678)
+            sent, got = c.desc_stamps
+            assert sent <= got
+            assert c.forward_desc(1, 5, (1, 0), (1, 4096), (1, 8192), (1, 65536)) is None
+        req = [f for f in d.seen if int.from_bytes(f[6:8], "little") == 18]
+        assert [u32(f[32:], 12) for f in req] == [mc.DESC_TIMES, 0]
+    finally:
+        d.close()

@@ -435,6 +435,33 @@ START_TEST(test_forward_desc_spin_ends_at_the_timeout)
 }
 END_TEST
 
+/* moedc_forward_desc_times refuses a NULL place for either time before it
+ * sends anything: the connection stays usable (a PING after it). */
+START_TEST(test_forward_desc_times_null_args)
+{
+    struct fake f;
+    struct moedc *c;
+    char err[MOED_ERRLEN];
+    struct moed_hello_rep h;
+    fake_start(&f, MODE_GOOD);
+    ck_assert_int_eq(moedc_connect(f.path, 5000, &c, err, sizeof err), 0);
+    ck_assert_int_eq(moedc_hello(c, &h, err, sizeof err), 0);
+    const struct moedc_bufref r = {1, 0};
+    uint64_t k = 0, d = 0;
+    ck_assert_int_eq(moedc_forward_desc_times(c, 1, 1, K, &r, &r, &r, &r, NULL, &d, err,
+                                              sizeof err),
+                     MOED_E_INVAL);
+    ck_assert_str_eq(err, "moedc_forward_desc_times: a NULL kernel_ns or daemon_ns");
+    ck_assert_int_eq(moedc_forward_desc_times(c, 1, 1, K, &r, &r, &r, &r, &k, NULL, err,
+                                              sizeof err),
+                     MOED_E_INVAL);
+    ck_assert_str_eq(err, "moedc_forward_desc_times: a NULL kernel_ns or daemon_ns");
+    uint64_t rtt = 0;
+    ck_assert_int_eq(moedc_ping(c, &rtt, err, sizeof err), 0);
+    fake_stop(&f, c);
+}
+END_TEST
+
 START_TEST(test_bad_forward_reply)
 {
     struct fake f;
@@ -598,6 +625,7 @@ static Suite *client_suite(void)
     tcase_add_test(tc, test_bad_replies);
     tcase_add_test(tc, test_bad_forward_reply);
     tcase_add_test(tc, test_forward_desc_spin_ends_at_the_timeout);
+    tcase_add_test(tc, test_forward_desc_times_null_args);
     tcase_add_test(tc, test_refused_error_after_epipe);
     tcase_add_test(tc, test_connect_errors);
     tcase_add_test(tc, test_connect_backlog_full);
