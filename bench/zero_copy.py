@@ -34,7 +34,8 @@ BENCH_ZC_ITERS (200), BENCH_ZC_GRAPH_CALLS (20), BENCH_ZC_SMS_FREE (8: SMs
 left to this process's kernels), BENCH_ZC_START_S (600: daemon start-up
 limit), BENCH_ZC_LOOP_SPIN_US (engine.loop_spin_us; unset: its default),
 BENCH_ZC_CLIENT_SPIN_US (the descriptor client's spin_us; unset: its
-default). Prints a markdown table; exits 1 when a path failed.
+default), BENCH_ZC_CLIENT_CPU (pin the client thread, and the C client it
+starts, to this CPU once moed is up). Prints a markdown table; exits 1 when a path failed.
 """
 
 import faulthandler
@@ -42,6 +43,7 @@ import json
 import os
 import resource
 import sys
+import subprocess
 import tempfile
 import time
 import urllib.request
@@ -121,38 +123,58 @@ def socket_path(d, fn, iters, per_call=False):
 
 
 def desc_calls(client, fn, iters):
-    """FORWARD_DESC calls with their times (fn() -> (kernel_ns, daemon_ns),
-    client.desc_stamps): p50 us of the latency, of the kernel time, of each
+    """FORWARD_DESC calls with their times (fn() -> (kernel_ns, daemon_ns,
+    rx_ns, queued_ns), client.desc_stamps; all on this host's
+    CLOCK_MONOTONIC): p50 us of the latency, of the kernel time, of each
     call's latency less its own kernel time and less its time in the daemon,
-    and of that last part's three pieces: the request built and written, the
-    wait for the reply less the daemon's time (the socket both ways), the
-    reply read and checked."""
+    and of that last part's four pieces: the request built, the way there
+    (its write begun -> the daemon's first read), the way back (the reply
+    queued -> its first bytes in hand), the reply read and checked."""
     for _ in range(max(5, iters // 10)):
         fn()
-    lat, kern, dmn, pre, way, post = [], [], [], [], [], []
+    lat, kern, dmn, pre, there, back, post = [], [], [], [], [], [], []
     ru0 = resource.getrusage(resource.RUSAGE_THREAD)
     for _ in range(iters):
-        t0 = time.perf_counter()
-        k_ns, d_ns = fn()
-        t3 = time.perf_counter()
+        t0 = time.monotonic_ns()
+        k_ns, d_ns, rx_ns, q_ns = fn()
+        t3 = time.monotonic_ns()
         t1, t2 = client.desc_stamps
-        lat.append((t3 - t0) * 1e6)
+        lat.append((t3 - t0) / 1e3)
         kern.append(k_ns / 1e3)
         dmn.append(d_ns / 1e3)
-        pre.append((t1 - t0) * 1e6)
-        way.append((t2 - t1) * 1e6 - d_ns / 1e3)
-        post.append((t3 - t2) * 1e6)
+        pre.append((t1 - t0) / 1e3)
+        there.append((rx_ns - t1) / 1e3)
+        back.append((t2 - q_ns) / 1e3)
+        post.append((t3 - t2) / 1e3)
     ru1 = resource.getrusage(resource.RUSAGE_THREAD)
     if not all(kern):
         raise RuntimeError("a FORWARD_DESC reply without a kernel time")
     return {"p50": p50(lat), "kernel": p50(kern),
             "over": p50([a - b for a, b in zip(lat, kern)]),
             "client": p50([a - b for a, b in zip(lat, dmn)]),
-            "pre": p50(pre), "way": p50(way), "post": p50(post),
+            "pre": p50(pre), "there": p50(there), "back": p50(back), "post": p50(post),
             # this thread taken off its CPU per call (by the kernel's
             # scheduler: the spinning client preempted) and blocking per call
             "nivcsw": (ru1.ru_nivcsw - ru0.ru_nivcsw) / iters,
             "nvcsw": (ru1.ru_nvcsw - ru0.ru_nvcsw) / iters}
+
+
+def c_desc(d, arena, layer, t, iters):
+    """The same FORWARD_DESC calls from C (tests/tools/desc_lat.c, built with
+    the tests): its p50s (lat, over, client, to, back: us), or None without
+    the tool."""
+    tool = os.path.join(du.BUILD, "tools", "desc_lat")
+    if not os.access(tool, os.X_OK):
+        return None
+    handle, off, size = mcc.ipc_range(arena.mem)
+    args = [tool, d.sock_path, bytes(handle).hex(), str(off), str(size),
+            mcc.device_uuid(arena.mem.device).hex(), str(layer), str(t), str(arena.off_x),
+            str(arena.off_ids), str(arena.off_w), str(arena.off_y), str(iters)]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError("desc_lat: " + (out.stderr or out.stdout)[-1000:])
+    f = out.stdout.split()
+    return {k[:-3]: float(v) for k, v in zip(f[::2], f[1::2]) if k.endswith("_us")}
 
 
 def bench_t(torch, d, c, ch, arena, info, t, iters, per):
@@ -177,6 +199,8 @@ def bench_t(torch, d, c, ch, arena, info, t, iters, per):
         d, lambda n: desc_calls(ch.client,
                                 lambda: ch.client.forward_desc(layer, t, *refs, times=True), n),
         iters, per_call=True)
+
+    row["c_desc"] = c_desc(d, arena, layer, t, iters)
 
     ch.call(xa, ia, wa, ya, layer)
     torch.cuda.synchronize()
@@ -240,6 +264,8 @@ def run_model(torch, preset, tokens, iters, per, tmp):
     with du.Daemon(tmp, cfg, start_timeout=float(os.environ.get("BENCH_ZC_START_S", "600")) /
                    du.TIME_SCALE) as d:
         print("# %s: moed ready after %.0f s" % (preset, time.monotonic() - t0), flush=True)
+        if os.environ.get("BENCH_ZC_CLIENT_CPU"):  # this thread only (moed started unpinned)
+            os.sched_setaffinity(0, {int(os.environ["BENCH_ZC_CLIENT_CPU"])})
         with mc.Client(d.sock_path, timeout=120) as c:
             info = c.hello()
             dc = mc.Client(d.sock_path, timeout=120,
@@ -315,27 +341,32 @@ def main():
           "requests, us): recv (the frame read), submit, backend (submit -> the batch back), "
           "of it the kernel, reply, write, the daemon's total, and the p50 over calls of "
           "each call's latency less its time in the daemon (the reply's daemon_ns: the "
-          "socket both ways, the Python client), split per call into the request built and "
-          "written / the wait for the reply less the daemon's time / the reply read and "
-          "checked (p50s); the client thread's involuntary and voluntary context switches "
-          "per call (getrusage)")
+          "socket both ways, the Python client), split per call into the request built / "
+          "the way there (its write begun -> the daemon's first read) / the way back (the "
+          "reply queued -> in hand) / the reply read and checked (p50s, CLOCK_MONOTONIC); the "
+          "client thread's involuntary and voluntary context switches per call (getrusage); "
+          "the same calls from C (tests/tools/desc_lat.c): over the kernel, over the daemon, "
+          "there / back")
     print()
     print("| model | T | recv | submit | backend | kernel | backend - kernel | reply | write "
-          "| daemon total | client over daemon | write / way / read | preempted / blocked "
-          "per call |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+          "| daemon total | client over daemon | build / there / back / read | preempted / "
+          "blocked per call | C: over kernel | C: over daemon | C: there / back |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---|")
     for m, t, r in rows:
         g = r and r.get("desc_stages")
         if not g:
             continue
         k = r["k_desc"]
         dd = r["desc"]
-        print("| %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s / %s / %s "
-              "| %.3f / %.3f |" % (
+        cd = r.get("c_desc") or {}
+        print("| %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s / %s / %s / %s "
+              "| %.3f / %.3f | %s | %s | %s / %s |" % (
                   m, t, fmt(g["recv"]), fmt(g["submit"]), fmt(g["backend"]), fmt(k),
                   fmt(None if k is None else g["backend"] - k), fmt(g["reply"]),
                   fmt(g["write"]), fmt(g["total"]), fmt(dd["client"]), fmt(dd["pre"]),
-                  fmt(dd["way"]), fmt(dd["post"]), dd["nivcsw"], dd["nvcsw"]))
+                  fmt(dd["there"]), fmt(dd["back"]), fmt(dd["post"]), dd["nivcsw"],
+                  dd["nvcsw"], fmt(cd.get("over")), fmt(cd.get("client")), fmt(cd.get("to")),
+                  fmt(cd.get("back"))))
     print()
     print("doorbell calls by their stamps (moe_gpu_chan.stamp, %globaltimer), p50 us of the "
           "last 8 calls of a graph: rang -> taken (the persistent kernel sees the bell, "

@@ -81,14 +81,12 @@ static void put_ref(uint8_t *p, const struct moedc_bufref *r)
     le_put64(p + 8, r->offset);
 }
 
-/* FORWARD_DESC; with times (kernel_ns and daemon_ns not NULL) flag 0x100
- * and the reply's two times. */
+/* FORWARD_DESC; with times (not NULL) flag 0x100 and the reply's times. */
 static int forward_desc(struct moedc *c, uint32_t layer, uint32_t n_tokens, uint32_t top_k,
                         const struct moedc_bufref *x, const struct moedc_bufref *ids,
                         const struct moedc_bufref *w, const struct moedc_bufref *y,
-                        uint64_t *kernel_ns, uint64_t *daemon_ns, char *err, size_t errlen)
+                        struct moedc_desc_times *times, char *err, size_t errlen)
 {
-    const int times = kernel_ns != NULL;
     if (!x || !ids || !w || !y)
         return moed_seterr(err, errlen, MOED_E_INVAL, "moedc_forward_desc: a NULL buffer ref");
     int rc = moedc__v2_ready(c, "registered buffers", err, errlen);
@@ -119,8 +117,10 @@ static int forward_desc(struct moedc *c, uint32_t layer, uint32_t n_tokens, uint
                            h.payload_len, n_tokens, want);
     }
     if (times) {
-        *kernel_ns = le_get64(c->rbuf + 8);
-        *daemon_ns = le_get64(c->rbuf + 16);
+        times->kernel_ns = le_get64(c->rbuf + 8);
+        times->daemon_ns = le_get64(c->rbuf + 16);
+        times->rx_ns = le_get64(c->rbuf + 24);
+        times->queued_ns = le_get64(c->rbuf + 32);
     }
     return 0;
 }
@@ -130,18 +130,16 @@ int moedc_forward_desc(struct moedc *c, uint32_t layer, uint32_t n_tokens, uint3
                        const struct moedc_bufref *w, const struct moedc_bufref *y, char *err,
                        size_t errlen)
 {
-    return forward_desc(c, layer, n_tokens, top_k, x, ids, w, y, NULL, NULL, err, errlen);
+    return forward_desc(c, layer, n_tokens, top_k, x, ids, w, y, NULL, err, errlen);
 }
 
 int moedc_forward_desc_times(struct moedc *c, uint32_t layer, uint32_t n_tokens,
                              uint32_t top_k, const struct moedc_bufref *x,
                              const struct moedc_bufref *ids, const struct moedc_bufref *w,
-                             const struct moedc_bufref *y, uint64_t *kernel_ns,
-                             uint64_t *daemon_ns, char *err, size_t errlen)
+                             const struct moedc_bufref *y, struct moedc_desc_times *times,
+                             char *err, size_t errlen)
 {
-    if (!kernel_ns || !daemon_ns)
-        return moed_seterr(err, errlen, MOED_E_INVAL,
-                           "moedc_forward_desc_times: a NULL kernel_ns or daemon_ns");
-    return forward_desc(c, layer, n_tokens, top_k, x, ids, w, y, kernel_ns, daemon_ns, err,
-                        errlen);
+    if (!times)
+        return moed_seterr(err, errlen, MOED_E_INVAL, "moedc_forward_desc_times: times is NULL");
+    return forward_desc(c, layer, n_tokens, top_k, x, ids, w, y, times, err, errlen);
 }

@@ -184,16 +184,23 @@ MOEDC_API int moedc_forward_desc(struct moedc *c, uint32_t layer, uint32_t n_tok
                                  uint32_t top_k, const struct moedc_bufref *x,
                                  const struct moedc_bufref *ids, const struct moedc_bufref *w,
                                  const struct moedc_bufref *y, char *err, size_t errlen);
-/* The same, asking for the request's times (FORWARD_DESC flag 0x100, for
- * benchmarks): *kernel_ns its batch's kernel time (0: the backend measured
- * none), *daemon_ns its time in the daemon (first byte read -> reply
- * queued). */
+/* A request's times (FORWARD_DESC flag 0x100, PROTOCOL.md 9.3). */
+struct moedc_desc_times {
+    uint64_t kernel_ns; /* its batch's kernel time; 0: the backend measured none */
+    uint64_t daemon_ns; /* its time in the daemon: first byte read -> reply queued */
+    uint64_t rx_ns;     /* the daemon's CLOCK_MONOTONIC at that first byte */
+    uint64_t queued_ns; /* ... and when the reply was queued */
+};
+/* The same, asking for the request's times (for benchmarks): on the same
+ * host rx_ns and queued_ns are on the caller's CLOCK_MONOTONIC, so that the
+ * wait splits into the way there, the daemon and the way back. */
 MOEDC_API int moedc_forward_desc_times(struct moedc *c, uint32_t layer, uint32_t n_tokens,
                                        uint32_t top_k, const struct moedc_bufref *x,
                                        const struct moedc_bufref *ids,
                                        const struct moedc_bufref *w,
-                                       const struct moedc_bufref *y, uint64_t *kernel_ns,
-                                       uint64_t *daemon_ns, char *err, size_t errlen);
+                                       const struct moedc_bufref *y,
+                                       struct moedc_desc_times *times, char *err,
+                                       size_t errlen);
 
 /* --- GPU doorbell channels (protocol version 2, PROTOCOL.md section 10) ---
  * A channel lets the client's own kernels, on its CUDA stream and inside a

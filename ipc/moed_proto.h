@@ -170,8 +170,10 @@ struct moed_forward_desc_times_rep {
     uint32_t hidden;
     uint64_t kernel_ns; /* the batch's kernel time as the backend measured it; 0: unknown */
     uint64_t daemon_ns; /* the frame's first byte read -> the reply queued */
+    uint64_t rx_ns;     /* the daemon's CLOCK_MONOTONIC at that first byte */
+    uint64_t queued_ns; /* ... and when the reply was queued (rx_ns + daemon_ns) */
 };
-_Static_assert(sizeof(struct moed_forward_desc_times_rep) == 24, "forward-by-descriptor times");
+_Static_assert(sizeof(struct moed_forward_desc_times_rep) == 40, "forward-by-descriptor times");
 
 /* Decode and check a REGISTER_BUF payload (pure): length, size > 0, offset
  * aligned, offset + size without overflow. MOED_E_INVAL / MOED_E_RANGE with a

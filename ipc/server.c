@@ -688,9 +688,12 @@ int moed_server_reply_desc(struct moed_conn *c, uint64_t request_id, uint32_t n_
     le_put32(rep, n_tokens);
     le_put32(rep + 4, hidden);
     if (times) {
-        const uint64_t now = uv_hrtime();
+        const uint64_t now = uv_hrtime(); /* CLOCK_MONOTONIC, as the client's */
+        const uint64_t rx = t && t->rx_ns && now > t->rx_ns ? t->rx_ns : now;
         le_put64(rep + 8, t ? t->kernel_ns : 0);
-        le_put64(rep + 16, t && t->rx_ns && now > t->rx_ns ? now - t->rx_ns : 0);
+        le_put64(rep + 16, now - rx);
+        le_put64(rep + 24, rx);
+        le_put64(rep + 32, now);
     }
     const size_t n = times ? sizeof(struct moed_forward_desc_times_rep)
                            : sizeof(struct moed_forward_rep);

@@ -384,12 +384,60 @@ def test_c_client_register_and_forward_desc(daemon, dims, cases):
                              capture_output=True, text=True, timeout=du.wait_s(60))
         assert out.returncode == 0, out.stdout + out.stderr
         assert "bad range: range" in out.stdout, out.stdout
-        # the times call: no kernel time on this CPU backend, some time in the daemon
+        # the times call: no kernel time on this CPU backend, some time in the
+        # daemon, whose two instants lie on this host's CLOCK_MONOTONIC inside
+        # the call as the tool saw it
         times = [l.split() for l in out.stdout.splitlines() if l.startswith("times:")]
-        assert len(times) == 1 and times[0][2] == "0" and int(times[0][4]) > 0, out.stdout
+        assert len(times) == 1, out.stdout
+        v = dict(zip(times[0][1::2], map(int, times[0][2::2])))
+        assert v["kernel_ns"] == 0 and v["daemon_ns"] > 0, out.stdout
+        assert v["queued_ns"] - v["rx_ns"] == v["daemon_ns"], out.stdout
+        assert v["before_ns"] < v["rx_ns"] < v["queued_ns"] < v["after_ns"], out.stdout
         y = shm.get(oy, t * dims["hidden"], np.uint16).reshape(t, -1)
         with mc.Client(daemon.sock_path, timeout=du.wait_s(30)) as c:
             assert np.array_equal(y, np.asarray(c.forward(layer, x, ids, w)).view(np.uint16))
+    finally:
+        shm.close()
+    wait_status(daemon, registered=0, mappings=0)
+
+
+def test_desc_lat_tool(daemon, dims, cases):
+    """tests/tools/desc_lat (bench/zero_copy.py's C client): registers the
+    range, times its calls with their times and prints their p50s, each
+    piece inside the latency; y equals the inline path's; bad arguments are
+    refused with exit 2 and the argument's name."""
+    tool = os.path.join(du.BUILD, "tools", "desc_lat")
+    layer, x, ids, w, ref = cases[3]
+    t = x.shape[0]
+    ox, oi, ow, oy, total = layout(dims, t)
+    shm = Shm(total)
+    try:
+        shm.put(ox, x)
+        shm.put(oi, ids)
+        shm.put(ow, w)
+        handle = ("/" + shm.shm.name).encode().ljust(64, b"\0").hex()
+        args = [tool, daemon.sock_path, handle, "0", str(total), UUID.hex(), str(layer), str(t),
+                str(ox), str(oi), str(ow), str(oy)]
+        out = subprocess.run(args + ["20"], capture_output=True, text=True,
+                             timeout=du.wait_s(120))
+        assert out.returncode == 0, out.stdout + out.stderr
+        f = out.stdout.split()
+        assert f[:4] == ["desc_lat", "T", str(t), "iters"] and f[4] == "20", out.stdout
+        v = {k[:-3]: float(n) for k, n in zip(f[5::2], f[6::2])}
+        assert sorted(v) == ["back", "client", "lat", "over", "to"], out.stdout
+        # no kernel time on this backend: over the kernel is the latency
+        assert v["lat"] > 0 and v["over"] == v["lat"], v
+        assert 0 < v["client"] < v["lat"] and v["to"] > 0 and v["back"] > 0, v
+        assert v["to"] + v["back"] < v["lat"] + 1.0, v  # p50s of parts of each call
+        y = shm.get(oy, t * dims["hidden"], np.uint16).reshape(t, -1)
+        with mc.Client(daemon.sock_path, timeout=du.wait_s(30)) as c:
+            assert np.array_equal(y, np.asarray(c.forward(layer, x, ids, w)).view(np.uint16))
+        for i, bad, name in ((2, "abc", "HANDLE_HEX"), (3, "-1", "OFFSET"),
+                             (7, "x", "T"), (12, "0", "ITERS")):
+            a = list(args + ["20"])
+            a[i] = bad
+            out = subprocess.run(a, capture_output=True, text=True, timeout=du.wait_s(30))
+            assert out.returncode == 2 and name in out.stderr, (a, out.stderr)
     finally:
         shm.close()
     wait_status(daemon, registered=0, mappings=0)
@@ -418,11 +466,14 @@ def test_forward_desc_times(daemon, dims, cases, tmp_path_factory):
             y_inline = np.asarray(c.forward(layer, x, ids, w)).view(np.uint16)
             assert c.forward_desc(layer, t, *r) is None
             assert c.desc_stamps is None  # set by calls with times only
-            t_before = time.perf_counter()
-            kernel_ns, daemon_ns = c.forward_desc(layer, t, *r, times=True)
+            t_before = time.monotonic_ns()
+            kernel_ns, daemon_ns, rx_ns, queued_ns = c.forward_desc(layer, t, *r, times=True)
             assert kernel_ns == 0 and daemon_ns > 0, (kernel_ns, daemon_ns)
-            sent, got = c.desc_stamps  # request written, then the reply in hand
-            assert t_before <= sent <= got <= time.perf_counter(), (t_before, sent, got)
+            sent, got = c.desc_stamps  # the request's write begun, then the reply in hand
+            # the daemon's instants on this host's CLOCK_MONOTONIC, inside the call
+            assert queued_ns - rx_ns == daemon_ns, (rx_ns, queued_ns, daemon_ns)
+            assert t_before <= sent < rx_ns < queued_ns < got <= time.monotonic_ns(), \
+                (t_before, sent, rx_ns, queued_ns, got)
             assert np.array_equal(shm.get(oy, t * dims["hidden"], np.uint16).reshape(t, -1),
                                   y_inline)
             req = mc._DESC_REQ.pack(layer, t, dims["top_k"], 0x300, *[v for b, o in r
@@ -435,9 +486,10 @@ def test_forward_desc_times(daemon, dims, cases, tmp_path_factory):
                 mc.Client(d2.sock_path, timeout=du.wait_s(30)) as c:
             bid = c.register_buf(shm.handle, 0, total, UUID)
             for _ in range(3):
-                kernel_ns, daemon_ns = c.forward_desc(layer, t, *[(bid, o) for _, o in refs],
-                                                      times=True)
-                assert 0 < kernel_ns < daemon_ns, (kernel_ns, daemon_ns)
+                kernel_ns, daemon_ns, rx_ns, queued_ns = c.forward_desc(
+                    layer, t, *[(bid, o) for _, o in refs], times=True)
+                assert 0 < kernel_ns < daemon_ns == queued_ns - rx_ns, \
+                    (kernel_ns, daemon_ns, rx_ns, queued_ns)
             assert np.array_equal(shm.get(oy, t * dims["hidden"], np.uint16).reshape(t, -1),
                                   y_inline)
             c.unregister_buf(bid)

@@ -448,7 +448,8 @@ def test_fused_experts_and_torch(daemon):
 
 def desc_daemon(mode):
     """A version-2 daemon whose FORWARD_DESC reply (n_tokens, hidden; with
-    flag DESC_TIMES also kernel_ns 1234 and daemon_ns 5678) comes after a
+    flag DESC_TIMES also kernel_ns 1234, daemon_ns 5678, rx_ns 10**9 and
+    queued_ns 10**9 + 5678) comes after a
     pause: in one write ("whole"), header and payload apart ("split"), as an
     ERROR ("error"), or without the times that were asked for
     ("short-times")."""
@@ -466,8 +467,8 @@ def desc_daemon(mode):
         time.sleep(0.02)
         v2 = lambda h: h[:4] + (2).to_bytes(2, "little") + h[6:]  # noqa: E731
         body = struct.pack("<II", t, H)
-        if u32(p, 12) & mc.DESC_TIMES and mode != "short-times":  # times asked: 24 bytes
-            body += struct.pack("<QQ", 1234, 5678)
+        if u32(p, 12) & mc.DESC_TIMES and mode != "short-times":  # times asked: 40 bytes
+            body += struct.pack("<QQQQ", 1234, 5678, 10**9, 10**9 + 5678)
         if mode in ("whole", "short-times"):
             conn.sendall(v2(hdr(0x8012, rid, len(body))) + body)
         elif mode == "split":
@@ -565,7 +566,7 @@ def test_small_frame_with_a_full_socket_buffer_is_sent_whole():
 @pytest.mark.parametrize("mode", ["whole", "split", "short-times"])
 def test_forward_desc_times_reply(mode):
     """forward_desc(times=True) sends flag 0x100 and returns the reply's
-    (kernel_ns, daemon_ns), with desc_stamps in order; a reply without the
+    (kernel_ns, daemon_ns, rx_ns, queued_ns), with desc_stamps in order; a reply without the
     times it asked for is a protocol error naming its length."""
     d = desc_daemon(mode)
     try:
@@ -577,7 +578,7 @@ def test_forward_desc_times_reply(mode):
                 assert e.value.name == "proto" and "with times is 8 bytes" in e.value.message
                 return
             assert c.forward_desc(1, 5, (1, 0), (1, 4096), (1, 8192), (1, 65536),
-                                  times=True) == (1234, 5678)
+                                  times=True) == (1234, 5678, 10**9, 10**9 + 5678)
             sent, got = c.desc_stamps
             assert sent <= got
             assert c.forward_desc(1, 5, (1, 0), (1, 4096), (1, 8192), (1, 65536)) is None

@@ -8,7 +8,9 @@
  * FORWARD_DESC on it twice (y written into the object), waiting for the
  * reply in poll() at once (moedc_set_spin_us 0) and then polling for it
  * first (the default spin), once more with its times
- * (moedc_forward_desc_times: prints "times: kernel_ns K daemon_ns D"), sends one with y past the
+ * (moedc_forward_desc_times: prints "times: kernel_ns K daemon_ns D rx_ns R
+ * queued_ns Q before_ns B after_ns A", B and A this process's CLOCK_MONOTONIC
+ * around the call), sends one with y past the
  * end of the buffer and prints "bad range: NAME" with the daemon's error
  * name, unregisters. Exit 0 on success, 1 on any failure (stderr).
  */
@@ -18,6 +20,7 @@
 
 #include "moed_client.h"
 #include "moed_err.h"
+#include "moed_util.h"
 #include "test_hooks.h"
 
 int main(int argc, char **argv)
@@ -53,12 +56,17 @@ int main(int argc, char **argv)
                                 err, sizeof err);
     }
     if (!rc) {
-        uint64_t kns = 1, dns = 0;
+        struct moedc_desc_times tm = {1, 0, 0, 0};
+        const uint64_t t0 = moed_mono_ns();
         rc = moedc_forward_desc_times(c, (uint32_t)a[1], (uint32_t)a[2], rep.top_k, &x, &ids, &w,
-                                      &y, &kns, &dns, err, sizeof err);
+                                      &y, &tm, err, sizeof err);
+        const uint64_t t1 = moed_mono_ns();
         if (!rc)
-            printf("times: kernel_ns %llu daemon_ns %llu\n", (unsigned long long)kns,
-                   (unsigned long long)dns);
+            printf("times: kernel_ns %llu daemon_ns %llu rx_ns %llu queued_ns %llu "
+                   "before_ns %llu after_ns %llu\n",
+                   (unsigned long long)tm.kernel_ns, (unsigned long long)tm.daemon_ns,
+                   (unsigned long long)tm.rx_ns, (unsigned long long)tm.queued_ns,
+                   (unsigned long long)t0, (unsigned long long)t1);
     }
     if (!rc) {
         struct moedc_bufref past = {id, a[0]};

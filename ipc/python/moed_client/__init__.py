@@ -101,9 +101,10 @@ _REG_REQ = struct.Struct("<64sQQ16s")
 _REG_REP = struct.Struct("<II")
 # FORWARD_DESC: the FORWARD head, then (buf_id u32, reserved u32, offset u64) for x, ids, w, y
 _DESC_REQ = struct.Struct("<IIII" + "IIQ" * 4)
-# FORWARD_DESC flag TIMES: the reply is n_tokens u32, hidden u32, kernel_ns u64, daemon_ns u64
+# FORWARD_DESC flag TIMES: the reply is n_tokens u32, hidden u32, kernel_ns u64, daemon_ns u64,
+# rx_ns u64, queued_ns u64 (the daemon's CLOCK_MONOTONIC)
 DESC_TIMES = 0x100
-_DESC_TIMES_REP = struct.Struct("<IIQQ")
+_DESC_TIMES_REP = struct.Struct("<IIQQQQ")
 # CHAN_OPEN: uuid 16s, n_bufs u32, flags u32, buf_ids u32[16], arena_bytes u64 (the 88-byte
 # form leaves it out); reply head: chan_id u32, slots u32, key u64, handle 64s, size u64,
 # abi_version u32, kernel_bytes u32, arena_off u64, arena_bytes u64 (then the fatbin)
@@ -262,7 +263,8 @@ class Client:
         self._next_id = 0
         self._pending = {}  # pipelined request id -> (T, kind)
         self._rx = b""  # bytes read ahead of a reply (by _spin_for_reply)
-        self.desc_stamps = None  # forward_desc(times=True): (written, reply in hand)
+        self.desc_stamps = None  # forward_desc(times=True): (write begun, reply in hand), ns
+        self._write_ns = 0
         if sock is not None:  # an already connected socket (tests, socketpair)
             self._sock = sock
         else:
@@ -311,6 +313,7 @@ class Client:
     def _send(self, msg_type, request_id, payload=b""):
         hdr = _HDR.pack(PROTO_MAGIC, frame_version(msg_type), msg_type, 0, 0, request_id,
                         len(payload))
+        self._write_ns = time.monotonic_ns()  # desc_stamps: the write begins
         try:
             # header and payload in one call: the daemon wakes up once
             if self.timeout is not None and len(payload) <= RX_AHEAD:
@@ -449,16 +452,16 @@ class Client:
         """One request and its reply's payload. spin: poll for the reply
         first (_spin_for_reply); expect(rid): the one reply payload that
         needs no parsing (compared as bytes, header included); stamps: the
-        request written and the spin's end into desc_stamps (perf_counter)."""
+        request's write begun and the spin's end into desc_stamps
+        (time.monotonic_ns: CLOCK_MONOTONIC, the daemon's clock)."""
         self._check_open(True)
         self._next_id += 1
         rid = self._next_id
         self._send(msg_type, rid, payload)
         if spin:
-            t_sent = time.perf_counter() if stamps else 0.0
             self._spin_for_reply()
             if stamps:
-                self.desc_stamps = (t_sent, time.perf_counter())
+                self.desc_stamps = (self._write_ns, time.monotonic_ns())
             if expect is not None:
                 want = encode_frame(msg_type | REPLY, rid, expect)
                 if self._rx[:len(want)] == want:
@@ -574,11 +577,12 @@ class Client:
         (buf_id, offset) pairs (x bf16 [T, H], ids int32 [T, k], w fp32 [T, k],
         y bf16 [T, H] written by the daemon). Returns when y is written: None,
         or with times (flag DESC_TIMES, for benchmarks) the request's
-        (kernel_ns, daemon_ns): its batch's kernel time (0: not measured) and
-        its time in the daemon, the frame's first byte read to the reply
-        queued; desc_stamps then holds the time.perf_counter() instants at
-        which the request was written and the reply's first bytes were in
-        hand)."""
+        (kernel_ns, daemon_ns, rx_ns, queued_ns): its batch's kernel time (0:
+        not measured), its time in the daemon (the frame's first byte read to
+        the reply queued) and those two instants on the daemon's
+        CLOCK_MONOTONIC; desc_stamps then holds the time.monotonic_ns()
+        instants (the same clock on the same host) at which the request's
+        write began and the reply's first bytes were in hand."""
         self._v2()
         k = self.info.top_k if top_k is None else top_k
         req = _DESC_REQ.pack(layer, n_tokens, k, DESC_TIMES if times else 0, x[0], 0, x[1],
