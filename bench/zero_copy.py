@@ -35,7 +35,8 @@ left to this process's kernels), BENCH_ZC_START_S (600: daemon start-up
 limit), BENCH_ZC_LOOP_SPIN_US (engine.loop_spin_us; unset: its default),
 BENCH_ZC_CLIENT_SPIN_US (the descriptor client's spin_us; unset: its
 default), BENCH_ZC_CLIENT_CPU (pin the client thread, and the C client it
-starts, to this CPU once moed is up). Prints a markdown table; exits 1 when a path failed.
+starts, to this CPU once moed is up), BENCH_ZC_INLINE=0 (leave the inline
+path out: what it leaves behind cannot touch the others). Prints a markdown table; exits 1 when a path failed.
 """
 
 import faulthandler
@@ -174,7 +175,7 @@ def c_desc(d, arena, layer, t, iters):
     if out.returncode != 0:
         raise RuntimeError("desc_lat: " + (out.stderr or out.stdout)[-1000:])
     f = out.stdout.split()
-    return {k[:-3]: float(v) for k, v in zip(f[::2], f[1::2]) if k.endswith("_us")}
+    return {k[:-3]: float(v) for k, v in zip(f[1::2], f[2::2]) if k.endswith("_us")}
 
 
 def bench_t(torch, d, c, ch, arena, info, t, iters, per):
@@ -184,9 +185,10 @@ def bench_t(torch, d, c, ch, arena, info, t, iters, per):
     ids = torch.stack([torch.randperm(info.n_experts, device="cuda", generator=g)[:info.top_k]
                        for _ in range(t)]).to(torch.int32)
     w = torch.rand(t, info.top_k, device="cuda", generator=g)
-    row = {}
-    row["inline"], row["k_inline"], _ = socket_path(
-        d, lambda: c.forward(layer, x, ids, w), iters)
+    row = {"inline": None, "k_inline": None}
+    if os.environ.get("BENCH_ZC_INLINE", "1") != "0":
+        row["inline"], row["k_inline"], _ = socket_path(
+            d, lambda: c.forward(layer, x, ids, w), iters)
 
     xa, ia, wa, ya = arena.fill(x, w, ids, info, t)
     torch.cuda.synchronize()
@@ -240,8 +242,12 @@ def fmt(v):
     return "n/a" if v is None else "%.1f" % v
 
 
+def fmt2(v):
+    return "n/a" if v is None else "%.2f" % v
+
+
 def over(lat, k, target=None):
-    if k is None:
+    if k is None or lat is None:
         return "n/a"
     o = lat - k
     return "%.1f" % o + ("" if target is None else " %s" % ("met" if o <= target else "NOT met"))
@@ -346,12 +352,14 @@ def main():
           "reply queued -> in hand) / the reply read and checked (p50s, CLOCK_MONOTONIC); the "
           "client thread's involuntary and voluntary context switches per call (getrusage); "
           "the same calls from C (tests/tools/desc_lat.c): over the kernel, over the daemon, "
-          "there / back")
+          "there / back, and a fixed piece of CPU work timed right after each call / back to "
+          "back before them")
     print()
     print("| model | T | recv | submit | backend | kernel | backend - kernel | reply | write "
           "| daemon total | client over daemon | build / there / back / read | preempted / "
-          "blocked per call | C: over kernel | C: over daemon | C: there / back |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---|")
+          "blocked per call | C: over kernel | C: over daemon | C: there / back | C: CPU work after "
+          "/ idle |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---|---|")
     for m, t, r in rows:
         g = r and r.get("desc_stages")
         if not g:
@@ -360,13 +368,13 @@ def main():
         dd = r["desc"]
         cd = r.get("c_desc") or {}
         print("| %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s / %s / %s / %s "
-              "| %.3f / %.3f | %s | %s | %s / %s |" % (
+              "| %.3f / %.3f | %s | %s | %s / %s | %s / %s |" % (
                   m, t, fmt(g["recv"]), fmt(g["submit"]), fmt(g["backend"]), fmt(k),
                   fmt(None if k is None else g["backend"] - k), fmt(g["reply"]),
                   fmt(g["write"]), fmt(g["total"]), fmt(dd["client"]), fmt(dd["pre"]),
                   fmt(dd["there"]), fmt(dd["back"]), fmt(dd["post"]), dd["nivcsw"],
                   dd["nvcsw"], fmt(cd.get("over")), fmt(cd.get("client")), fmt(cd.get("to")),
-                  fmt(cd.get("back"))))
+                  fmt(cd.get("back")), fmt2(cd.get("probe")), fmt2(cd.get("idle_probe"))))
     print()
     print("doorbell calls by their stamps (moe_gpu_chan.stamp, %globaltimer), p50 us of the "
           "last 8 calls of a graph: rang -> taken (the persistent kernel sees the bell, "

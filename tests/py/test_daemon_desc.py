@@ -424,7 +424,9 @@ def test_desc_lat_tool(daemon, dims, cases):
         f = out.stdout.split()
         assert f[:4] == ["desc_lat", "T", str(t), "iters"] and f[4] == "20", out.stdout
         v = {k[:-3]: float(n) for k, n in zip(f[5::2], f[6::2])}
-        assert sorted(v) == ["back", "client", "lat", "over", "to"], out.stdout
+        assert sorted(v) == ["back", "client", "idle_probe", "lat", "over", "probe", "to"], \
+            out.stdout
+        assert v["probe"] > 0 and v["idle_probe"] > 0, v
         # no kernel time on this backend: over the kernel is the latency
         assert v["lat"] > 0 and v["over"] == v["lat"], v
         assert 0 < v["client"] < v["lat"] and v["to"] > 0 and v["back"] > 0, v

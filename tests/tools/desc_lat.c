@@ -12,12 +12,16 @@
  * flag times (the client's default spin), unregisters, and prints one line:
  *
  *   desc_lat T t iters n lat_us L over_us O client_us C to_us A back_us B
+ *            probe_us P idle_probe_us I
  *
  * p50s over the calls of: the latency (CLOCK_MONOTONIC around the call),
  * the latency less the call's own kernel time, less its time in the daemon,
  * the way there (the call's start -> the daemon's first read, rx_ns) and
- * back (the reply queued, queued_ns -> the call's return). Exit 0 on
- * success, 1 on a failure (stderr), 2 on bad arguments.
+ * back (the reply queued, queued_ns -> the call's return); and of a fixed
+ * piece of CPU work (a dependent chain of integer steps) timed right after
+ * each call returns (P) and back to back before the calls (I): how much
+ * slower this CPU runs right after a wait. Exit 0 on success, 1 on a failure
+ * (stderr), 2 on bad arguments.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -28,6 +32,21 @@
 #include "moed_util.h"
 
 #define MAX_ITERS 1000000u
+#define PROBE_STEPS 2048
+#define IDLE_PROBES 101
+
+/* The fixed CPU work: its ns. */
+static int64_t probe(void)
+{
+    static volatile uint64_t sink;
+    uint64_t x = sink;
+    const uint64_t t0 = moed_mono_ns();
+    for (int i = 0; i < PROBE_STEPS; i++)
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+    const uint64_t t1 = moed_mono_ns();
+    sink = x;
+    return (int64_t)(t1 - t0);
+}
 
 static int hex_bytes(const char *s, uint8_t *out, size_t n)
 {
@@ -91,7 +110,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "desc_lat: ITERS must be 1..%u, LAYER and T u32\n", MAX_ITERS);
         return 2;
     }
-    int64_t *v = calloc(5 * iters, sizeof *v);
+    int64_t *v = calloc(6 * iters + IDLE_PROBES, sizeof *v);
     if (!v) {
         fprintf(stderr, "desc_lat: out of memory for %llu calls\n", (unsigned long long)iters);
         return 1;
@@ -107,6 +126,8 @@ int main(int argc, char **argv)
         rc = moedc_register_buf(c, handle, a[0], a[1], uuid, &id, err, sizeof err);
     const struct moedc_bufref x = {id, a[4]}, ids = {id, a[5]}, w = {id, a[6]}, y = {id, a[7]};
     const uint64_t warm = iters / 10 > 5 ? iters / 10 : 5;
+    for (int i = 0; i < IDLE_PROBES; i++)
+        v[6 * iters + i] = probe();
     for (uint64_t i = 0; i < warm + iters && !rc; i++) {
         struct moedc_desc_times tm;
         const uint64_t t0 = moed_mono_ns();
@@ -122,15 +143,17 @@ int main(int argc, char **argv)
         v[2 * iters + k] = lat - (int64_t)tm.daemon_ns;
         v[3 * iters + k] = (int64_t)(tm.rx_ns - t0);
         v[4 * iters + k] = (int64_t)(t1 - tm.queued_ns);
+        v[5 * iters + k] = probe();
     }
     if (!rc && id)
         rc = moedc_unregister_buf(c, id, err, sizeof err);
     if (!rc) {
         const uint32_t n = (uint32_t)iters;
         printf("desc_lat T %llu iters %u lat_us %.2f over_us %.2f client_us %.2f to_us %.2f "
-               "back_us %.2f\n",
+               "back_us %.2f probe_us %.3f idle_probe_us %.3f\n",
                (unsigned long long)a[3], n, p50_us(v, n), p50_us(v + n, n), p50_us(v + 2 * n, n),
-               p50_us(v + 3 * n, n), p50_us(v + 4 * n, n));
+               p50_us(v + 3 * n, n), p50_us(v + 4 * n, n), p50_us(v + 5 * n, n),
+               p50_us(v + 6 * n, IDLE_PROBES));
     } else {
         fprintf(stderr, "desc_lat: %s: %s\n", moedc_strerror(rc), err);
     }
