@@ -451,8 +451,8 @@ def desc_daemon(mode):
     flag DESC_TIMES also kernel_ns 1234, daemon_ns 5678, rx_ns 10**9 and
     queued_ns 10**9 + 5678) comes after a
     pause: in one write ("whole"), header and payload apart ("split"), as an
-    ERROR ("error"), or without the times that were asked for
-    ("short-times")."""
+    ERROR ("error"), without the times that were asked for ("short-times"),
+    or whole with the next request's id ("wrong-id")."""
     import time
 
     def script(conn, mtype, rid, p):
@@ -469,8 +469,8 @@ def desc_daemon(mode):
         body = struct.pack("<II", t, H)
         if u32(p, 12) & mc.DESC_TIMES and mode != "short-times":  # times asked: 40 bytes
             body += struct.pack("<QQQQ", 1234, 5678, 10**9, 10**9 + 5678)
-        if mode in ("whole", "short-times"):
-            conn.sendall(v2(hdr(0x8012, rid, len(body))) + body)
+        if mode in ("whole", "short-times", "wrong-id"):
+            conn.sendall(v2(hdr(0x8012, rid + (mode == "wrong-id"), len(body))) + body)
         elif mode == "split":
             conn.sendall(v2(hdr(0x8012, rid, len(body))))
             time.sleep(0.02)
@@ -563,22 +563,31 @@ def test_small_frame_with_a_full_socket_buffer_is_sent_whole():
         b.close()
 
 
-@pytest.mark.parametrize("mode", ["whole", "split", "short-times"])
-def test_forward_desc_times_reply(mode):
+@pytest.mark.parametrize("spin_us", [0, 200000])
+@pytest.mark.parametrize("mode", ["whole", "split", "short-times", "wrong-id"])
+def test_forward_desc_times_reply(mode, spin_us):
     """forward_desc(times=True) sends flag 0x100 and returns the reply's
-    (kernel_ns, daemon_ns, rx_ns, queued_ns), with desc_stamps in order; a reply without the
-    times it asked for is a protocol error naming its length."""
+    (kernel_ns, daemon_ns, rx_ns, queued_ns), with desc_stamps in order,
+    whether the reply is taken in one piece by the spin (its header compared
+    as bytes) or read after it; a reply without the times it asked for is a
+    protocol error naming its length, and one with another request's id a
+    protocol error naming the ids."""
     d = desc_daemon(mode)
     try:
-        with mc.Client(d.path, timeout=5) as c:
+        with mc.Client(d.path, timeout=5, spin_us=spin_us) as c:
             assert c.hello().version == 2
-            if mode == "short-times":
+            if mode in ("short-times", "wrong-id"):
                 with pytest.raises(mc.MoedError) as e:
                     c.forward_desc(1, 5, (1, 0), (1, 4096), (1, 8192), (1, 65536), times=True)
-                assert e.value.name == "proto" and "with times is 8 bytes" in e.value.message
+                assert e.value.name == "proto" and (
+                    "with times is 8 bytes" if mode == "short-times"
+                    else "reply carries request id 3, expected 2") in e.value.message, e.value
                 return
+            if mode == "whole" and spin_us:  # in hand within the spin: no frame parse
+                c._read_frame = lambda: pytest.fail("the reply was parsed")
             assert c.forward_desc(1, 5, (1, 0), (1, 4096), (1, 8192), (1, 65536),
                                   times=True) == (1234, 5678, 10**9, 10**9 + 5678)
+            c.__dict__.pop("_read_frame", None)
             sent, got = c.desc_stamps
             assert sent <= got
             assert c.forward_desc(1, 5, (1, 0), (1, 4096), (1, 8192), (1, 65536)) is None
