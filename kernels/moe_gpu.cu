@@ -247,6 +247,21 @@ cleanup:
     return rc;
 }
 
+extern "C" int moe_gpu_take_stamps(uint64_t (*out)[4], char *err, size_t errlen)
+{
+#if MOE_GPU_TAKE_STAMPS
+    static_assert(sizeof moe_take_stamp == MOE_GPU_CHAN_SLOTS * 4 * sizeof(uint64_t), "stamps");
+    int rc = 0;
+    MOED_CUDA_TRY(cudaMemcpyFromSymbol(out, moe_take_stamp, sizeof moe_take_stamp));
+cleanup:
+    return rc;
+#else
+    (void)out;
+    return moed_seterr(err, errlen, MOED_E_UNSUPPORTED,
+                       "the kernel was built without MOE_GPU_TAKE_STAMPS");
+#endif
+}
+
 extern "C" int moe_gpu_read_bw(const void *buf, uint64_t bytes, int reps, float *ms, char *err,
                                size_t errlen)
 {

@@ -140,6 +140,11 @@ int moe_gpu_start(const struct moe_gpu_params *p, const struct moe_gpu_launch *l
                   char *err, size_t errlen);
 /* Fill a weight stream (bytes % 576 == 0) with random valid NVFP4 (benchmark). */
 int moe_gpu_fill_random(void *buf, uint64_t bytes, uint64_t seed, char *err, size_t errlen);
+/* The doorbell take's %globaltimer stamps per channel slot (bell seen, slot
+ * and table entry loaded, descriptor checked, ids and w staged) of a kernel
+ * built with MOE_GPU_TAKE_STAMPS=1 (bench/NOTES.md); MOED_E_UNSUPPORTED
+ * otherwise. */
+int moe_gpu_take_stamps(uint64_t (*out)[4], char *err, size_t errlen);
 /* Streaming-read bandwidth probe for the benchmark: reads `bytes` from buf
  * `reps` times; returns elapsed ms through *ms. */
 int moe_gpu_read_bw(const void *buf, uint64_t bytes, int reps, float *ms, char *err,

@@ -3,13 +3,17 @@
  *
  * Tuning values are constants, each with the GPU and the measurement that
  * chose it (bench/NOTES.md has every figure; a losing variant is recorded
- * there, not kept as a switch). The one compile-time switch left is
+ * there, not kept as a switch). The compile-time switches left are
  * MOE_GPU_PHASES (instrumentation for the benchmark, off in a serving
- * build). Layout constants shared with the host (MOE_GPU_MR, unit sizes,
- * the ring) are in kernels/moe_gpu_abi.h.
+ * build), and MOE_GPU_TAKE_STAMPS (the same for the doorbell's take). Layout
+ * constants shared with the host (MOE_GPU_MR, unit sizes, the ring) are in
+ * kernels/moe_gpu_abi.h.
  */
 #ifndef MOE_GPU_PHASES /* 1: gate_up / down end timestamps (costs an atomic per tile) */
 #define MOE_GPU_PHASES 0
+#endif
+#ifndef MOE_GPU_TAKE_STAMPS /* 1: the doorbell take's own stamps (moe_gpu_take_stamps) */
+#define MOE_GPU_TAKE_STAMPS 0
 #endif
 
 /* warps per CTA. H200 2026-11-29: 4 CTAs/SM of 4 warps beat 2 of 8 by 13-35%,

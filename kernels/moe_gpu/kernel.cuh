@@ -273,6 +273,13 @@ __device__ __forceinline__ unsigned chan_desc_check(const struct moe_gpu_chan_de
     return MOE_GPU_CHAN_OK;
 }
 
+#if MOE_GPU_TAKE_STAMPS
+/* Per channel slot (seq % MOE_GPU_CHAN_SLOTS), %globaltimer ns: the bell
+ * seen (poll_sources returned it), the slot and the table entry loaded, the
+ * descriptor checked, ids and w staged (= the channel's "taken" stamp). */
+__device__ unsigned long long moe_take_stamp[MOE_GPU_CHAN_SLOTS][4];
+#endif
+
 __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe_gpu_params p)
 {
     extern __shared__ __align__(16) uint8_t smem[];
@@ -327,11 +334,17 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
         /* ---- dispatcher: CTA 0 takes batch n from the host ring or a
          * channel (refusing bad doorbell descriptors on the way) ---- */
         if (blockIdx.x == 0) {
+#if MOE_GPU_TAKE_STAMPS
+            unsigned long long ts[3] = {0, 0, 0};
+#endif
             for (;;) {
                 if (tid == 0) {
                     while (ld_acquire_gpu64(&st->done_dev) + 1 < n)
                         __nanosleep(64);
                     s_src = poll_sources(p.ctrl, p.chanctl, p.chans, p.n_chans, busy_at);
+#if MOE_GPU_TAKE_STAMPS
+                    ts[0] = globaltimer_ns();
+#endif
                 }
                 __syncthreads();
                 const int src = s_src;
@@ -354,11 +367,19 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                 else if (tid == ND + MOE_GPU_CHAN_BUFS)
                     s_key = __ldcg(&e->key);
                 __syncthreads();
+#if MOE_GPU_TAKE_STAMPS
+                if (tid == 0)
+                    ts[1] = globaltimer_ns();
+#endif
                 const struct moe_gpu_chan_desc *cd =
                     reinterpret_cast<const struct moe_gpu_chan_desc *>(s_cd);
                 if (tid == 0 && s_bad == MOE_GPU_CHAN_OK)
                     s_bad = chan_desc_check(cd, cseq, p.d, p.slot_of, p.n_slot_of, &sd);
                 __syncthreads();
+#if MOE_GPU_TAKE_STAMPS
+                if (tid == 0)
+                    ts[2] = globaltimer_ns();
+#endif
                 if (s_bad == MOE_GPU_CHAN_OK) {
                     /* stage ids and w, checking every expert id */
                     const bool bad = stage_routing(sd.n_tokens * p.d.top_k, (const int32_t *)sd.ids,
@@ -375,6 +396,13 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                         st->src_seq = cseq;
                         st->t0 = globaltimer_ns();
                         st->desc = sd;
+#if MOE_GPU_TAKE_STAMPS
+                        unsigned long long *t = moe_take_stamp[cseq % MOE_GPU_CHAN_SLOTS];
+                        t[0] = ts[0];
+                        t[1] = ts[1];
+                        t[2] = ts[2];
+                        t[3] = st->t0;
+#endif
                     }
                     __syncthreads();
                 }

@@ -142,6 +142,35 @@ static int stamp_breakdown(struct client *c, uint64_t last, char *out, size_t le
     return ordered;
 }
 
+/* Where rang -> taken went, in a kernel built with MOE_GPU_TAKE_STAMPS=1
+ * (moe_gpu_take_stamps): the medians over the same calls of rang -> the bell
+ * seen (poll_sources), -> the slot and table entry loaded, -> the descriptor
+ * checked, -> ids and w staged (the taken stamp). 0: not such a build; 1 if
+ * every stamp is in order, -1 if not. */
+static int take_breakdown(struct client *c, uint64_t last, char *out, size_t len)
+{
+    enum { N = MOE_GPU_CHAN_SLOTS };
+    uint64_t st[N][4], tk[N][4], d[4][N];
+    char err[MOED_ERRLEN];
+    if (moe_gpu_take_stamps(tk, err, sizeof err))
+        return 0;
+    cudaMemcpy(st, (uint8_t *)c->chan + offsetof(struct moe_gpu_chan, stamp), sizeof st,
+               cudaMemcpyDeviceToHost);
+    int ordered = 1;
+    for (int i = 0; i < N; i++) {
+        const unsigned k = (unsigned)((last - N + 1 + i) % N);
+        const uint64_t *a = st[k], *t = tk[k];
+        ordered &= a[0] <= t[0] && t[0] <= t[1] && t[1] <= t[2] && t[2] <= t[3] && t[3] == a[1];
+        d[0][i] = t[0] - a[0];
+        for (int j = 1; j < 4; j++)
+            d[j][i] = t[j] - t[j - 1];
+    }
+    snprintf(out, len, "take stamps, medians of %d calls: rang->bell seen %.2f us, ->slot "
+             "loaded %.2f us, ->checked %.2f us, ->ids and w staged %.2f us", N,
+             median_us(d[0], N), median_us(d[1], N), median_us(d[2], N), median_us(d[3], N));
+    return ordered ? 1 : -1;
+}
+
 /* ---------------- progress (a hang says where it is) ---------------- */
 
 static const char *volatile g_stage = "start";
@@ -503,6 +532,9 @@ int main(void)
         char bd[256];
         result(stamp_breakdown(&c, done1, bd, sizeof bd), "graph calls' stamps in order; %s",
                bd);
+        const int tb = take_breakdown(&c, done1, bd, sizeof bd);
+        if (tb)
+            result(tb > 0, "the take's stamps in order; %s", bd);
         if (ce == cudaSuccess) {
             cudaGraphExecDestroy(ge);
             cudaGraphDestroy(g);
