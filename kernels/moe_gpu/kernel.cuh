@@ -275,7 +275,13 @@ __device__ __forceinline__ unsigned chan_desc_check(const struct moe_gpu_chan_de
 
 __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe_gpu_params p)
 {
-    extern __shared__ __align__(16) uint8_t smem[];
+    /* 128-byte aligned, and the routing part a multiple of 128 bytes
+     * (moe_gpu_smem_route_bytes): the stage buffers start on a 128-byte line
+     * whatever the static shared memory's size. H200: the stages 16 bytes off
+     * a 32-byte sector (static size + route part) were the slow mode of
+     * 233b7d1 .. 8071c41 (DeepSeek-V3 slow when 16 mod 32, Qwen3 likewise:
+     * every build of the split), see bench/NOTES.md */
+    extern __shared__ __align__(128) uint8_t smem[];
     __shared__ __align__(16) struct moe_gpu_desc sd; /* written as uint4 */
     __shared__ uint4 s_inl[MOE_GPU_INLINE_BYTES / 16];
     __shared__ int s_go, s_last;
