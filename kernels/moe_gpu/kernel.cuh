@@ -282,11 +282,22 @@ __device__ unsigned long long moe_take_stamp[MOE_GPU_CHAN_SLOTS][4];
 
 __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe_gpu_params p)
 {
-    extern __shared__ __align__(16) uint8_t smem[];
+    /* 128-byte aligned, and the routing part a multiple of 128 bytes
+     * (moe_gpu_smem_route_bytes): the stage buffers start on a 128-byte line
+     * whatever the static shared memory's size. H200: the stages 16 bytes off
+     * a 32-byte sector (static size + route part) were the slow mode of
+     * 233b7d1 .. 8071c41 (DeepSeek-V3 slow when 16 mod 32, Qwen3 likewise:
+     * every build of the split), see bench/NOTES.md */
+    extern __shared__ __align__(128) uint8_t smem[];
     __shared__ __align__(16) struct moe_gpu_desc sd; /* written as uint4 */
     __shared__ uint4 s_inl[MOE_GPU_INLINE_BYTES / 16];
     __shared__ int s_go, s_last;
     __shared__ unsigned s_task;
+    /* The task loop's state across tasks, in shared memory: in registers it
+     * is live across the K loops, and at 128 registers it spilled (sm_90a:
+     * 20 bytes, stored and reloaded once per task). */
+    __shared__ bool s_x_ready; /* tid 0 has seen every CTA's x staged */
+    __shared__ unsigned s_cb0; /* the first combine task this CTA took, ~0u: none yet */
 
     const unsigned tid = threadIdx.x, warp = tid >> 5;
     const unsigned NE = p.d.n_experts + p.d.n_shared, KS = p.d.top_k + p.d.n_shared;
@@ -524,7 +535,6 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
         const unsigned NTG = ntile_for(gu_tiles, gridDim.x), NTD = ntile_for(dn_tiles, gridDim.x);
         const unsigned TPC_GU = (RT_GU + NTG - 1) / NTG, TPC_DN = (RT_DN + NTD - 1) / NTD;
         const unsigned n_gu = n_ch * TPC_GU, n_dn = n_ch * TPC_DN; /* tasks */
-        uint16_t *y = (uint16_t *)sd.y;
 
         /* ---- tasks: claimed per CTA (the next claim is issued while the
          * current task runs); gate_up/down split K over the warps; combine
@@ -533,16 +543,18 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
         const unsigned n_cu = T * n_cblk, n_cb = (n_cu + NWARPS - 1) / NWARPS;
         /* a ROWS batch has no combine units: its rows are copied after the loop */
         const unsigned total = n_gu + n_dn + ((sd.flags & MOE_GPU_ROWS) ? 0u : n_cb);
-        bool wrote_y = false, x_ready = false, dn_ready = false;
         uint8_t *sw_cta = smem + p.smem_route;
-        if (tid == 0)
+        if (tid == 0) {
+            s_x_ready = false;
+            s_cb0 = ~0u;
             s_task = atomicAdd(&st->task_ctr, 1u);
+        }
         for (;;) {
             __syncthreads();
             const unsigned t = s_task;
             if (t >= total)
                 break;
-            unsigned next = 0;
+            unsigned next; /* tid 0's only */
             if (tid == 0)
                 next = atomicAdd(&st->task_ctr, 1u); /* result waited for at the end */
             if (t < n_gu + n_dn) {
@@ -561,10 +573,10 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                                          r.cnt[e] - c * CHUNK_TOKENS);
                 if (tid == 0) {
                     if (is_gu) {
-                        if (!x_ready)
+                        if (!s_x_ready)
                             while (ld_acquire_gpu32(&st->x_done) < gridDim.x)
                                 __nanosleep(32);
-                        x_ready = true;
+                        s_x_ready = true;
                     } else { /* every gate_up tile of every chunk of e */
                         const unsigned need = (r.chs[e + 1] - r.chs[e]) * RT_GU;
                         while (ld_acquire_gpu32(&st->gu_done[e]) < need)
@@ -588,21 +600,22 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                 }
                 __syncthreads(); /* stage buffers (partials) free for the next task */
             } else {
-                if (tid == 0 && !dn_ready) {
+                if (tid == 0 && s_cb0 == ~0u) { /* the first: every down tile first */
                     while (ld_acquire_gpu32(&st->dn_done) < dn_tiles)
                         __nanosleep(64);
-                    dn_ready = true;
+                    s_cb0 = t;
                 }
                 __syncthreads();
                 const unsigned u = (t - n_gu - n_dn) * NWARPS + warp;
-                if (u < n_cu) {
-                    combine_unit(p, r, u / n_cblk, u % n_cblk, y);
-                    wrote_y = true;
-                }
+                if (u < n_cu) /* y from sd here: not a register across the loop */
+                    combine_unit(p, r, u / n_cblk, u % n_cblk, (uint16_t *)sd.y);
             }
             if (tid == 0)
                 s_task = next;
         }
+        /* this warp wrote y iff it had a unit in its CTA's first combine task
+         * (a CTA's tasks come in increasing order: the first has its smallest u) */
+        bool wrote_y = s_cb0 != ~0u && (s_cb0 - n_gu - n_dn) * NWARPS + warp < n_cu;
         if (sd.flags & MOE_GPU_ROWS) { /* every down tile, then this CTA's rows */
             if (tid == 0)
                 while (ld_acquire_gpu32(&st->dn_done) < dn_tiles)
