@@ -600,10 +600,15 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                 }
                 __syncthreads(); /* stage buffers (partials) free for the next task */
             } else {
-                if (tid == 0 && s_cb0 == ~0u) { /* the first: every down tile first */
-                    while (ld_acquire_gpu32(&st->dn_done) < dn_tiles)
-                        __nanosleep(64);
-                    s_cb0 = t;
+                if (tid == 0) {
+                    /* the first: every down tile first. A volatile read, by
+                     * tid 0 only: a plain one was loaded by every thread
+                     * while tid 0 stored it (racecheck) */
+                    if (*(volatile unsigned *)&s_cb0 == ~0u) {
+                        while (ld_acquire_gpu32(&st->dn_done) < dn_tiles)
+                            __nanosleep(64);
+                        s_cb0 = t;
+                    }
                 }
                 __syncthreads();
                 const unsigned u = (t - n_gu - n_dn) * NWARPS + warp;
