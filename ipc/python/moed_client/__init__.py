@@ -464,8 +464,8 @@ class Client:
         self._send(msg_type, rid, payload)
         if spin:
             self._spin_for_reply()
-            if stamps:
-                self.desc_stamps = (self._write_ns, time.monotonic_ns())
+            if stamps:  # the reply in hand: now, or (the spin gave up) after the read below
+                self.desc_stamps = (self._write_ns, time.monotonic_ns() if self._rx else None)
             if expect is not None:
                 want = encode_frame(msg_type | REPLY, rid, expect)
                 if self._rx[:len(want)] == want:
@@ -484,6 +484,8 @@ class Client:
                 self._fail(E_PROTO, "error reply carries request id %d, expected %d"
                            % (e.request_id, rid))
             raise
+        if stamps and self.desc_stamps and self.desc_stamps[1] is None:
+            self.desc_stamps = (self.desc_stamps[0], time.monotonic_ns())
         if got != rid:
             self._fail(E_PROTO, "reply carries request id %d, expected %d" % (got, rid))
         if mtype != msg_type | REPLY:
