@@ -117,12 +117,17 @@ static double median_us(uint64_t *v, int n)
  * seen and seen -> the next call's ring (the client kernel's exit and the
  * next graph node's launch). 1 if every stamp is in order. The calls must
  * be back to back in one graph replay (seq `last` the last of them). */
+static void read_stamps(struct client *c, uint64_t st[MOE_GPU_CHAN_SLOTS][4])
+{
+    cudaMemcpy(st, (uint8_t *)c->chan + offsetof(struct moe_gpu_chan, stamp),
+               sizeof(uint64_t) * MOE_GPU_CHAN_SLOTS * 4, cudaMemcpyDeviceToHost);
+}
+
 static int stamp_breakdown(struct client *c, uint64_t last, char *out, size_t len)
 {
     enum { N = MOE_GPU_CHAN_SLOTS };
     uint64_t st[N][4], take[N], kern[N], seen[N], gap[N - 1];
-    cudaMemcpy(st, (uint8_t *)c->chan + offsetof(struct moe_gpu_chan, stamp), sizeof st,
-               cudaMemcpyDeviceToHost);
+    read_stamps(c, st);
     int ordered = 1;
     for (int i = 0; i < N; i++) {
         const uint64_t *a = st[(last - N + 1 + i) % N];
@@ -154,8 +159,7 @@ static int take_breakdown(struct client *c, uint64_t last, char *out, size_t len
     char err[MOED_ERRLEN];
     if (moe_gpu_take_stamps(tk, err, sizeof err))
         return 0;
-    cudaMemcpy(st, (uint8_t *)c->chan + offsetof(struct moe_gpu_chan, stamp), sizeof st,
-               cudaMemcpyDeviceToHost);
+    read_stamps(c, st);
     int ordered = 1;
     for (int i = 0; i < N; i++) {
         const unsigned k = (unsigned)((last - N + 1 + i) % N);
