@@ -473,6 +473,24 @@ static void check_cross(const struct moed_cfg *c, struct errs *e)
                 "(%llu); a client must be able to queue at least one full frame",
                 (unsigned long long)c->max_client_buffer_bytes,
                 (unsigned long long)c->max_frame_bytes);
+    if (c->nccl_rank >= c->nccl_ranks)
+        err_add(e, "engine.nccl_rank: %u is not below engine.nccl_ranks (%u)", c->nccl_rank,
+                c->nccl_ranks);
+    if (c->nccl_keepalive_ms >= c->nccl_timeout_ms)
+        err_add(e, "engine.nccl_keepalive_ms: %u is not less than engine.nccl_timeout_ms (%u)",
+                c->nccl_keepalive_ms, c->nccl_timeout_ms);
+    if (c->nccl_ranks > 1) {
+        if (c->backend != MOED_CFG_BACKEND_CUDA)
+            err_add(e, "engine.nccl_ranks: %u ranks need engine.backend \"cuda\"",
+                    c->nccl_ranks);
+        if (c->n_gpus > 1)
+            err_add(e, "engine.nccl_ranks: %u ranks and %u engine.gpus entries; a rank of an "
+                    "NCCL group holds one GPU", c->nccl_ranks, c->n_gpus);
+        if (c->sms_free < 2)
+            err_add(e, "engine.nccl_ranks: %u ranks need engine.sms_free >= 2 (it is %u): "
+                    "NCCL's kernels need SMs the persistent kernel leaves free",
+                    c->nccl_ranks, c->sms_free);
+    }
 }
 
 /* ------------------------------------------------------------------------ */

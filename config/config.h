@@ -61,6 +61,10 @@ struct moed_cfg {
     uint32_t loop_spin_us;            /* the loop polls without sleeping around GPU batches */
     uint32_t max_channels;            /* doorbell channels at once; 0 = off */
     uint32_t drain_stall_ms;          /* drain gives up after batch_deadline_ms + this without progress */
+    uint32_t nccl_ranks, nccl_rank;   /* NCCL group across processes or hosts: 1 = none */
+    char nccl_id_file[MOED_CFG_PATH_MAX]; /* the group's unique id; "" = NCCL_COMM_ID */
+    uint32_t nccl_timeout_ms;         /* group forming, an exchange, a silent peer */
+    uint32_t nccl_keepalive_ms;       /* rank 0 pings an idle peer this often */
     /* log */
     int log_level;                    /* enum moed_log_level */
 };

@@ -171,6 +171,36 @@ const struct cfg_key cfg_keys[] = {
             "the percent of the GPU's SMs the persistent kernel leaves free, so that the "
             "engine's kernels always find room (with every SM taken they wait for moed's "
             "kernel to idle out). 0: every SM, as without MPS."},
+    {.path = "engine.nccl_ranks", .type = T_UINT, .min = 1, .max = 8, .def = "1",
+     FIELD(nccl_ranks),
+     .doc = "Daemons (ranks) of one expert-parallel NCCL group, one GPU each, on one host or "
+            "several (docs/MULTI_GPU.md, \"Across hosts\"); 1: no group. Rank 0 serves the "
+            "clients and computes the experts engine.placement puts on device 0; rank r > 0 "
+            "computes device r's for rank 0 and refuses client batches. Needs engine.backend "
+            "\"cuda\", at most one engine.gpus entry and engine.sms_free >= 2 (NCCL's kernels "
+            "run beside the persistent one). Every rank must load the same model."},
+    {.path = "engine.nccl_rank", .type = T_UINT, .min = 0, .max = 7, .def = "0",
+     FIELD(nccl_rank),
+     .doc = "This daemon's rank in the NCCL group, below engine.nccl_ranks."},
+    {.path = "engine.nccl_id_file", .type = T_PATH, .min = 0, .max = MOED_CFG_PATH_MAX - 1,
+     .def = "", FIELD(nccl_id_file),
+     .doc = "The group's unique id (ncclGetUniqueId): rank 0 writes it there at start (256 "
+            "hex digits, mode 0600, replaced atomically; removed at exit), the other ranks "
+            "wait for it up to engine.nccl_timeout_ms, so the file must be one they all "
+            "read (a shared directory across hosts). \"\": NCCL's own bootstrap from the "
+            "environment instead: every rank started with the same NCCL_COMM_ID=host:port, "
+            "rank 0 listening there."},
+    {.path = "engine.nccl_timeout_ms", .type = T_UINT, .min = 100, .max = 3600000,
+     .def = "60000", FIELD(nccl_timeout_ms),
+     .doc = "The group must form within this many milliseconds of start, every exchange "
+            "with a peer must finish within it, and a worker that hears nothing from rank 0 "
+            "for this long gives up; then the communicator is aborted, the daemon is no "
+            "longer ready and exits with code 4."},
+    {.path = "engine.nccl_keepalive_ms", .type = T_UINT, .min = 10, .max = 600000,
+     .def = "1000", FIELD(nccl_keepalive_ms),
+     .allowed = "less than engine.nccl_timeout_ms",
+     .doc = "Rank 0 pings every peer that has had no batch for this many milliseconds, so "
+            "that either side notices the other's loss within engine.nccl_timeout_ms."},
     {.path = "engine.max_tokens", .type = T_UINT, .min = 1, .max = 16384, .def = "512",
      FIELD(max_tokens),
      .doc = "Most tokens in one batch (and in one request; the clients split a larger one "

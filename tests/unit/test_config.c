@@ -389,6 +389,39 @@ START_TEST(several_errors_together)
 }
 END_TEST
 
+/* engine.nccl_*: each cross-key error exactly, and a valid group config. */
+START_TEST(nccl_group_keys)
+{
+    struct moed_cfg c;
+    ck_assert_int_eq(parse("{\"engine\": {\"backend\": \"cuda\", \"nccl_ranks\": 2, "
+                           "\"nccl_rank\": 1, \"sms_free\": 8, \"nccl_id_file\": "
+                           "\"/run/moed/nccl.id\", \"nccl_timeout_ms\": 5000, "
+                           "\"nccl_keepalive_ms\": 500}}", &c), 0);
+    ck_assert_uint_eq(c.nccl_ranks, 2);
+    ck_assert_uint_eq(c.nccl_rank, 1);
+    ck_assert_str_eq(c.nccl_id_file, "/run/moed/nccl.id");
+    ck_assert_uint_eq(c.nccl_timeout_ms, 5000);
+    ck_assert_uint_eq(c.nccl_keepalive_ms, 500);
+    ck_assert_int_eq(parse("{}", &c), 0);
+    ck_assert_uint_eq(c.nccl_ranks, 1);
+    ck_assert_uint_eq(c.nccl_timeout_ms, 60000);
+    ck_assert_uint_eq(c.nccl_keepalive_ms, 1000);
+    expect_err("{\"engine\": {\"nccl_ranks\": 2, \"nccl_rank\": 2}}",
+               "engine.nccl_rank: 2 is not below engine.nccl_ranks (2)");
+    expect_err("{\"engine\": {\"nccl_ranks\": 9}}", "engine.nccl_ranks: 9 is out of range");
+    expect_err("{\"engine\": {\"nccl_timeout_ms\": 1000, \"nccl_keepalive_ms\": 1000}}",
+               "engine.nccl_keepalive_ms: 1000 is not less than engine.nccl_timeout_ms (1000)");
+    expect_err("{\"engine\": {\"nccl_ranks\": 2, \"sms_free\": 8}}",
+               "engine.nccl_ranks: 2 ranks need engine.backend \"cuda\"");
+    expect_err("{\"engine\": {\"backend\": \"cuda\", \"nccl_ranks\": 2, \"sms_free\": 8, "
+               "\"gpus\": [0, 1]}}",
+               "engine.nccl_ranks: 2 ranks and 2 engine.gpus entries; a rank of an NCCL group "
+               "holds one GPU");
+    expect_err("{\"engine\": {\"backend\": \"cuda\", \"nccl_ranks\": 2, \"sms_free\": 1}}",
+               "engine.nccl_ranks: 2 ranks need engine.sms_free >= 2 (it is 1)");
+}
+END_TEST
+
 START_TEST(socket_path_boundary)
 {
     static struct moed_cfg c;
@@ -642,6 +675,7 @@ static Suite *config_suite(void)
     tcase_add_test(tc, defaults_valid);
     tcase_add_test(tc, full_round_trip);
     tcase_add_test(tc, abuse_limits);
+    tcase_add_test(tc, nccl_group_keys);
     tcase_add_test(tc, error_classes);
     tcase_add_test(tc, integers_and_2p53);
     tcase_add_test(tc, arrays);
