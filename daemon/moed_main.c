@@ -59,7 +59,8 @@ static void print_version(void)
     int n = moed_backend_cuda_device_count();
     printf("backends: cpu, cuda\n");
     printf("cuda: yes (archs %s; %d device%s visible)\n", MOED_CUDA_ARCHS, n, n == 1 ? "" : "s");
-    printf("nccl: linked, not used (expert parallelism over one host's GPUs: peer access)\n");
+    printf("nccl: yes (engine.nccl_ranks: a group of daemons across hosts; one host's GPUs "
+           "use peer access)\n");
 #else
     printf("backends: cpu\n");
     printf("cuda: no (built with CUDA=0)\n");

@@ -57,6 +57,11 @@ int cuda_gpu_lock(struct cuda_backend *cb, char *err, size_t errlen)
     cb->lock_path[0] = '\0';
     if (!cb->mps)
         return 0;
+    if (getenv("MOED_TEST_MPS_NO_LOCK")) { /* tests/gpu/test_nccl_daemon.py: two ranks, one GPU */
+        LOG_W("cuda: GPU %d under MPS: MOED_TEST_MPS_NO_LOCK is set, so a second moed on this "
+              "GPU is not refused (a test switch: leave it unset in production)", cb->dev);
+        return 0;
+    }
     char id[33], what[96], why[384];
     for (int i = 0; i < 16; i++)
         snprintf(id + 2 * i, 3, "%02x", cb->uuid[i]);

@@ -9,6 +9,7 @@
 
 #include "backend.h"
 #include "moed_err.h"
+#include "nccl_group.h"
 
 int moed_backend_cuda_open(struct moed_model *m, const struct moed_backend_cfg *cfg,
                            moed_backend_done_fn done, void *done_ctx,
@@ -56,4 +57,46 @@ int moed_backend_cuda_rows_alloc(const int *gpus, int n, uint64_t bytes, struct 
 void moed_backend_cuda_rows_free(struct moed_buf *b)
 {
     (void)b;
+}
+
+int moed_nccl_open(const struct moed_model *m, const struct moed_nccl_cfg *cfg,
+                   struct moed_nccl_group **out, char *err, size_t errlen)
+{
+    (void)m;
+    (void)cfg;
+    *out = NULL;
+    return moed_seterr(err, errlen, MOED_E_UNSUPPORTED,
+                       "engine.nccl_ranks: this moed was built without CUDA (and NCCL)");
+}
+
+void moed_nccl_close(struct moed_nccl_group *g)
+{
+    (void)g;
+}
+
+int moed_nccl_peer_open(struct moed_nccl_group *g, uint32_t r, moed_backend_done_fn done,
+                        void *done_ctx, struct moed_backend **out, char *err, size_t errlen)
+{
+    (void)g;
+    (void)r;
+    (void)done;
+    (void)done_ctx;
+    *out = NULL;
+    return moed_seterr(err, errlen, MOED_E_UNSUPPORTED, "nccl: built without CUDA");
+}
+
+int moed_nccl_worker_open(struct moed_nccl_group *g,
+                          int (*open_local)(void *ctx, uint32_t i, moed_backend_done_fn done,
+                                            void *done_ctx, struct moed_backend **out,
+                                            char *err, size_t errlen),
+                          void *open_ctx, moed_backend_done_fn done, void *done_ctx,
+                          struct moed_backend **out, char *err, size_t errlen)
+{
+    (void)g;
+    (void)open_local;
+    (void)open_ctx;
+    (void)done;
+    (void)done_ctx;
+    *out = NULL;
+    return moed_seterr(err, errlen, MOED_E_UNSUPPORTED, "nccl: built without CUDA");
 }

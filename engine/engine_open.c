@@ -3,6 +3,7 @@
  * date, drain and close. */
 #include "engine_int.h"
 
+#include "nccl_group.h"
 #include "placement.h"
 
 /* ---- expert parallelism over GPUs --------------------------------------------- */
@@ -20,12 +21,15 @@ struct eng_ep {
     const struct moed_placement **place_ptr; /* [n_layers]: NULL for non-MoE layers */
     uint32_t n_layers;
     struct moed_buf rows;
+    struct moed_nccl_group *grp; /* engine.nccl_ranks > 1: the group (NULL: none) */
+    uint32_t rank;               /* this daemon's rank in it */
 };
 
 static void eng_ep_free(struct eng_ep *ep)
 {
     if (!ep)
         return;
+    moed_nccl_close(ep->grp); /* after every backend on it closed */
     moed_backend_cuda_rows_free(&ep->rows);
     if (ep->place)
         for (uint32_t l = 0; l < ep->n_layers; l++)
@@ -45,7 +49,7 @@ static int ep_open_child(void *ctx, uint32_t i, moed_backend_done_fn done, void 
     c.ep_place = ep->place_ptr;
     c.ep_shard = i;
     c.sm_share = 0;
-    for (uint32_t j = 0; j < ep->n; j++) /* the entries naming this GPU share its SMs */
+    for (uint32_t j = 0; j < ep->n && !ep->grp; j++) /* the entries naming this GPU share its SMs */
         c.sm_share += ep->gpus[j] == ep->gpus[i];
     c.max_channels = 0; /* doorbell channels: one device's kernel, not a child's */
     return moed_backend_cuda_open(ep->model, &c, done, done_ctx, out, err, errlen);
@@ -130,6 +134,81 @@ fail:
     return rc;
 }
 
+/* engine.nccl_ranks > 1: the NCCL group of daemons (nccl_group.h). Rank 0:
+ * the EP backend over the ranks, device 0 its own GPU, device r the peer
+ * rank r; rank r > 0: the worker, its own GPU device r of the placement. */
+static int nccl_open_child(void *ctx, uint32_t i, moed_backend_done_fn done, void *done_ctx,
+                           struct moed_backend **out, char *err, size_t errlen)
+{
+    const struct eng_ep *ep = ctx;
+    if (i == ep->rank)
+        return ep_open_child(ctx, i, done, done_ctx, out, err, errlen);
+    return moed_nccl_peer_open(ep->grp, i, done, done_ctx, out, err, errlen);
+}
+
+static int open_nccl(struct moed_engine *e, const struct moed_cfg *cfg,
+                     const struct moed_backend_cfg *bc, char *err, size_t errlen)
+{
+    int rc = 0;
+    const struct moed_dims *d = e->dims;
+    struct eng_ep *ep = calloc(1, sizeof *ep);
+    if (!ep)
+        return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
+    const int gpu = cfg->n_gpus ? cfg->gpus[0] : 0;
+    ep->model = e->model;
+    ep->bc = *bc;
+    ep->n = cfg->nccl_ranks;
+    ep->rank = cfg->nccl_rank;
+    for (uint32_t i = 0; i < ep->n; i++)
+        ep->gpus[i] = gpu; /* only entry `rank` is opened here */
+    ep->n_layers = d->n_layers;
+    ep->place = calloc(d->n_layers ? d->n_layers : 1, sizeof *ep->place);
+    ep->place_ptr = calloc(d->n_layers ? d->n_layers : 1, sizeof *ep->place_ptr);
+    if (!ep->place || !ep->place_ptr) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
+        goto fail;
+    }
+    if ((rc = ep_place(ep, cfg, d, err, errlen)))
+        goto fail;
+    const struct moed_nccl_cfg nc = {.ranks = cfg->nccl_ranks,
+                                     .rank = cfg->nccl_rank,
+                                     .id_file = cfg->nccl_id_file,
+                                     .timeout_ms = cfg->nccl_timeout_ms,
+                                     .keepalive_ms = cfg->nccl_keepalive_ms,
+                                     .gpu = gpu,
+                                     .max_tokens = cfg->max_tokens};
+    if ((rc = moed_nccl_open(e->model, &nc, &ep->grp, err, errlen)))
+        goto fail;
+    if (ep->rank > 0) {
+        rc = moed_nccl_worker_open(ep->grp, ep_open_child, ep, on_backend_done, e, &e->be, err,
+                                   errlen);
+        if (rc < 0)
+            goto fail;
+        e->ep = ep;
+        return 0;
+    }
+    const uint64_t rows = (uint64_t)cfg->max_tokens * (d->top_k + d->n_shared) * d->hidden * 4;
+    if ((rc = moed_backend_cuda_rows_alloc(&gpu, 1, rows, &ep->rows, err, errlen)))
+        goto fail;
+    const struct moed_ep_cfg ec = {.n_dev = ep->n,
+                                   .open_child = nccl_open_child,
+                                   .open_ctx = ep,
+                                   .place = ep->place_ptr,
+                                   .n_layers = d->n_layers,
+                                   .rows = ep->rows,
+                                   .max_tokens = cfg->max_tokens};
+    rc = moed_backend_ep_open(e->model, &ec, on_backend_done, e, &e->be, err, errlen);
+    if (rc < 0)
+        goto fail;
+    LOG_I("engine: expert parallelism over the %u ranks of an NCCL group, placement %s", ep->n,
+          cfg->placement[0] ? cfg->placement : "balanced by expert count");
+    e->ep = ep;
+    return 0;
+fail:
+    eng_ep_free(ep);
+    return rc;
+}
+
 /* ---- open / self-check / close ------------------------------------------------- */
 
 static int open_backend(struct moed_engine *e, const struct moed_cfg *cfg,
@@ -161,6 +240,8 @@ static int open_backend(struct moed_engine *e, const struct moed_cfg *cfg,
                                "this build has no CUDA (built with CUDA=0)"
 #endif
             );
+        if (cfg->nccl_ranks > 1)
+            return open_nccl(e, cfg, &bc, err, errlen);
         if (cfg->n_gpus > 1)
             return open_ep_cuda(e, cfg, &bc, err, errlen);
         return moed_backend_cuda_open(e->model, &bc, on_backend_done, e, &e->be, err, errlen);
@@ -288,6 +369,11 @@ int moed_engine_self_check(struct moed_engine *e, char *err, size_t errlen)
     const uint32_t T = e->max_tokens < 4 ? e->max_tokens : 4, H = d->hidden, k = d->top_k;
     const uint32_t L = e->first_moe_layer;
     int rc = 0;
+    if (e->ep && e->ep->rank > 0) {
+        LOG_I("self-check: skipped on rank %u of the NCCL group (it computes rank 0's batches "
+              "only; rank 0's self-check runs through it)", e->ep->rank);
+        return 0;
+    }
     uint16_t *ref = NULL;
     struct eng_batch *eb = batch_alloc(e, L, T);
     const struct moe_layer *layer = moed_model_layer(e->model, L);

@@ -148,6 +148,29 @@ extern "C" {
 
 /* ---------------- host side: sizes, ABI, plan, launch ---------------- */
 
+/* Rows of other ranks (engine/nccl_group.h): dst row entries[i] = src row
+ * entries[i], hidden floats each (hidden % 4 == 0); one CTA per entry. */
+__global__ void rows_merge(float4 *dst, const float4 *src, const uint32_t *entries,
+                           uint32_t n4)
+{
+    const size_t row = (size_t)entries[blockIdx.x] * n4;
+    for (uint32_t i = threadIdx.x; i < n4; i += blockDim.x)
+        dst[row + i] = __ldcs(src + row + i);
+}
+
+extern "C" int moe_gpu_rows_merge(float *dst, const float *src, const uint32_t *entries,
+                                  uint32_t n, uint32_t hidden, void *stream, char *err,
+                                  size_t errlen)
+{
+    int rc = 0;
+    if (n)
+        rows_merge<<<n, 256, 0, (cudaStream_t)stream>>>((float4 *)dst, (const float4 *)src,
+                                                        entries, hidden / 4);
+    MOED_CUDA_TRY(cudaGetLastError());
+cleanup:
+    return rc;
+}
+
 extern "C" int moe_gpu_fill_random(void *buf, uint64_t bytes, uint64_t seed, char *err,
                                    size_t errlen)
 {

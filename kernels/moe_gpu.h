@@ -138,6 +138,11 @@ int moe_gpu_plan(int device, const struct moe_gpu_dims *d, int sms_free,
 /* Launch the persistent kernel on `stream` (a cudaStream_t). */
 int moe_gpu_start(const struct moe_gpu_params *p, const struct moe_gpu_launch *l, void *stream,
                   char *err, size_t errlen);
+/* Expert parallelism across ranks (engine/nccl_group.h): copy rows
+ * entries[0..n) (device memory) of src into dst, `hidden` floats each
+ * (hidden % 4 == 0), on `stream` (a cudaStream_t). */
+int moe_gpu_rows_merge(float *dst, const float *src, const uint32_t *entries, uint32_t n,
+                       uint32_t hidden, void *stream, char *err, size_t errlen);
 /* Fill a weight stream (bytes % 576 == 0) with random valid NVFP4 (benchmark). */
 int moe_gpu_fill_random(void *buf, uint64_t bytes, uint64_t seed, char *err, size_t errlen);
 /* The doorbell take's %globaltimer stamps per channel slot (bell seen, slot

@@ -5,7 +5,7 @@
 #   BUILD=build-cuda  build dir with moed, moectl and tests/gpu_* (CUDA=1)
 #   LOGDIR=dir        where the logs go (default $BUILD/gpu-logs)
 #   GPU_TESTS_QUICK=1 skip the deepseek-v3 shape (needs ~16 GB host memory)
-#   GPU_TESTS_ONLY=zero-copy|doorbell  run step 6 or 7 alone (under MPS;
+#   GPU_TESTS_ONLY=zero-copy|doorbell|nccl  run step 6, 7 or 8 alone (under MPS;
 #                 doorbell-model, doorbell-memcheck: one file of 7);
 #                 base: steps 1-5 only (kernel: 1-2, daemon: 3-5); mps: 6 and
 #                 7 only (each part fits one device call of 10 minutes, the
@@ -29,9 +29,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 
 ONLY=${GPU_TESTS_ONLY:-}
 case "$ONLY" in
-    ""|base|kernel|daemon|mps|zero-copy|doorbell|doorbell-model|doorbell-memcheck) ;;
+    ""|base|kernel|daemon|mps|zero-copy|doorbell|doorbell-model|doorbell-memcheck|nccl) ;;
     *) echo "GPU_TESTS_ONLY=$ONLY: not one of base, kernel, daemon, mps, zero-copy, doorbell," \
-            "doorbell-model, doorbell-memcheck" >&2
+            "doorbell-model, doorbell-memcheck, nccl" >&2
        exit 2 ;;
 esac
 part() { [ -z "$ONLY" ] || [ "$ONLY" = base ] || [ "$ONLY" = "$1" ]; } # steps 1-5: kernel, daemon
@@ -195,7 +195,9 @@ fi # daemon
 #    test_doorbell_model.py: a transformers model served through the plugins'
 #    doorbell path; test_doorbell_memcheck.py, last: the bad descriptors
 #    under memcheck), torch clients on the daemon's GPU under MPS (started
-#    here, stopped after)
+#    here, stopped after); and 8. an NCCL group of two daemons on the one GPU
+#    (tests/gpu/test_nccl_daemon.py, numpy only: ranks = one daemon bit for
+#    bit, a peer that stops answering, a group that never forms)
 if [ "$ONLY" = base ] || [ "$ONLY" = kernel ] || [ "$ONLY" = daemon ]; then
     : # steps 1-5 only
 elif python3 -c 'import torch, numpy, pytest; assert torch.cuda.is_available()' 2>/dev/null &&
@@ -206,7 +208,7 @@ elif python3 -c 'import torch, numpy, pytest; assert torch.cuda.is_available()' 
     # stop their daemons, and no moed of a file outlives it
     export PYTHONPATH="$PWD/ipc/python${PYTHONPATH:+:$PYTHONPATH}" MOED_BUILD="$BUILD" MOED_TEST_MPS=1 LOGDIR
     for t in zero-copy:test_zero_copy.py doorbell:test_doorbell.py doorbell-model:test_doorbell_model.py \
-             doorbell-memcheck:test_doorbell_memcheck.py; do
+             doorbell-memcheck:test_doorbell_memcheck.py nccl:test_nccl_daemon.py; do
         name=${t%%:*}
         [ -z "$ONLY" ] || [ "$ONLY" = mps ] || [ "$ONLY" = "${name%%-*}" ] || [ "$ONLY" = "$name" ] ||
             continue
