@@ -205,8 +205,9 @@ def test_peer_that_stops_answering_fails_rank_0(tmp_path, reference):
                    engine__idle_exit_ms=50)
     start_group([r1, r0])
     try:
-        layer, t, ro, em, x, ids, w = cases[0]
-        run_cases(r0.sock_path, cases[:3])  # the group works
+        # T >= 2 with the shared experts: token 1's shared slot is rank 1's
+        layer, t, ro, em, x, ids, w = next(c for c in cases if c[1] >= 2 and not c[2])
+        run_cases(r0.sock_path, cases[:6])  # the group works
         time.sleep(0.5)  # rank 1's kernel idles out (no resident kernel when stopped)
         os.kill(r1.pid, signal.SIGSTOP)
         t0 = time.monotonic()
