@@ -86,37 +86,50 @@ out:
     return rc;
 }
 
-static int open_ep_cuda(struct moed_engine *e, const struct moed_cfg *cfg,
-                        const struct moed_backend_cfg *bc, char *err, size_t errlen)
+/* What expert parallelism over n devices holds (device i on gpus[i]), with
+ * every MoE layer placed, into *out; 0 or the error. */
+static int eng_ep_new(struct moed_engine *e, const struct moed_cfg *cfg,
+                      const struct moed_backend_cfg *bc, uint32_t n, const int *gpus,
+                      struct eng_ep **out, char *err, size_t errlen)
 {
-    int rc = 0;
     const struct moed_dims *d = e->dims;
-    if (cfg->n_gpus > MOED_PLACE_MAX_DEVS)
-        return moed_seterr(err, errlen, MOED_E_CONFIG,
-                           "engine.gpus lists %u GPUs; expert parallelism spans at most %d",
-                           cfg->n_gpus, MOED_PLACE_MAX_DEVS);
     struct eng_ep *ep = calloc(1, sizeof *ep);
+    *out = NULL;
     if (!ep)
         return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
     ep->model = e->model;
     ep->bc = *bc;
-    ep->n = cfg->n_gpus;
-    memcpy(ep->gpus, cfg->gpus, sizeof(int) * ep->n);
+    ep->n = n;
+    memcpy(ep->gpus, gpus, sizeof(int) * n);
     ep->n_layers = d->n_layers;
     ep->place = calloc(d->n_layers ? d->n_layers : 1, sizeof *ep->place);
     ep->place_ptr = calloc(d->n_layers ? d->n_layers : 1, sizeof *ep->place_ptr);
-    if (!ep->place || !ep->place_ptr) {
-        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
-        goto fail;
+    int rc = !ep->place || !ep->place_ptr
+                 ? moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory")
+                 : ep_place(ep, cfg, d, err, errlen);
+    if (rc) {
+        eng_ep_free(ep);
+        return rc;
     }
-    if ((rc = ep_place(ep, cfg, d, err, errlen)))
-        goto fail;
-    /* fp32 [max_tokens * (k + S), H]: every child's rows, combined on gpus[0] */
+    *out = ep;
+    return 0;
+}
+
+/* The EP backend over ep's devices (open_child opens device i), the rows
+ * (fp32 [max_tokens * (k + S), H], every device's, combined on device 0)
+ * on rows_gpus[0], which rows_gpus[1..n_rows_gpus) write by peer access. */
+static int eng_ep_open(struct moed_engine *e, struct eng_ep *ep, const struct moed_cfg *cfg,
+                       int (*open_child)(void *, uint32_t, moed_backend_done_fn, void *,
+                                         struct moed_backend **, char *, size_t),
+                       int n_rows_gpus, char *err, size_t errlen)
+{
+    const struct moed_dims *d = e->dims;
     const uint64_t rows = (uint64_t)cfg->max_tokens * (d->top_k + d->n_shared) * d->hidden * 4;
-    if ((rc = moed_backend_cuda_rows_alloc(ep->gpus, (int)ep->n, rows, &ep->rows, err, errlen)))
-        goto fail;
+    int rc = moed_backend_cuda_rows_alloc(ep->gpus, n_rows_gpus, rows, &ep->rows, err, errlen);
+    if (rc)
+        return rc;
     const struct moed_ep_cfg ec = {.n_dev = ep->n,
-                                   .open_child = ep_open_child,
+                                   .open_child = open_child,
                                    .open_ctx = ep,
                                    .place = ep->place_ptr,
                                    .n_layers = d->n_layers,
@@ -124,14 +137,30 @@ static int open_ep_cuda(struct moed_engine *e, const struct moed_cfg *cfg,
                                    .max_tokens = cfg->max_tokens};
     rc = moed_backend_ep_open(e->model, &ec, on_backend_done, e, &e->be, err, errlen);
     if (rc < 0)
-        goto fail;
-    LOG_I("engine: expert parallelism over %u devices (engine.gpus), placement %s", ep->n,
-          cfg->placement[0] ? cfg->placement : "balanced by expert count");
+        return rc;
     e->ep = ep;
     return 0;
-fail:
-    eng_ep_free(ep);
-    return rc;
+}
+
+static int open_ep_cuda(struct moed_engine *e, const struct moed_cfg *cfg,
+                        const struct moed_backend_cfg *bc, char *err, size_t errlen)
+{
+    if (cfg->n_gpus > MOED_PLACE_MAX_DEVS)
+        return moed_seterr(err, errlen, MOED_E_CONFIG,
+                           "engine.gpus lists %u GPUs; expert parallelism spans at most %d",
+                           cfg->n_gpus, MOED_PLACE_MAX_DEVS);
+    struct eng_ep *ep;
+    int rc = eng_ep_new(e, cfg, bc, cfg->n_gpus, cfg->gpus, &ep, err, errlen);
+    if (rc)
+        return rc;
+    rc = eng_ep_open(e, ep, cfg, ep_open_child, (int)ep->n, err, errlen);
+    if (rc) {
+        eng_ep_free(ep);
+        return rc;
+    }
+    LOG_I("engine: expert parallelism over %u devices (engine.gpus), placement %s", ep->n,
+          cfg->placement[0] ? cfg->placement : "balanced by expert count");
+    return 0;
 }
 
 /* engine.nccl_ranks > 1: the NCCL group of daemons (nccl_group.h). Rank 0:
@@ -149,27 +178,15 @@ static int nccl_open_child(void *ctx, uint32_t i, moed_backend_done_fn done, voi
 static int open_nccl(struct moed_engine *e, const struct moed_cfg *cfg,
                      const struct moed_backend_cfg *bc, char *err, size_t errlen)
 {
-    int rc = 0;
-    const struct moed_dims *d = e->dims;
-    struct eng_ep *ep = calloc(1, sizeof *ep);
-    if (!ep)
-        return moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
+    int gpus[MOED_PLACE_MAX_DEVS];
     const int gpu = cfg->n_gpus ? cfg->gpus[0] : 0;
-    ep->model = e->model;
-    ep->bc = *bc;
-    ep->n = cfg->nccl_ranks;
+    for (uint32_t i = 0; i < cfg->nccl_ranks; i++)
+        gpus[i] = gpu; /* only entry `rank` is opened here */
+    struct eng_ep *ep;
+    int rc = eng_ep_new(e, cfg, bc, cfg->nccl_ranks, gpus, &ep, err, errlen);
+    if (rc)
+        return rc;
     ep->rank = cfg->nccl_rank;
-    for (uint32_t i = 0; i < ep->n; i++)
-        ep->gpus[i] = gpu; /* only entry `rank` is opened here */
-    ep->n_layers = d->n_layers;
-    ep->place = calloc(d->n_layers ? d->n_layers : 1, sizeof *ep->place);
-    ep->place_ptr = calloc(d->n_layers ? d->n_layers : 1, sizeof *ep->place_ptr);
-    if (!ep->place || !ep->place_ptr) {
-        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
-        goto fail;
-    }
-    if ((rc = ep_place(ep, cfg, d, err, errlen)))
-        goto fail;
     const struct moed_nccl_cfg nc = {.ranks = cfg->nccl_ranks,
                                      .rank = cfg->nccl_rank,
                                      .id_file = cfg->nccl_id_file,
@@ -177,35 +194,20 @@ static int open_nccl(struct moed_engine *e, const struct moed_cfg *cfg,
                                      .keepalive_ms = cfg->nccl_keepalive_ms,
                                      .gpu = gpu,
                                      .max_tokens = cfg->max_tokens};
-    if ((rc = moed_nccl_open(e->model, &nc, &ep->grp, err, errlen)))
-        goto fail;
-    if (ep->rank > 0) {
+    rc = moed_nccl_open(e->model, &nc, &ep->grp, err, errlen);
+    if (!rc && ep->rank > 0) {
         rc = moed_nccl_worker_open(ep->grp, ep_open_child, ep, on_backend_done, e, &e->be, err,
                                    errlen);
-        if (rc < 0)
-            goto fail;
-        e->ep = ep;
-        return 0;
+        if (!rc)
+            e->ep = ep;
+    } else if (!rc) {
+        rc = eng_ep_open(e, ep, cfg, nccl_open_child, 1, err, errlen);
+        if (!rc)
+            LOG_I("engine: expert parallelism over the %u ranks of an NCCL group, placement %s",
+                  ep->n, cfg->placement[0] ? cfg->placement : "balanced by expert count");
     }
-    const uint64_t rows = (uint64_t)cfg->max_tokens * (d->top_k + d->n_shared) * d->hidden * 4;
-    if ((rc = moed_backend_cuda_rows_alloc(&gpu, 1, rows, &ep->rows, err, errlen)))
-        goto fail;
-    const struct moed_ep_cfg ec = {.n_dev = ep->n,
-                                   .open_child = nccl_open_child,
-                                   .open_ctx = ep,
-                                   .place = ep->place_ptr,
-                                   .n_layers = d->n_layers,
-                                   .rows = ep->rows,
-                                   .max_tokens = cfg->max_tokens};
-    rc = moed_backend_ep_open(e->model, &ec, on_backend_done, e, &e->be, err, errlen);
-    if (rc < 0)
-        goto fail;
-    LOG_I("engine: expert parallelism over the %u ranks of an NCCL group, placement %s", ep->n,
-          cfg->placement[0] ? cfg->placement : "balanced by expert count");
-    e->ep = ep;
-    return 0;
-fail:
-    eng_ep_free(ep);
+    if (rc)
+        eng_ep_free(ep);
     return rc;
 }
 

@@ -24,8 +24,8 @@ import daemon_util as du  # noqa: E402
 np = pytest.importorskip("numpy")
 import moed_client as mc  # noqa: E402
 
-TOKENS = (1, 4, 16, 64, 256)
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ep_cases import TOKENS, batches, differ, skewed_map  # noqa: E402
 
 def gpu_count():
     r = subprocess.run([du.MOED, "--version"], capture_output=True, text=True, timeout=60)
@@ -35,25 +35,6 @@ def gpu_count():
 
 if not os.path.exists(du.MOED) or gpu_count() < 1:
     pytest.skip("needs a CUDA build of moed and a GPU", allow_module_level=True)
-
-
-def batches(info, seed):
-    """(layer, T, flags, x, ids, w) for every MoE layer, T and variant."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for layer in info.moe_layers:
-        for t in TOKENS:
-            for routed_only, empty in ((False, False), (True, False), (False, True)):
-                x = rng.standard_normal((t, info.hidden), dtype=np.float32)
-                x_bits = (x.view(np.uint32) >> 16).astype(np.uint16)  # bf16 by truncation
-                ids = np.stack([rng.permutation(info.n_experts)[:info.top_k]
-                                for _ in range(t)]).astype(np.int32)
-                w = rng.random((t, info.top_k), dtype=np.float32)
-                if empty:
-                    ids[::3, 0] = -1
-                    w[::3, 0] = 0.0
-                out.append((layer, t, routed_only, empty, x_bits, ids, w))
-    return out
 
 
 def run_all(tmp, models, gpus, placement, cases=None):
@@ -76,18 +57,6 @@ def run_all(tmp, models, gpus, placement, cases=None):
     return info, cases, ys, log
 
 
-def skewed_map(info, path):
-    """Device 1: routed experts 0 and 1 (expert 1 also on device 0); device 0:
-    every other expert."""
-    layers = [{"layer": l,
-               "experts": [[1] if e == 0 else [1, 0] if e == 1 else [0]
-                           for e in range(info.n_experts)]}
-              for l in info.moe_layers]
-    path.write_text(json.dumps({"gpus": 2, "max_replicas": 2, "hot": 1.0,
-                                "n_experts": info.n_experts, "n_shared": info.n_shared,
-                                "layers": layers}))
-
-
 def test_two_devices_on_one_gpu_equal_one_device_bit_for_bit(tmp_path, tmp_path_factory):
     models_dir = du.models_dir(tmp_path_factory)
     one = tmp_path / "one"
@@ -99,8 +68,7 @@ def test_two_devices_on_one_gpu_equal_one_device_bit_for_bit(tmp_path, tmp_path_
     two.mkdir()
     _, _, got, log = run_all(two, models_dir, [0, 0], str(pmap), cases)
     assert "expert parallelism over 2 devices" in log, log[-4000:]
-    bad = [(layer, t, ro, em, int((g != w).sum()))
-           for (layer, t, ro, em, *_), g, w in zip(cases, got, want) if not np.array_equal(g, w)]
+    bad = differ(cases, got, want)
     assert not bad, bad
     assert len(cases) == len(info.moe_layers) * len(TOKENS) * 3
 

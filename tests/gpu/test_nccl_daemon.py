@@ -40,11 +40,13 @@ import daemon_util as du  # noqa: E402
 np = pytest.importorskip("numpy")
 import moed_client as mc  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ep_cases import TOKENS, batches, differ, skewed_map  # noqa: E402
+
 if os.environ.get("MOED_TEST_MPS") != "1" or not os.path.exists(du.MOED):
     pytest.skip("needs a CUDA build of moed and MPS on the GPU (MOED_TEST_MPS=1)",
                 allow_module_level=True)
 
-TOKENS = (1, 4, 16, 64, 256)
 SMS_FREE = 80  # each rank's kernel on 52 of 132 SMs: two fit, NCCL's beside them
 EXIT_BACKEND = 4
 
@@ -85,24 +87,6 @@ def start_group(daemons):
         raise errs[0]
 
 
-def cases_for(info, seed, tokens=TOKENS):
-    rng = np.random.default_rng(seed)
-    out = []
-    for layer in info.moe_layers:
-        for t in tokens:
-            for routed_only, empty in ((False, False), (True, False), (False, True)):
-                x = rng.standard_normal((t, info.hidden), dtype=np.float32)
-                x_bits = (x.view(np.uint32) >> 16).astype(np.uint16)
-                ids = np.stack([rng.permutation(info.n_experts)[:info.top_k]
-                                for _ in range(t)]).astype(np.int32)
-                w = rng.random((t, info.top_k), dtype=np.float32)
-                if empty:
-                    ids[::3, 0] = -1
-                    w[::3, 0] = 0.0
-                out.append((layer, t, routed_only, empty, x_bits, ids, w))
-    return out
-
-
 def run_cases(sock, cases):
     with mc.Client(sock, timeout=du.wait_s(120)) as c:
         return [np.asarray(c.forward(layer, x, ids, w, routed_only=ro, empty_slots=em))
@@ -117,20 +101,10 @@ def reference(tmp_path_factory):
     with du.Daemon(tmp, cfg_for(tmp, models), env=rank_env(0)) as d:
         with mc.Client(d.sock_path, timeout=du.wait_s(60)) as c:
             info = c.hello()
-        cases = cases_for(info, 2026)
+        cases = batches(info, 2026)
         want = run_cases(d.sock_path, cases)
         assert d.stop() == 0, d.log()[-4000:]
     return models, info, cases, want
-
-
-def skewed_map(info, path):
-    layers = [{"layer": l,
-               "experts": [[1] if e == 0 else [1, 0] if e == 1 else [0]
-                           for e in range(info.n_experts)]}
-              for l in info.moe_layers]
-    path.write_text(json.dumps({"gpus": 2, "max_replicas": 2, "hot": 1.0,
-                                "n_experts": info.n_experts, "n_shared": info.n_shared,
-                                "layers": layers}))
 
 
 def group(tmp, models, n=2, env=None, **over):
@@ -141,11 +115,6 @@ def group(tmp, models, n=2, env=None, **over):
         cfg = cfg_for(d, models, engine__nccl_ranks=n, engine__nccl_rank=r, **over)
         ds.append(du.Daemon(d, cfg, env=rank_env(r, env)))
     return ds
-
-
-def differ(cases, got, want):
-    return [(layer, t, ro, em, int((g != w).sum()))
-            for (layer, t, ro, em, *_), g, w in zip(cases, got, want) if not np.array_equal(g, w)]
 
 
 def test_two_ranks_equal_one_daemon_bit_for_bit(tmp_path, reference):
