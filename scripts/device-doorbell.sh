@@ -10,10 +10,7 @@
 # Every stage has a hard limit (SIGINT, then SIGKILL 20 s later).
 set -u
 cd "$(dirname "$0")/.."
-export LD_LIBRARY_PATH="$PWD/.device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-nccl=$(ls /usr/local/cuda/lib64/libnccl.so.2 2>/dev/null ||
-       python3 -c 'import nvidia.nccl, os; print(os.path.join(nvidia.nccl.__path__[0], "lib", "libnccl.so.2"))' 2>/dev/null || true)
-[ -n "$nccl" ] && [ -e "$nccl" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$(dirname "$nccl")"
+. scripts/device-env.sh
 BUILD=${BUILD:-build-cuda}
 OUT=${OUT:-$BUILD/gpu-logs}
 mkdir -p "$OUT"

@@ -41,12 +41,7 @@ if [ "$mode" = prepare ]; then
 fi
 
 # ---- on the GPU machine ----
-export LD_LIBRARY_PATH="$PWD/.device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-# libnccl.so.2 (linked, used only for multi-GPU): CUDA's lib64 or the pip wheel
-nccl=$(ls /usr/local/cuda/lib64/libnccl.so.2 2>/dev/null ||
-       python3 -c 'import nvidia.nccl, os; print(os.path.join(nvidia.nccl.__path__[0], "lib", "libnccl.so.2"))' 2>/dev/null ||
-       true)
-[ -n "$nccl" ] && [ -e "$nccl" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$(dirname "$nccl")"
+. scripts/device-env.sh
 LOGDIR=${OUT:-$BUILD/gpu-logs}
 export LOGDIR
 rc=0
