@@ -313,9 +313,7 @@ struct link {
 
 static void link_free(struct link *l)
 {
-    if (l->st)
-        cudaStreamSynchronize(l->st);
-    cudaFree(l->hdr_d);
+    cudaFree(l->hdr_d); /* after ncclCommAbort or the last exchange: nothing pending */
     cudaFree(l->ids_d);
     cudaFree(l->x_d);
     cudaFree(l->slab_d);
@@ -350,6 +348,15 @@ cleanup:
     if (rc)
         link_free(l);
     return rc;
+}
+
+/* A small copy on the link's stream, waited for: never the legacy default
+ * stream, which would wait for every blocking stream of the context. */
+static cudaError_t link_copy(struct link *l, void *dst, const void *src, size_t n,
+                             enum cudaMemcpyKind kind)
+{
+    cudaError_t c = cudaMemcpyAsync(dst, src, n, kind, l->st);
+    return c == cudaSuccess ? cudaStreamSynchronize(l->st) : c;
 }
 
 /* ---------------- rank 0: a peer ---------------- */
@@ -419,7 +426,8 @@ static int peer_batch(struct nccl_peer *p, struct moed_batch *b)
     rc = grp_xfer(g, p->r, x, 5, l->st, l->ev, NULL, "a batch's exchange with its peer");
     if (rc)
         return rc;
-    MOED_CUDA_TRY(cudaMemcpy(l->hdr_h + 1, l->hdr_d + 1, sizeof *l->hdr_h, cudaMemcpyDeviceToHost));
+    MOED_CUDA_TRY(link_copy(l, l->hdr_h + 1, l->hdr_d + 1, sizeof *l->hdr_h,
+                            cudaMemcpyDeviceToHost));
     const struct nccl_hdr *a = l->hdr_h + 1;
     if (a->magic != HDR_MAGIC || a->kind != K_REPLY || a->seq != b->seq) {
         pthread_mutex_lock(&g->mu);
@@ -654,7 +662,7 @@ static int worker_batch(struct nccl_worker *w, const struct nccl_hdr *h)
     if ((rc = grp_xfer(g, 0, in, 2, l->st, l->ev, &w->stop, "receiving a batch")))
         return rc;
     int32_t status = 0;
-    if (cudaMemcpy(w->ids_h, l->ids_d, (size_t)T * g->k * 4, cudaMemcpyDeviceToHost) !=
+    if (link_copy(l, w->ids_h, l->ids_d, (size_t)T * g->k * 4, cudaMemcpyDeviceToHost) !=
         cudaSuccess)
         status = MOED_E_BACKEND;
     struct moed_batch *b = &w->b;
@@ -683,7 +691,7 @@ static int worker_batch(struct nccl_worker *w, const struct nccl_hdr *h)
               (unsigned long long)h->seq, h->layer, T, moed_strerror(status));
     l->hdr_h[0] = (struct nccl_hdr){.magic = HDR_MAGIC, .kind = K_REPLY, .seq = h->seq,
                                     .status = status, .kernel_ns = status ? 0 : b->kernel_ns};
-    if (cudaMemcpy(l->hdr_d, l->hdr_h, sizeof *l->hdr_h, cudaMemcpyHostToDevice) != cudaSuccess)
+    if (link_copy(l, l->hdr_d, l->hdr_h, sizeof *l->hdr_h, cudaMemcpyHostToDevice) != cudaSuccess)
         return MOED_E_BACKEND;
     const struct xfer out[] = {{1, l->hdr_d, sizeof(struct nccl_hdr)},
                                {1, w->rows_d, (size_t)T * KS * g->H * 4}};
@@ -703,7 +711,7 @@ static void *worker_thread(void *arg)
         if (rc)
             break;
         struct nccl_hdr *h = l->hdr_h + 1;
-        if (cudaMemcpy(h, l->hdr_d + 1, sizeof *h, cudaMemcpyDeviceToHost) != cudaSuccess)
+        if (link_copy(l, h, l->hdr_d + 1, sizeof *h, cudaMemcpyDeviceToHost) != cudaSuccess)
             break;
         const char *bad = worker_bad_hdr(w, h);
         if (bad) {
@@ -721,7 +729,7 @@ static void *worker_thread(void *arg)
         }
         if (h->kind == K_PING) {
             l->hdr_h[0] = (struct nccl_hdr){.magic = HDR_MAGIC, .kind = K_REPLY};
-            if (cudaMemcpy(l->hdr_d, l->hdr_h, sizeof *l->hdr_h, cudaMemcpyHostToDevice) !=
+            if (link_copy(l, l->hdr_d, l->hdr_h, sizeof *l->hdr_h, cudaMemcpyHostToDevice) !=
                 cudaSuccess)
                 break;
             const struct xfer out[] = {{1, l->hdr_d, sizeof(struct nccl_hdr)}};
