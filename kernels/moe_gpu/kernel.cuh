@@ -536,9 +536,13 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
         const unsigned TPC_GU = (RT_GU + NTG - 1) / NTG, TPC_DN = (RT_DN + NTD - 1) / NTD;
         const unsigned n_gu = n_ch * TPC_GU, n_dn = n_ch * TPC_DN; /* tasks */
 
-        /* ---- tasks: claimed per CTA (the next claim is issued while the
-         * current task runs); gate_up/down split K over the warps; combine
-         * gives each warp one (token, 256-column) unit ---- */
+        /* ---- tasks: claimed per CTA once its current task is done (a
+         * claim made while the task ran held the next one back by up to a
+         * task: the chunks of a tile group then started tens of us apart,
+         * long enough for L2 to evict what the first one read, and small
+         * batches ended on a few CTAs; bench/NOTES.md 2026-12-03);
+         * gate_up/down split K over the warps; combine gives each warp one
+         * (token, 256-column) unit ---- */
         const unsigned n_cblk = (p.d.hidden + 255) / 256;
         const unsigned n_cu = T * n_cblk, n_cb = (n_cu + NWARPS - 1) / NWARPS;
         /* a ROWS batch has no combine units: its rows are copied after the loop */
@@ -554,9 +558,6 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
             const unsigned t = s_task;
             if (t >= total)
                 break;
-            unsigned next; /* tid 0's only */
-            if (tid == 0)
-                next = atomicAdd(&st->task_ctr, 1u); /* result waited for at the end */
             if (t < n_gu + n_dn) {
                 const bool is_gu = t < n_gu;
                 const unsigned tt = is_gu ? t : t - n_gu, TPC = is_gu ? TPC_GU : TPC_DN;
@@ -615,8 +616,8 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                 if (u < n_cu) /* y from sd here: not a register across the loop */
                     combine_unit(p, r, u / n_cblk, u % n_cblk, (uint16_t *)sd.y);
             }
-            if (tid == 0)
-                s_task = next;
+            if (tid == 0) /* claimed once this task is done: consecutive tasks start together */
+                s_task = atomicAdd(&st->task_ctr, 1u);
         }
         /* this warp wrote y iff it had a unit in its CTA's first combine task
          * (a CTA's tasks come in increasing order: the first has its smallest u) */
