@@ -167,9 +167,10 @@ struct xfer {
 };
 
 /* One exchange with rank `peer`: each send or receive on its own, in
- * order on `st` (the other side posts the same messages with the same sizes
- * in the same order: NCCL matches them one by one; several to one peer in
- * one NCCL group are not matched in order over its socket transport), then
+ * order on `st`, each in an NCCL group of its own (the other side posts the
+ * same messages with the same sizes in the same order: NCCL matches them one
+ * by one; several to one peer in one group, the other side's grouped
+ * otherwise, came apart over the socket transport: "Message truncated"), then
  * wait for all of them (timeout_ms from now). */
 static int grp_xfer(struct moed_nccl_group *g, uint32_t peer, const struct xfer *x, int n,
                     cudaStream_t st, cudaEvent_t ev, const atomic_int *stop, const char *what)
@@ -182,10 +183,15 @@ static int grp_xfer(struct moed_nccl_group *g, uint32_t peer, const struct xfer 
     }
     int rc = 0;
     for (int i = 0; i < n && !rc; i++) {
-        const ncclResult_t r =
-            x[i].send ? ncclSend(x[i].buf, x[i].bytes, ncclUint8, (int)peer, g->comm, st)
-                      : ncclRecv(x[i].buf, x[i].bytes, ncclUint8, (int)peer, g->comm, st);
-        rc = grp_settle_locked(g, r, deadline, what);
+        /* a group of one: a bare ncclSend / ncclRecv on a non-blocking
+         * communicator may report success before its kernel is enqueued
+         * (NVIDIA/nccl#1495) and hung here at its first connection */
+        ncclResult_t r = ncclGroupStart();
+        if (r == ncclSuccess)
+            r = x[i].send ? ncclSend(x[i].buf, x[i].bytes, ncclUint8, (int)peer, g->comm, st)
+                          : ncclRecv(x[i].buf, x[i].bytes, ncclUint8, (int)peer, g->comm, st);
+        const ncclResult_t e = ncclGroupEnd();
+        rc = grp_settle_locked(g, r == ncclSuccess || r == ncclInProgress ? e : r, deadline, what);
     }
     if (!rc) {
         const cudaError_t c = cudaEventRecord(ev, st);
