@@ -206,6 +206,56 @@ static int grp_xfer(struct moed_nccl_group *g, uint32_t peer, const struct xfer 
 
 /* ---------------- forming the group ---------------- */
 
+/* Connect every pair the group uses (rank 0 with each worker) both ways in
+ * one NCCL group each side, before any exchange: a first lone send (or
+ * receive) on a non-blocking communicator never finished connecting over
+ * the socket transport (H200, NCCL 2.28, two ranks as two hosts), while a
+ * group with both directions did. 64 bytes each way. */
+static int grp_connect(struct moed_nccl_group *g, char *err, size_t errlen)
+{
+    int rc = 0;
+    void *buf = NULL;
+    cudaStream_t st = NULL;
+    cudaEvent_t ev = NULL;
+    MOED_CUDA_TRY(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    MOED_CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    MOED_CUDA_TRY(cudaMalloc(&buf, 128));
+    MOED_CUDA_TRY(cudaMemsetAsync(buf, 0, 128, st));
+    for (uint32_t r = 0; r < g->ranks && !rc; r++) {
+        if (r == g->rank || (g->rank != 0 && r != 0))
+            continue;
+        const uint64_t deadline = now_ms() + g->timeout_ms;
+        pthread_mutex_lock(&g->mu);
+        ncclResult_t x = ncclGroupStart();
+        if (x == ncclSuccess)
+            x = ncclSend(buf, 64, ncclUint8, (int)r, g->comm, st);
+        if (x == ncclSuccess || x == ncclInProgress)
+            x = ncclRecv((char *)buf + 64, 64, ncclUint8, (int)r, g->comm, st);
+        const ncclResult_t e = ncclGroupEnd();
+        rc = grp_settle_locked(g, x == ncclSuccess || x == ncclInProgress ? e : x, deadline,
+                               "connecting to a peer");
+        if (!rc && cudaEventRecord(ev, st) != cudaSuccess) {
+            grp_fail_locked(g, "connecting to a peer: cudaEventRecord failed");
+            rc = MOED_E_BACKEND;
+        }
+        pthread_mutex_unlock(&g->mu);
+        if (!rc)
+            rc = grp_wait(g, ev, deadline, NULL, "connecting to a peer");
+        if (rc)
+            rc = moed_seterr(err, errlen, rc, "nccl: rank %u could not connect to rank %u within "
+                             "engine.nccl_timeout_ms (%u ms); NCCL's reason in the log", g->rank,
+                             r, g->timeout_ms);
+    }
+cleanup:
+    if (st)
+        cudaStreamDestroy(st);
+    if (ev)
+        cudaEventDestroy(ev);
+    cudaFree(buf);
+    return rc;
+}
+
+
 int moed_nccl_open(const struct moed_model *m, const struct moed_nccl_cfg *cfg,
                    struct moed_nccl_group **out, char *err, size_t errlen)
 {
@@ -280,6 +330,12 @@ int moed_nccl_open(const struct moed_model *m, const struct moed_nccl_cfg *cfg,
         g->comm = NULL; /* aborted */
         goto cleanup;
     }
+    if ((rc = grp_connect(g, err, errlen))) {
+        if (!atomic_load(&g->failed))
+            (void)ncclCommAbort(g->comm);
+        g->comm = NULL;
+        goto cleanup;
+    }
     LOG_I("nccl: rank %u of %u on GPU %d: group formed in %llu ms (NCCL %d)", cfg->rank,
           cfg->ranks, cfg->gpu, (unsigned long long)(now_ms() - t0), NCCL_VERSION_CODE);
     *out = g;
@@ -317,15 +373,21 @@ struct link {
     uint32_t *ent_d, *ent_h;        /* rank 0: the entries rank r computes */
 };
 
-static void link_free(struct link *l)
+/* aborted: the communicator failed or was aborted at close. Its operations
+ * still queued on the stream may not have started (a kernel that finds no
+ * SM free waits), and freeing memory waits for the device: the buffers are
+ * then left to the process's exit instead. */
+static void link_free(struct link *l, int aborted)
 {
-    cudaFree(l->hdr_d); /* after ncclCommAbort or the last exchange: nothing pending */
-    cudaFree(l->ids_d);
-    cudaFree(l->x_d);
-    cudaFree(l->slab_d);
-    cudaFree(l->ent_d);
-    cudaFreeHost(l->hdr_h);
-    cudaFreeHost(l->ent_h);
+    if (!aborted) {
+        cudaFree(l->hdr_d);
+        cudaFree(l->ids_d);
+        cudaFree(l->x_d);
+        cudaFree(l->slab_d);
+        cudaFree(l->ent_d);
+        cudaFreeHost(l->hdr_h);
+        cudaFreeHost(l->ent_h);
+    }
     if (l->ev)
         cudaEventDestroy(l->ev);
     if (l->st)
@@ -352,7 +414,7 @@ static int link_alloc(const struct moed_nccl_group *g, struct link *l, int entri
     }
 cleanup:
     if (rc)
-        link_free(l);
+        link_free(l, 0);
     return rc;
 }
 
@@ -544,7 +606,7 @@ static void peer_describe(struct moed_backend *be, char *buf, unsigned len)
 
 static void peer_free(struct nccl_peer *p)
 {
-    link_free(&p->l);
+    link_free(&p->l, atomic_load(&p->g->failed));
     pthread_cond_destroy(&p->cv);
     pthread_mutex_destroy(&p->mu);
     free(p);
@@ -785,8 +847,10 @@ static void worker_describe(struct moed_backend *be, char *buf, unsigned len)
 static void worker_free(struct nccl_worker *w)
 {
     moed_backend_close(w->local);
-    link_free(&w->l);
-    cudaFree(w->rows_d);
+    const int aborted = atomic_load(&w->g->failed);
+    link_free(&w->l, aborted);
+    if (!aborted)
+        cudaFree(w->rows_d);
     free(w->ids_h);
     free(w->w_h);
     pthread_cond_destroy(&w->cv);
