@@ -174,7 +174,8 @@ const struct cfg_key cfg_keys[] = {
     {.path = "engine.nccl_ranks", .type = T_UINT, .min = 1, .max = 8, .def = "1",
      FIELD(nccl_ranks),
      .doc = "Daemons (ranks) of one expert-parallel NCCL group, one GPU each, on one host or "
-            "several (docs/MULTI_GPU.md, \"Across hosts\"); 1: no group. Rank 0 serves the "
+            "several (docs/MULTI_GPU.md, \"Across hosts\": built, its exchanges do not "
+            "complete on a GPU yet); 1: no group. Rank 0 serves the "
             "clients and computes the experts engine.placement puts on device 0; rank r > 0 "
             "computes device r's for rank 0 and refuses client batches. Needs engine.backend "
             "\"cuda\", at most one engine.gpus entry and engine.sms_free >= 2 (NCCL's kernels "

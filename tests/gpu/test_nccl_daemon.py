@@ -20,7 +20,10 @@ data through its socket transport over loopback, as between hosts.
 - a group that never forms: rank 0 alone exits with 4 after the timeout, a
   worker with no id file says rank 0 never wrote it.
 
-numpy only (no torch). MOED_TEST_MPS=1 is required (skips otherwise).
+numpy only (no torch). MOED_TEST_MPS=1 is required (skips otherwise). It does
+not pass yet: the first batch's exchange never completes while both ranks'
+persistent kernels are resident (docs/MULTI_GPU.md, "Not working yet"), so
+scripts/run-gpu-tests.sh runs it with GPU_TESTS_ONLY=nccl only.
 """
 
 import json
