@@ -185,7 +185,7 @@ static int grp_xfer(struct moed_nccl_group *g, uint32_t peer, const struct xfer 
     for (int i = 0; i < n && !rc; i++) {
         /* a group of one: a bare ncclSend / ncclRecv on a non-blocking
          * communicator may report success before its kernel is enqueued
-         * (NVIDIA/nccl#1495) and hung here at its first connection */
+         * (NVIDIA/nccl#1495); the first connection is grp_connect's */
         ncclResult_t r = ncclGroupStart();
         if (r == ncclSuccess)
             r = x[i].send ? ncclSend(x[i].buf, x[i].bytes, ncclUint8, (int)peer, g->comm, st)
