@@ -546,6 +546,7 @@ void cuda_free_all(struct cuda_backend *cb, int device_ok)
         }
         if (cb->stream)
             cudaStreamDestroy(cb->stream);
+        cuda_green_close(cb);
         cudaFree(cb->wbuf);
         cudaFree(cb->s2);
         cudaFree(cb->layers_d);
@@ -800,7 +801,11 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     cb->slot_bytes = cb->off_y + ((MT * H * 2 + 255) & ~(size_t)255);
     MOED_CUDA_TRY(cudaHostAlloc((void **)&cb->stage, cb->slot_bytes * MOE_GPU_RING, cudaHostAllocMapped));
     MOED_CUDA_TRY(cudaHostGetDevicePointer((void **)&cb->stage_d, cb->stage, 0));
-    MOED_CUDA_TRY(cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking));
+    if (cfg->sm_partition && !cb->ctx && cuda_green_stream(cb, cb->n_sms - sms_free,
+                                                           &cb->stream) == 0)
+        sms_free = cb->n_sms - cb->green_sms; /* the grid fills the partition */
+    else
+        MOED_CUDA_TRY(cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking));
 
     MOED_TRY(moe_gpu_plan(cb->dev, &cb->d, sms_free, &cb->launch, err, errlen));
     if (cb->ctx && cb->launch.sms != cb->ctx_sms)

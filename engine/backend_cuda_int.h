@@ -48,6 +48,9 @@ struct cuda_backend {
     void *ctx;         /* a CUcontext limited to ctx_sms SMs (MPS execution affinity),
                           or NULL: the device's primary context (cuda_use) */
     int ctx_sms;
+    void *green;       /* a CUgreenCtx of green_sms SMs the kernel's stream runs on
+                          (cuda_green_stream), or NULL */
+    int green_sms;
     char lock_path[64]; /* the GPU's lock file under MPS (cuda_gpu_lock), or "" */
     uint32_t deadline_ms, idle_exit_ms;
     moed_progress_fn progress; /* weight placement progress (open only) */
@@ -182,6 +185,16 @@ void cuda_gpu_unlock(struct cuda_backend *cb);
 cudaError_t cuda_use(const struct cuda_backend *cb);
 /* Destroy cb's own context (none: nothing); after every free of cb's. */
 void cuda_ctx_close(struct cuda_backend *cb);
+/* A stream whose kernels run on `sms` SMs of the device only (a green
+ * context, cuGreenCtxCreate; no MPS needed), so that the other SMs stay
+ * whole for this process's other kernels (NCCL's: moed_backend_cfg.
+ * sm_partition); memory stays the primary context's. 0 with *out, cb->green
+ * and cb->green_sms (what the driver granted: a multiple of its SM
+ * granularity, at most `sms`), or -1 (logged: no driver support, too few
+ * SMs) and the caller makes an ordinary stream. cuda_green_close after the
+ * stream is destroyed. */
+int cuda_green_stream(struct cuda_backend *cb, int sms, cudaStream_t *out);
+void cuda_green_close(struct cuda_backend *cb);
 int cuda_peer_gpu(struct moed_backend *be, const uint8_t uuid[16], char *err, size_t errlen);
 int cuda_ipc_open(struct moed_backend *be, const uint8_t handle[64], struct moed_buf *out,
                   char *err, size_t errlen);

@@ -111,6 +111,14 @@ static struct {
     ctx_affinity_fn get_affinity;
     ctx_ctx_fn set_current, destroy;
     affinity_support_fn support;
+    /* green contexts */
+    CUresult (*get_resource)(CUdevice, CUdevResource *, CUdevResourceType);
+    CUresult (*split)(CUdevResource *, unsigned *, const CUdevResource *, CUdevResource *,
+                      unsigned, unsigned);
+    CUresult (*gen_desc)(CUdevResourceDesc *, CUdevResource *, unsigned);
+    CUresult (*green_create)(CUgreenCtx *, CUdevResourceDesc, CUdevice, unsigned);
+    CUresult (*green_stream)(CUstream *, CUgreenCtx, unsigned, int);
+    CUresult (*green_destroy)(CUgreenCtx);
 } g_drv = {.once = PTHREAD_ONCE_INIT};
 
 static void *drv_fn(const char *name, int version)
@@ -133,6 +141,12 @@ static void drv_load(void)
     g_drv.set_current = (ctx_ctx_fn)drv_fn("cuCtxSetCurrent", 4000);
     g_drv.destroy = (ctx_ctx_fn)drv_fn("cuCtxDestroy", 4000);
     g_drv.support = (affinity_support_fn)drv_fn("cuDeviceGetExecAffinitySupport", 11040);
+    g_drv.get_resource = drv_fn("cuDeviceGetDevResource", 12040);
+    g_drv.split = drv_fn("cuDevSmResourceSplitByCount", 12040);
+    g_drv.gen_desc = drv_fn("cuDevResourceGenerateDesc", 12040);
+    g_drv.green_create = drv_fn("cuGreenCtxCreate", 12040);
+    g_drv.green_stream = drv_fn("cuGreenCtxStreamCreate", 12050);
+    g_drv.green_destroy = drv_fn("cuGreenCtxDestroy", 12040);
 }
 
 void cuda_ctx_open(struct cuda_backend *cb, int sms)
@@ -189,6 +203,66 @@ void cuda_ctx_close(struct cuda_backend *cb)
     (void)g_drv.set_current(NULL);
     (void)g_drv.destroy((CUcontext)cb->ctx);
     cb->ctx = NULL;
+}
+
+int cuda_green_stream(struct cuda_backend *cb, int sms, cudaStream_t *out)
+{
+    cb->green = NULL;
+    cb->green_sms = 0;
+    pthread_once(&g_drv.once, drv_load);
+    if (!g_drv.get_resource || !g_drv.split || !g_drv.gen_desc || !g_drv.green_create ||
+        !g_drv.green_stream || !g_drv.green_destroy) {
+        LOG_W("cuda: GPU %d: the driver has no green contexts: the kernel's CTAs may land on "
+              "every SM and leave none whole", cb->dev);
+        return -1;
+    }
+    CUdevResource all, part, rest;
+    memset(&all, 0, sizeof all);
+    memset(&part, 0, sizeof part);
+    memset(&rest, 0, sizeof rest);
+    unsigned groups = 1;
+    CUresult r = g_drv.get_resource((CUdevice)cb->dev, &all, CU_DEV_RESOURCE_TYPE_SM);
+    /* the partition: a multiple of the SM granularity, at most `sms` */
+    unsigned gran = r == CUDA_SUCCESS && all.sm.smCoscheduledAlignment
+                        ? all.sm.smCoscheduledAlignment : 8;
+    unsigned want = (unsigned)sms / gran * gran;
+    if (r == CUDA_SUCCESS && (want < all.sm.minSmPartitionSize || want >= all.sm.smCount)) {
+        LOG_W("cuda: GPU %d: %d SMs cannot be a green context (minimum %u, granularity %u, of "
+              "%u)", cb->dev, sms, all.sm.minSmPartitionSize, gran, all.sm.smCount);
+        return -1;
+    }
+    if (r == CUDA_SUCCESS)
+        r = g_drv.split(&part, &groups, &all, &rest, 0, want);
+    CUdevResourceDesc desc = NULL;
+    if (r == CUDA_SUCCESS)
+        r = g_drv.gen_desc(&desc, &part, 1);
+    CUgreenCtx g = NULL;
+    if (r == CUDA_SUCCESS)
+        r = g_drv.green_create(&g, desc, (CUdevice)cb->dev, CU_GREEN_CTX_DEFAULT_STREAM);
+    CUstream st = NULL;
+    if (r == CUDA_SUCCESS)
+        r = g_drv.green_stream(&st, g, CU_STREAM_NON_BLOCKING, 0);
+    if (r != CUDA_SUCCESS) {
+        if (g)
+            (void)g_drv.green_destroy(g);
+        LOG_W("cuda: GPU %d: a green context of %u SMs failed (CUresult %d): the kernel's CTAs "
+              "may land on every SM and leave none whole", cb->dev, want, (int)r);
+        return -1;
+    }
+    cb->green = g;
+    cb->green_sms = (int)part.sm.smCount;
+    *out = (cudaStream_t)st;
+    LOG_I("cuda: GPU %d: the persistent kernel runs on a green context of %d of %d SMs: the "
+          "other %d are left whole for this process's other kernels (NCCL's)", cb->dev,
+          cb->green_sms, cb->n_sms, cb->n_sms - cb->green_sms);
+    return 0;
+}
+
+void cuda_green_close(struct cuda_backend *cb)
+{
+    if (cb->green)
+        (void)g_drv.green_destroy((CUgreenCtx)cb->green);
+    cb->green = NULL;
 }
 
 int cuda_device_uuid(struct moed_backend *be, uint8_t uuid[16], int *mps)

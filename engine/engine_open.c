@@ -52,6 +52,7 @@ static int ep_open_child(void *ctx, uint32_t i, moed_backend_done_fn done, void 
     for (uint32_t j = 0; j < ep->n && !ep->grp; j++) /* the entries naming this GPU share its SMs */
         c.sm_share += ep->gpus[j] == ep->gpus[i];
     c.max_channels = 0; /* doorbell channels: one device's kernel, not a child's */
+    c.sm_partition = ep->grp != NULL; /* NCCL's kernels need whole SMs beside it */
     return moed_backend_cuda_open(ep->model, &c, done, done_ctx, out, err, errlen);
 }
 
