@@ -39,19 +39,7 @@
 
 _Static_assert(NCCL_UNIQUE_ID_BYTES == MOED_NCCL_ID_BYTES, "ncclUniqueId size");
 
-#define HDR_MAGIC 0x4e43454du /* "MECN" */
-enum { K_PING = 1, K_BATCH = 2, K_STOP = 3, K_REPLY = 4 };
-
-/* One message of every exchange, both ways; 64 bytes. */
-struct nccl_hdr {
-    uint32_t magic, kind;
-    uint64_t seq;
-    uint32_t layer, n_tokens, flags, ep_n, ep_shard;
-    int32_t status;      /* K_REPLY: the batch's status on rank r */
-    uint64_t kernel_ns;  /* K_REPLY: its kernel time there */
-    uint32_t pad[4];
-};
-_Static_assert(sizeof(struct nccl_hdr) == 64, "nccl_hdr is 64 bytes");
+_Static_assert(sizeof(struct moed_nccl_hdr) == 64, "moed_nccl_hdr is 64 bytes");
 
 struct moed_nccl_group {
     ncclComm_t comm;
@@ -368,7 +356,7 @@ void moed_nccl_close(struct moed_nccl_group *g)
 struct link {
     cudaStream_t st;
     cudaEvent_t ev;
-    struct nccl_hdr *hdr_d, *hdr_h; /* [2] each: what goes out, what comes in */
+    struct moed_nccl_hdr *hdr_d, *hdr_h; /* [2] each: what goes out, what comes in */
     void *ids_d, *x_d, *slab_d;
     uint32_t *ent_d, *ent_h;        /* rank 0: the entries rank r computes */
 };
@@ -403,8 +391,8 @@ static int link_alloc(const struct moed_nccl_group *g, struct link *l, int entri
     MOED_CUDA_TRY(cudaSetDevice(g->gpu));
     MOED_CUDA_TRY(cudaStreamCreateWithFlags(&l->st, cudaStreamNonBlocking));
     MOED_CUDA_TRY(cudaEventCreateWithFlags(&l->ev, cudaEventDisableTiming));
-    MOED_CUDA_TRY(cudaMalloc((void **)&l->hdr_d, 2 * sizeof(struct nccl_hdr)));
-    MOED_CUDA_TRY(cudaMallocHost((void **)&l->hdr_h, 2 * sizeof(struct nccl_hdr)));
+    MOED_CUDA_TRY(cudaMalloc((void **)&l->hdr_d, 2 * sizeof(struct moed_nccl_hdr)));
+    MOED_CUDA_TRY(cudaMallocHost((void **)&l->hdr_h, 2 * sizeof(struct moed_nccl_hdr)));
     MOED_CUDA_TRY(cudaMalloc(&l->ids_d, T * g->k * sizeof(int32_t)));
     MOED_CUDA_TRY(cudaMalloc(&l->x_d, T * g->H * 2));
     if (entries) {
@@ -443,26 +431,6 @@ struct nccl_peer {
     atomic_int stop;
 };
 
-/* The entries of b that rank r computes (moed_batch.rows: routed slots with
- * an id, its shared slots), into ent_h; their count. */
-static uint32_t peer_entries(const struct nccl_peer *p, const struct moed_batch *b)
-{
-    const struct moed_nccl_group *g = p->g;
-    const uint32_t KS = g->k + g->S;
-    const int32_t *ids = b->ids.ptr;
-    const int shared = !(b->flags & MOED_BATCH_ROUTED_ONLY);
-    uint32_t n = 0;
-    for (uint32_t t = 0; t < b->n_tokens; t++) {
-        for (uint32_t j = 0; j < g->k; j++)
-            if (ids[(size_t)t * g->k + j] >= 0)
-                p->l.ent_h[n++] = t * KS + j;
-        if (shared && t % b->ep_n == b->ep_shard)
-            for (uint32_t s = 0; s < g->S; s++)
-                p->l.ent_h[n++] = t * KS + g->k + s;
-    }
-    return n;
-}
-
 static int peer_batch(struct nccl_peer *p, struct moed_batch *b)
 {
     struct moed_nccl_group *g = p->g;
@@ -471,10 +439,11 @@ static int peer_batch(struct nccl_peer *p, struct moed_batch *b)
     int rc = 0;
     char err[256];
     const size_t errlen = sizeof err;
-    *l->hdr_h = (struct nccl_hdr){.magic = HDR_MAGIC, .kind = K_BATCH, .seq = b->seq,
-                                  .layer = b->layer, .n_tokens = T, .flags = b->flags,
-                                  .ep_n = b->ep_n, .ep_shard = b->ep_shard};
-    const uint32_t n = peer_entries(p, b);
+    *l->hdr_h = (struct moed_nccl_hdr){.magic = MOED_NCCL_MAGIC, .kind = MOED_NCCL_BATCH,
+                                       .seq = b->seq, .layer = b->layer, .n_tokens = T,
+                                       .flags = b->flags, .ep_n = b->ep_n,
+                                       .ep_shard = b->ep_shard};
+    const uint32_t n = moed_nccl_rows_entries(b, g->k, g->S, l->ent_h);
     MOED_CUDA_TRY(cudaSetDevice(g->gpu));
     MOED_CUDA_TRY(cudaMemcpyAsync(l->hdr_d, l->hdr_h, sizeof *l->hdr_h, cudaMemcpyHostToDevice,
                                   l->st));
@@ -485,10 +454,10 @@ static int peer_batch(struct nccl_peer *p, struct moed_batch *b)
     MOED_CUDA_TRY(cudaMemcpyAsync(l->ent_d, l->ent_h, (size_t)n * 4, cudaMemcpyHostToDevice,
                                   l->st));
     const struct xfer x[] = {
-        {1, l->hdr_d, sizeof(struct nccl_hdr)},
+        {1, l->hdr_d, sizeof(struct moed_nccl_hdr)},
         {1, l->ids_d, (size_t)T * g->k * 4},
         {1, l->x_d, (size_t)T * g->H * 2},
-        {0, l->hdr_d + 1, sizeof(struct nccl_hdr)},
+        {0, l->hdr_d + 1, sizeof(struct moed_nccl_hdr)},
         {0, l->slab_d, (size_t)T * KS * g->H * 4},
     };
     rc = grp_xfer(g, p->r, x, 5, l->st, l->ev, NULL, "a batch's exchange with its peer");
@@ -496,8 +465,8 @@ static int peer_batch(struct nccl_peer *p, struct moed_batch *b)
         return rc;
     MOED_CUDA_TRY(link_copy(l, l->hdr_h + 1, l->hdr_d + 1, sizeof *l->hdr_h,
                             cudaMemcpyDeviceToHost));
-    const struct nccl_hdr *a = l->hdr_h + 1;
-    if (a->magic != HDR_MAGIC || a->kind != K_REPLY || a->seq != b->seq) {
+    const struct moed_nccl_hdr *a = l->hdr_h + 1;
+    if (a->magic != MOED_NCCL_MAGIC || a->kind != MOED_NCCL_REPLY || a->seq != b->seq) {
         pthread_mutex_lock(&g->mu);
         grp_fail_locked(g, "rank %u answered batch %llu with a bad header (magic %08x, kind %u, "
                         "seq %llu)", p->r, (unsigned long long)b->seq, a->magic, a->kind,
@@ -521,14 +490,15 @@ cleanup:
 static int peer_ping(struct nccl_peer *p, uint32_t kind)
 {
     struct link *l = &p->l;
-    *l->hdr_h = (struct nccl_hdr){.magic = HDR_MAGIC, .kind = kind};
+    *l->hdr_h = (struct moed_nccl_hdr){.magic = MOED_NCCL_MAGIC, .kind = kind};
     if (cudaMemcpyAsync(l->hdr_d, l->hdr_h, sizeof *l->hdr_h, cudaMemcpyHostToDevice, l->st) !=
         cudaSuccess)
         return MOED_E_BACKEND;
-    const struct xfer x[] = {{1, l->hdr_d, sizeof(struct nccl_hdr)},
-                             {0, l->hdr_d + 1, sizeof(struct nccl_hdr)}};
-    return grp_xfer(p->g, p->r, x, kind == K_STOP ? 1 : 2, l->st, l->ev, NULL,
-                    kind == K_STOP ? "telling a worker the group ends" : "a keepalive ping");
+    const struct xfer x[] = {{1, l->hdr_d, sizeof(struct moed_nccl_hdr)},
+                             {0, l->hdr_d + 1, sizeof(struct moed_nccl_hdr)}};
+    return grp_xfer(p->g, p->r, x, kind == MOED_NCCL_STOP ? 1 : 2, l->st, l->ev, NULL,
+                    kind == MOED_NCCL_STOP ? "telling a worker the group ends"
+                                           : "a keepalive ping");
 }
 
 static void *peer_thread(void *arg)
@@ -546,7 +516,7 @@ static void *peer_thread(void *arg)
             if (pthread_cond_timedwait(&p->cv, &p->mu, &ts) != 0 && !p->job && !p->stopping &&
                 !atomic_load(&p->g->failed)) {
                 pthread_mutex_unlock(&p->mu);
-                (void)peer_ping(p, K_PING); /* a failure fails the group (logged) */
+                (void)peer_ping(p, MOED_NCCL_PING); /* a failure fails the group (logged) */
                 pthread_mutex_lock(&p->mu);
             }
             continue;
@@ -566,7 +536,7 @@ static void *peer_thread(void *arg)
     }
     pthread_mutex_unlock(&p->mu);
     if (!atomic_load(&p->g->failed))
-        (void)peer_ping(p, K_STOP);
+        (void)peer_ping(p, MOED_NCCL_STOP);
     return NULL;
 }
 
@@ -693,33 +663,9 @@ static void worker_local_done(void *ctx, struct moed_batch *b)
     pthread_mutex_unlock(&w->mu);
 }
 
-/* A header rank 0 sent: the reason it is not one this worker may act on,
- * or NULL. */
-static const char *worker_bad_hdr(const struct nccl_worker *w, const struct nccl_hdr *h)
-{
-    const struct moed_nccl_group *g = w->g;
-    const uint32_t known = MOED_BATCH_ROUTED_ONLY | MOED_BATCH_ROWS;
-    if (h->magic != HDR_MAGIC)
-        return "bad magic";
-    if (h->kind == K_PING || h->kind == K_STOP)
-        return NULL;
-    if (h->kind != K_BATCH)
-        return "unknown kind";
-    if (h->n_tokens < 1 || h->n_tokens > g->max_tokens)
-        return "n_tokens out of range";
-    if (h->layer >= moed_model_dims(g->model)->n_layers ||
-        !moed_model_is_moe_layer(g->model, h->layer))
-        return "not a MoE layer";
-    if ((h->flags & ~known) || !(h->flags & MOED_BATCH_ROWS))
-        return "flags";
-    if (h->ep_n != g->ranks || h->ep_shard != g->rank)
-        return "ep_n / ep_shard are not this group's";
-    return NULL;
-}
-
 /* One batch rank 0 sent (its header checked): ids and x in, the local ROWS
  * batch, the answer and the rows out. */
-static int worker_batch(struct nccl_worker *w, const struct nccl_hdr *h)
+static int worker_batch(struct nccl_worker *w, const struct moed_nccl_hdr *h)
 {
     struct moed_nccl_group *g = w->g;
     struct link *l = &w->l;
@@ -757,11 +703,12 @@ static int worker_batch(struct nccl_worker *w, const struct nccl_hdr *h)
     if (status)
         LOG_W("nccl: rank %u: batch %llu (layer %u, %u tokens) failed here: %s", g->rank,
               (unsigned long long)h->seq, h->layer, T, moed_strerror(status));
-    l->hdr_h[0] = (struct nccl_hdr){.magic = HDR_MAGIC, .kind = K_REPLY, .seq = h->seq,
-                                    .status = status, .kernel_ns = status ? 0 : b->kernel_ns};
+    l->hdr_h[0] = (struct moed_nccl_hdr){.magic = MOED_NCCL_MAGIC, .kind = MOED_NCCL_REPLY,
+                                         .seq = h->seq, .status = status,
+                                         .kernel_ns = status ? 0 : b->kernel_ns};
     if (link_copy(l, l->hdr_d, l->hdr_h, sizeof *l->hdr_h, cudaMemcpyHostToDevice) != cudaSuccess)
         return MOED_E_BACKEND;
-    const struct xfer out[] = {{1, l->hdr_d, sizeof(struct nccl_hdr)},
+    const struct xfer out[] = {{1, l->hdr_d, sizeof(struct moed_nccl_hdr)},
                                {1, w->rows_d, (size_t)T * KS * g->H * 4}};
     return grp_xfer(g, 0, out, 2, l->st, l->ev, &w->stop, "sending a batch's rows");
 }
@@ -774,14 +721,14 @@ static void *worker_thread(void *arg)
     (void)cudaSetDevice(g->gpu);
     uint64_t batches = 0;
     for (;;) {
-        const struct xfer in[] = {{0, l->hdr_d + 1, sizeof(struct nccl_hdr)}};
+        const struct xfer in[] = {{0, l->hdr_d + 1, sizeof(struct moed_nccl_hdr)}};
         int rc = grp_xfer(g, 0, in, 1, l->st, l->ev, &w->stop, "waiting for rank 0");
         if (rc)
             break;
-        struct nccl_hdr *h = l->hdr_h + 1;
+        struct moed_nccl_hdr *h = l->hdr_h + 1;
         if (link_copy(l, h, l->hdr_d + 1, sizeof *h, cudaMemcpyDeviceToHost) != cudaSuccess)
             break;
-        const char *bad = worker_bad_hdr(w, h);
+        const char *bad = moed_nccl_hdr_check(h, g->model, g->ranks, g->rank, g->max_tokens);
         if (bad) {
             pthread_mutex_lock(&g->mu);
             grp_fail_locked(g, "rank 0 sent a header this worker refuses (%s: magic %08x, kind "
@@ -790,22 +737,22 @@ static void *worker_thread(void *arg)
             pthread_mutex_unlock(&g->mu);
             break;
         }
-        if (h->kind == K_STOP) {
+        if (h->kind == MOED_NCCL_STOP) {
             LOG_W("nccl: rank %u: rank 0 ended the group after %llu batches; this worker stops "
                   "(restart it to join the next group)", g->rank, (unsigned long long)batches);
             break;
         }
-        if (h->kind == K_PING) {
-            l->hdr_h[0] = (struct nccl_hdr){.magic = HDR_MAGIC, .kind = K_REPLY};
+        if (h->kind == MOED_NCCL_PING) {
+            l->hdr_h[0] = (struct moed_nccl_hdr){.magic = MOED_NCCL_MAGIC, .kind = MOED_NCCL_REPLY};
             if (link_copy(l, l->hdr_d, l->hdr_h, sizeof *l->hdr_h, cudaMemcpyHostToDevice) !=
                 cudaSuccess)
                 break;
-            const struct xfer out[] = {{1, l->hdr_d, sizeof(struct nccl_hdr)}};
+            const struct xfer out[] = {{1, l->hdr_d, sizeof(struct moed_nccl_hdr)}};
             if (grp_xfer(g, 0, out, 1, l->st, l->ev, &w->stop, "answering a ping"))
                 break;
             continue;
         }
-        const struct nccl_hdr hb = *h;
+        const struct moed_nccl_hdr hb = *h;
         if (worker_batch(w, &hb))
             break;
         batches++;

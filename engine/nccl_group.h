@@ -53,6 +53,37 @@ int moed_nccl_id_write(const char *path, const uint8_t id[MOED_NCCL_ID_BYTES], c
 int moed_nccl_id_read(const char *path, uint32_t timeout_ms, uint8_t id[MOED_NCCL_ID_BYTES],
                       char *err, size_t errlen);
 
+/* The header of every message exchange (64 bytes, host byte order: the
+ * ranks of a group run the same build). */
+#define MOED_NCCL_MAGIC 0x4e43454du /* "MECN" */
+enum moed_nccl_kind {
+    MOED_NCCL_PING = 1,  /* rank 0 -> r: answer with a REPLY */
+    MOED_NCCL_BATCH = 2, /* rank 0 -> r: ids and x follow; answer REPLY + rows */
+    MOED_NCCL_STOP = 3,  /* rank 0 -> r: the group ends, no answer */
+    MOED_NCCL_REPLY = 4, /* r -> rank 0 */
+};
+struct moed_nccl_hdr {
+    uint32_t magic, kind;
+    uint64_t seq;
+    uint32_t layer, n_tokens, flags, ep_n, ep_shard;
+    int32_t status;     /* REPLY: the batch's status on rank r */
+    uint64_t kernel_ns; /* REPLY: its kernel time there */
+    uint32_t pad[4];
+};
+
+/* A header rank `rank` of `ranks` received from rank 0: NULL if it may act
+ * on it (PING, STOP, or a BATCH of 1..max_tokens tokens for a MoE layer of
+ * m, flags ROWS (and ROUTED_ONLY) only, ep_n / ep_shard its group's), else
+ * what is wrong with it. */
+const char *moed_nccl_hdr_check(const struct moed_nccl_hdr *h, const struct moed_model *m,
+                                uint32_t ranks, uint32_t rank, uint32_t max_tokens);
+/* The entries t * (k + S) + j of a ROWS batch that its device computes
+ * (backend.h, moed_batch.rows: routed slots with an id >= 0, and the shared
+ * slots of the tokens t with t % ep_n == ep_shard unless ROUTED_ONLY), in
+ * increasing order, into out (room for T * (k + S)); their count. */
+uint32_t moed_nccl_rows_entries(const struct moed_batch *b, uint32_t k, uint32_t S,
+                                uint32_t *out);
+
 struct moed_nccl_cfg {
     uint32_t ranks, rank;  /* 2..8, below ranks */
     const char *id_file;   /* "" or NULL: NCCL_COMM_ID */

@@ -1,5 +1,6 @@
-/* nccl_id.c - the NCCL group's unique id in a file (nccl_group.h): host code
- * of every build, so CI tests it without a GPU. */
+/* nccl_host.c - the NCCL group's host-side parts (nccl_group.h): its unique
+ * id in a file, the check of a header a worker receives, a ROWS batch's
+ * entries; code of every build, so CI tests it without a GPU. */
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -109,4 +110,43 @@ int moed_nccl_id_read(const char *path, uint32_t timeout_ms, uint8_t id[MOED_NCC
         const struct timespec nap = {0, 20 * 1000 * 1000};
         nanosleep(&nap, NULL);
     }
+}
+
+const char *moed_nccl_hdr_check(const struct moed_nccl_hdr *h, const struct moed_model *m,
+                                uint32_t ranks, uint32_t rank, uint32_t max_tokens)
+{
+    const uint32_t known = MOED_BATCH_ROUTED_ONLY | MOED_BATCH_ROWS;
+    if (h->magic != MOED_NCCL_MAGIC)
+        return "bad magic";
+    if (h->kind == MOED_NCCL_PING || h->kind == MOED_NCCL_STOP)
+        return NULL;
+    if (h->kind != MOED_NCCL_BATCH)
+        return "unknown kind";
+    if (h->n_tokens < 1 || h->n_tokens > max_tokens)
+        return "n_tokens out of range";
+    if (h->layer >= moed_model_dims(m)->n_layers || !moed_model_is_moe_layer(m, h->layer))
+        return "not a MoE layer";
+    if ((h->flags & ~known) || !(h->flags & MOED_BATCH_ROWS))
+        return "flags";
+    if (h->ep_n != ranks || h->ep_shard != rank)
+        return "ep_n / ep_shard are not this group's";
+    return NULL;
+}
+
+uint32_t moed_nccl_rows_entries(const struct moed_batch *b, uint32_t k, uint32_t S,
+                                uint32_t *out)
+{
+    const uint32_t KS = k + S;
+    const int32_t *ids = b->ids.ptr;
+    const int shared = !(b->flags & MOED_BATCH_ROUTED_ONLY) && b->ep_n > 0;
+    uint32_t n = 0;
+    for (uint32_t t = 0; t < b->n_tokens; t++) {
+        for (uint32_t j = 0; j < k; j++)
+            if (ids[(size_t)t * k + j] >= 0)
+                out[n++] = t * KS + j;
+        if (shared && t % b->ep_n == b->ep_shard)
+            for (uint32_t s = 0; s < S; s++)
+                out[n++] = t * KS + k + s;
+    }
+    return n;
 }
