@@ -40,6 +40,7 @@
 #include "moed_err.h"
 #include "moed_lock.h"
 #include "moed_log.h"
+#include "test_hooks.h"
 
 typedef CUresult (*get_range_fn)(CUdeviceptr *base, size_t *size, CUdeviceptr p);
 
@@ -57,7 +58,7 @@ int cuda_gpu_lock(struct cuda_backend *cb, char *err, size_t errlen)
     cb->lock_path[0] = '\0';
     if (!cb->mps)
         return 0;
-    if (getenv("MOED_TEST_MPS_NO_LOCK")) { /* tests/gpu/test_nccl_daemon.py: two ranks, one GPU */
+    if (moed_test_switch(MOED_TEST_MPS_NO_LOCK)) { /* test_hooks.h */
         LOG_W("cuda: GPU %d under MPS: MOED_TEST_MPS_NO_LOCK is set, so a second moed on this "
               "GPU is not refused (a test switch: leave it unset in production)", cb->dev);
         return 0;

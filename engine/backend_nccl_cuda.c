@@ -428,7 +428,6 @@ struct nccl_peer {
     pthread_cond_t cv;
     struct moed_batch *job; /* under mu */
     int stopping;           /* under mu */
-    atomic_int stop;
 };
 
 static int peer_batch(struct nccl_peer *p, struct moed_batch *b)
@@ -743,7 +742,8 @@ static void *worker_thread(void *arg)
             break;
         }
         if (h->kind == MOED_NCCL_PING) {
-            l->hdr_h[0] = (struct moed_nccl_hdr){.magic = MOED_NCCL_MAGIC, .kind = MOED_NCCL_REPLY};
+            l->hdr_h[0] =
+                (struct moed_nccl_hdr){.magic = MOED_NCCL_MAGIC, .kind = MOED_NCCL_REPLY};
             if (link_copy(l, l->hdr_d, l->hdr_h, sizeof *l->hdr_h, cudaMemcpyHostToDevice) !=
                 cudaSuccess)
                 break;

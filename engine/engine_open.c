@@ -48,8 +48,8 @@ static int ep_open_child(void *ctx, uint32_t i, moed_backend_done_fn done, void 
     c.n_gpus = 1;
     c.ep_place = ep->place_ptr;
     c.ep_shard = i;
-    c.sm_share = 0;
-    for (uint32_t j = 0; j < ep->n && !ep->grp; j++) /* the entries naming this GPU share its SMs */
+    c.sm_share = 0; /* the entries naming this GPU share its SMs (an NCCL rank opens one) */
+    for (uint32_t j = 0; j < ep->n && !ep->grp; j++)
         c.sm_share += ep->gpus[j] == ep->gpus[i];
     c.max_channels = 0; /* doorbell channels: one device's kernel, not a child's */
     c.sm_partition = ep->grp != NULL; /* NCCL's kernels need whole SMs beside it */

@@ -1,4 +1,4 @@
-/* test_hooks.h - test-only switches of the CPU backend (never in the user's
+/* test_hooks.h - test-only switches of the backends (never in the user's
  * config). Read from the environment when the backend opens; "1" turns one
  * on, anything else (or unset) leaves it off:
  *   MOED_TEST_CPU_HOST_ALLOC   the CPU backend offers a host allocator
@@ -40,6 +40,10 @@
  *       buffer, draining and reaping on CHAN_CLOSE and disconnect, /status)
  *       runs without a GPU. Without it CHAN_OPEN is MOED_E_UNSUPPORTED on
  *       the CPU backend.
+ *   MOED_TEST_MPS_NO_LOCK  the CUDA backend on a GPU under MPS takes no lock
+ *       file (backend_cuda_int.h cuda_gpu_lock), so that a second moed on the
+ *       GPU is not refused: the two ranks of tests/gpu/test_nccl_daemon.py
+ *       share the one GPU of the test machine.
  * The CUDA backend's test and bench hooks are backend_cuda_hooks.h.
  */
 #ifndef MOED_TEST_HOOKS_H
@@ -55,6 +59,7 @@
 #define MOED_TEST_CPU_SPIN "MOED_TEST_CPU_SPIN"
 #define MOED_TEST_CPU_CHANNELS "MOED_TEST_CPU_CHANNELS"
 #define MOED_TEST_CPU_PEERS "MOED_TEST_CPU_PEERS"
+#define MOED_TEST_MPS_NO_LOCK "MOED_TEST_MPS_NO_LOCK"
 #define MOED_TEST_CPU_UUID "moed-cpu-test-id" /* 16 bytes, no NUL */
 
 static inline int moed_test_switch(const char *name)
