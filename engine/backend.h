@@ -228,10 +228,13 @@ struct moed_backend_cfg {
      * it would use alone, so that every persistent kernel fits beside the
      * others (0 or 1: the whole GPU). */
     uint32_t sm_share;
-    /* CUDA: 1 to run the persistent kernel on a green context of the SMs
-     * sms_free leaves (whole SMs stay free for this process's other kernels:
-     * NCCL's, nccl_group.h); without driver support, an ordinary stream
-     * (logged). */
+    /* CUDA: 0, or 1 + n to run the persistent kernel on a green context of
+     * the SMs sms_free leaves (whole SMs stay free for this process's other
+     * kernels: NCCL's, nccl_group.h): the device's SMs are cut into as many
+     * such partitions as fit, and the kernel takes partition n modulo their
+     * number, so that processes on one GPU (NCCL ranks standing in for hosts,
+     * under MPS) given different n take disjoint SMs; without driver support,
+     * an ordinary stream (logged). */
     int sm_partition;
     /* Optional: weight placement progress (bytes placed, bytes to place),
      * called from the opening thread during open. */

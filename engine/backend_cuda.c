@@ -801,8 +801,9 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     cb->slot_bytes = cb->off_y + ((MT * H * 2 + 255) & ~(size_t)255);
     MOED_CUDA_TRY(cudaHostAlloc((void **)&cb->stage, cb->slot_bytes * MOE_GPU_RING, cudaHostAllocMapped));
     MOED_CUDA_TRY(cudaHostGetDevicePointer((void **)&cb->stage_d, cb->stage, 0));
-    if (cfg->sm_partition && !cb->ctx && cuda_green_stream(cb, cb->n_sms - sms_free,
-                                                           &cb->stream) == 0)
+    if (cfg->sm_partition > 0 && !cb->ctx &&
+        cuda_green_stream(cb, cb->n_sms - sms_free, (unsigned)cfg->sm_partition - 1,
+                          &cb->stream) == 0)
         sms_free = cb->n_sms - cb->green_sms; /* the grid fills the partition */
     else
         MOED_CUDA_TRY(cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking));

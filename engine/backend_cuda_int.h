@@ -188,12 +188,15 @@ void cuda_ctx_close(struct cuda_backend *cb);
 /* A stream whose kernels run on `sms` SMs of the device only (a green
  * context, cuGreenCtxCreate; no MPS needed), so that the other SMs stay
  * whole for this process's other kernels (NCCL's: moed_backend_cfg.
- * sm_partition); memory stays the primary context's. 0 with *out, cb->green
+ * sm_partition); memory stays the primary context's. The device's SMs are
+ * split into as many partitions of that size as fit and the stream's is
+ * partition `part` modulo their number (processes on one GPU given
+ * different `part` get disjoint SMs). 0 with *out, cb->green
  * and cb->green_sms (what the driver granted: a multiple of its SM
  * granularity, at most `sms`), or -1 (logged: no driver support, too few
  * SMs) and the caller makes an ordinary stream. cuda_green_close after the
  * stream is destroyed. */
-int cuda_green_stream(struct cuda_backend *cb, int sms, cudaStream_t *out);
+int cuda_green_stream(struct cuda_backend *cb, int sms, unsigned part, cudaStream_t *out);
 void cuda_green_close(struct cuda_backend *cb);
 int cuda_peer_gpu(struct moed_backend *be, const uint8_t uuid[16], char *err, size_t errlen);
 int cuda_ipc_open(struct moed_backend *be, const uint8_t handle[64], struct moed_buf *out,

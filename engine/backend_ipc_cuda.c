@@ -206,7 +206,7 @@ void cuda_ctx_close(struct cuda_backend *cb)
     cb->ctx = NULL;
 }
 
-int cuda_green_stream(struct cuda_backend *cb, int sms, cudaStream_t *out)
+int cuda_green_stream(struct cuda_backend *cb, int sms, unsigned part, cudaStream_t *out)
 {
     cb->green = NULL;
     cb->green_sms = 0;
@@ -217,11 +217,11 @@ int cuda_green_stream(struct cuda_backend *cb, int sms, cudaStream_t *out)
               "every SM and leave none whole", cb->dev);
         return -1;
     }
-    CUdevResource all, part, rest;
+    enum { MAX_PARTS = 32 };
+    CUdevResource all, parts[MAX_PARTS], rest;
     memset(&all, 0, sizeof all);
-    memset(&part, 0, sizeof part);
+    memset(parts, 0, sizeof parts);
     memset(&rest, 0, sizeof rest);
-    unsigned groups = 1;
     CUresult r = g_drv.get_resource((CUdevice)cb->dev, &all, CU_DEV_RESOURCE_TYPE_SM);
     /* the partition: a multiple of the SM granularity, at most `sms` */
     unsigned gran = r == CUDA_SUCCESS && all.sm.smCoscheduledAlignment
@@ -232,11 +232,15 @@ int cuda_green_stream(struct cuda_backend *cb, int sms, cudaStream_t *out)
               "%u)", cb->dev, sms, all.sm.minSmPartitionSize, gran, all.sm.smCount);
         return -1;
     }
+    unsigned groups = r == CUDA_SUCCESS ? all.sm.smCount / (want ? want : 1) : 1;
+    if (groups > MAX_PARTS)
+        groups = MAX_PARTS;
     if (r == CUDA_SUCCESS)
-        r = g_drv.split(&part, &groups, &all, &rest, 0, want);
+        r = g_drv.split(parts, &groups, &all, &rest, 0, want);
+    const unsigned pick = groups ? part % groups : 0;
     CUdevResourceDesc desc = NULL;
     if (r == CUDA_SUCCESS)
-        r = g_drv.gen_desc(&desc, &part, 1);
+        r = g_drv.gen_desc(&desc, &parts[pick], 1);
     CUgreenCtx g = NULL;
     if (r == CUDA_SUCCESS)
         r = g_drv.green_create(&g, desc, (CUdevice)cb->dev, CU_GREEN_CTX_DEFAULT_STREAM);
@@ -251,11 +255,12 @@ int cuda_green_stream(struct cuda_backend *cb, int sms, cudaStream_t *out)
         return -1;
     }
     cb->green = g;
-    cb->green_sms = (int)part.sm.smCount;
+    cb->green_sms = (int)parts[pick].sm.smCount;
     *out = (cudaStream_t)st;
-    LOG_I("cuda: GPU %d: the persistent kernel runs on a green context of %d of %d SMs: the "
-          "other %d are left whole for this process's other kernels (NCCL's)", cb->dev,
-          cb->green_sms, cb->n_sms, cb->n_sms - cb->green_sms);
+    LOG_I("cuda: GPU %d: the persistent kernel runs on a green context of %d of %d SMs "
+          "(partition %u of %u): the other %d are left whole for this process's other kernels "
+          "(NCCL's)", cb->dev, cb->green_sms, cb->n_sms, pick, groups,
+          cb->n_sms - cb->green_sms);
     return 0;
 }
 

@@ -52,7 +52,10 @@ static int ep_open_child(void *ctx, uint32_t i, moed_backend_done_fn done, void 
     for (uint32_t j = 0; j < ep->n && !ep->grp; j++)
         c.sm_share += ep->gpus[j] == ep->gpus[i];
     c.max_channels = 0; /* doorbell channels: one device's kernel, not a child's */
-    c.sm_partition = ep->grp != NULL; /* NCCL's kernels need whole SMs beside it */
+    /* NCCL's kernels need whole SMs beside it; ranks sharing a GPU (under
+     * MPS) take disjoint partitions: a persistent grid must be resident
+     * whole */
+    c.sm_partition = ep->grp ? 1 + (int)ep->rank : 0;
     return moed_backend_cuda_open(ep->model, &c, done, done_ctx, out, err, errlen);
 }
 
