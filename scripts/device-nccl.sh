@@ -7,6 +7,15 @@ set -u
 cd "$(dirname "$0")/.."
 LOG=${OUT:-build-cuda/gpu-logs}
 mkdir -p "$LOG"
+# NCCL_STACKS_AFTER=S: S seconds in, every moed's host threads' stacks
+# (cuda-gdb attaches; the machine has no gdb) to $LOG/stacks-PID.txt
+if [ -n "${NCCL_STACKS_AFTER:-}" ]; then
+    (sleep "$NCCL_STACKS_AFTER"
+     for p in $(pgrep -x moed); do
+         timeout 60 cuda-gdb -batch -p "$p" -ex "info threads" -ex "thread apply all bt" \
+             > "$LOG/stacks-$p.txt" 2>&1
+     done) &
+fi
 BUILD=build-cuda GPU_TESTS_ONLY=nccl GPU_TEST_PY_TIMEOUT=${NCCL_TEST_TIMEOUT:-240} OUT="$LOG/nccl" \
     scripts/device-gpu.sh test > "$LOG/nccl.txt" 2>&1
 rc=$?

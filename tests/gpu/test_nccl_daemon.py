@@ -64,7 +64,8 @@ def cfg_for(tmp, models, **over):
 
 def rank_env(rank, extra=None):
     env = {"MOED_TEST_MPS_NO_LOCK": "1", "NCCL_HOSTID": "moed-test-host-%d" % rank,
-           "NCCL_SOCKET_IFNAME": "lo", "NCCL_DEBUG": "WARN"}
+           "NCCL_SOCKET_IFNAME": "lo",
+           "NCCL_DEBUG": os.environ.get("MOED_TEST_NCCL_DEBUG", "WARN")}
     env.update(extra or {})
     return env
 
