@@ -571,11 +571,14 @@ void cuda_free_all(struct cuda_backend *cb, int device_ok)
     free(cb);
 }
 
-static void cuda_close(struct moed_backend *be)
+static const struct moed_backend_ops cuda_ops;
+
+void moed_backend_cuda_quiesce(struct moed_backend *be)
 {
     struct cuda_backend *cb = (struct cuda_backend *)be;
-    if (!cb)
+    if (!cb || be->ops != &cuda_ops || cb->quiesced)
         return;
+    cb->quiesced = 1;
     (void)cuda_use(cb); /* the closing thread may have made another current */
     cuda_chan_deactivate_all(cb);
     pthread_mutex_lock(&cb->mu);
@@ -584,24 +587,34 @@ static void cuda_close(struct moed_backend *be)
     pthread_mutex_unlock(&cb->mu);
     if (cb->thr_started)
         pthread_join(cb->thr, NULL);
+    cb->thr_started = 0;
     /* Stop the kernel; after a failure it may still be finishing batches
      * that were failed already, or be gone with a sticky error. Free device
-     * memory only when the kernel is known to be gone, never under a live
-     * (hung) kernel. */
-    int device_ok = 1;
+     * memory (cuda_close) only when the kernel is known to be gone, never
+     * under a live (hung) kernel. */
+    cb->device_ok = 1;
     if (cb->running) {
         if (stop_kernel(cb, 5000)) {
             cudaError_t q = cudaStreamQuery(cb->stream);
-            device_ok = q != cudaErrorNotReady;
-            if (!device_ok)
+            cb->device_ok = q != cudaErrorNotReady;
+            if (!cb->device_ok)
                 LOG_E("cuda: GPU %d: kernel did not stop; device memory is left to process exit",
                       cb->dev);
         }
         cb->running = 0;
     }
-    if (device_ok)
+}
+
+static void cuda_close(struct moed_backend *be)
+{
+    struct cuda_backend *cb = (struct cuda_backend *)be;
+    if (!cb)
+        return;
+    moed_backend_cuda_quiesce(be);
+    (void)cuda_use(cb);
+    if (cb->device_ok)
         cuda_release_queued(cb);
-    cuda_dev_release(cb, device_ok);
+    cuda_dev_release(cb, cb->device_ok);
 }
 
 static const struct moed_backend_ops cuda_ops = {

@@ -4,7 +4,9 @@
  * moed_backend_cuda_open() (backend.h) serves a loaded checkpoint; the
  * function here serves layers the caller built in memory (tests) or random
  * NVFP4 weights generated on the device (benchmark), through the same
- * placement, queue and kernel. The tests' and the benchmark's hooks into a
+ * placement, queue and kernel; moed_backend_cuda_quiesce stops a backend's
+ * kernel ahead of its close (an NCCL worker, nccl_group.h). The tests' and
+ * the benchmark's hooks into a
  * running backend are in backend_cuda_hooks.h (test-only).
  */
 #ifndef MOED_BACKEND_CUDA_H
@@ -29,5 +31,12 @@ struct moed_cuda_src {
 int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moed_backend_cfg *cfg,
                                moed_backend_done_fn done, void *done_ctx,
                                struct moed_backend **out, char *err, size_t errlen);
+
+/* Stop `be`'s (a CUDA backend's) completion thread and persistent kernel and
+ * wait for them, freeing nothing; its close then frees. For a caller that
+ * must have the kernel gone before something else that waits for every
+ * kernel of the process (aborting an NCCL communicator frees NCCL's host
+ * buffers). Idempotent; the backend takes no batch after it. */
+void moed_backend_cuda_quiesce(struct moed_backend *be);
 
 #endif

@@ -85,6 +85,8 @@ struct cuda_backend {
     int thr_started;
     int running;   /* kernel launched and not stopped */
     int closing;
+    int quiesced;  /* moed_backend_cuda_quiesce ran */
+    int device_ok; /* after it: the kernel is known gone (device memory may be freed) */
     int failed;    /* sticky: unhealthy */
     uint64_t next_seq;  /* last seq published */
     uint64_t delivered; /* last seq completed and handed back */

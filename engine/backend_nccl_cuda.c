@@ -30,6 +30,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "backend_cuda.h"
 #include "moe_gpu.h"
 #include "moed_check_cuda.h"
 #include "moed_err.h"
@@ -809,11 +810,20 @@ static void worker_close(struct moed_backend *be)
 {
     struct nccl_worker *w = (struct nccl_worker *)be;
     atomic_store(&w->stop, 1);
+    /* The persistent kernel goes first: aborting the communicator frees
+     * NCCL's host buffers (cudaFreeHost in its proxy thread), which waits
+     * for every kernel of the process; with this one resident it never
+     * returned (H200, 2026-12-03: rank 1 stopped in ncclCommAbort for good,
+     * bench/NOTES.md). A worker thread inside an abort of its own (a
+     * timeout) holds g->mu until then. */
+    moed_backend_cuda_quiesce(w->local);
     if (w->th_started) {
         /* a receive posted for rank 0's next header ends only with the
-         * communicator: abort it, then the loop sees stop */
+         * communicator: abort it, then the loop sees stop; a thread that
+         * ended (rank 0 sent STOP) left nothing posted, and
+         * moed_nccl_close ends the communicator after this close */
         pthread_mutex_lock(&w->g->mu);
-        if (!atomic_load(&w->g->failed)) {
+        if (!atomic_load(&w->ended) && !atomic_load(&w->g->failed)) {
             atomic_store(&w->g->failed, 1);
             (void)ncclCommAbort(w->g->comm);
         }

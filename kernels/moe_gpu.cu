@@ -264,6 +264,14 @@ extern "C" int moe_gpu_start(const struct moe_gpu_params *p, const struct moe_gp
                              void *stream, char *err, size_t errlen)
 {
     int rc = 0;
+    /* Every kernel launched while the persistent one runs is loaded first:
+     * under lazy loading (CUDA's default since 12.2) loading a kernel may
+     * synchronize the context, which never ends while a persistent kernel
+     * is resident (CUDA Programming Guide, Lazy Loading, "Potential
+     * hazards"). Seen on an H200: rank 0 of an NCCL group hung for good in
+     * the first rows_merge's cudaStreamSynchronize (bench/NOTES.md). */
+    cudaFuncAttributes fa;
+    MOED_CUDA_TRY(cudaFuncGetAttributes(&fa, rows_merge));
     moe_persistent<<<l->grid, l->block, l->smem_bytes, (cudaStream_t)stream>>>(*p);
     MOED_CUDA_TRY(cudaGetLastError());
 cleanup:

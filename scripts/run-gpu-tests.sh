@@ -7,8 +7,8 @@
 #   GPU_TESTS_QUICK=1 skip the deepseek-v3 shape (needs ~16 GB host memory)
 #   GPU_TESTS_ONLY=zero-copy|doorbell|nccl  run step 6, 7 or 8 alone (under MPS;
 #                 doorbell-model, doorbell-memcheck: one file of 7);
-#                 base: steps 1-5 only (kernel: 1-2, daemon: 3-5); mps: 6 and
-#                 7 only (each part fits one device call of 10 minutes, the
+#                 base: steps 1-5 only (kernel: 1-2, daemon: 3-5); mps: 6 to
+#                 8 only (each part fits one device call of 10 minutes, the
 #                 whole may not)
 set -u
 . "$(dirname "$0")/mps.sh"
@@ -197,8 +197,7 @@ fi # daemon
 #    under memcheck), torch clients on the daemon's GPU under MPS (started
 #    here, stopped after); and 8. an NCCL group of two daemons on the one GPU
 #    (tests/gpu/test_nccl_daemon.py, numpy only: ranks = one daemon bit for
-#    bit, a peer that stops answering, a group that never forms), with
-#    GPU_TESTS_ONLY=nccl only: it does not pass yet (docs/MULTI_GPU.md)
+#    bit, a peer that stops answering, a group that never forms)
 if [ "$ONLY" = base ] || [ "$ONLY" = kernel ] || [ "$ONLY" = daemon ]; then
     : # steps 1-5 only
 elif python3 -c 'import torch, numpy, pytest; assert torch.cuda.is_available()' 2>/dev/null &&
@@ -213,9 +212,6 @@ elif python3 -c 'import torch, numpy, pytest; assert torch.cuda.is_available()' 
         name=${t%%:*}
         [ -z "$ONLY" ] || [ "$ONLY" = mps ] || [ "$ONLY" = "${name%%-*}" ] || [ "$ONLY" = "$name" ] ||
             continue
-        # the NCCL group's exchanges stall while both ranks' persistent kernels are
-        # resident (docs/MULTI_GPU.md, "Across hosts"): run only when asked for
-        [ "$name" = nccl ] && [ "$ONLY" != nccl ] && continue
         timeout -s INT -k 20 "${GPU_TEST_PY_TIMEOUT:-600}" python3 -m pytest -v -s -rs -p no:cacheprovider \
             -W ignore::FutureWarning "tests/gpu/${t#*:}" > "$LOGDIR/pytest-$name.log" 2>&1
         rc=$?

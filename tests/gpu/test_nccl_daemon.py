@@ -20,10 +20,12 @@ data through its socket transport over loopback, as between hosts.
 - a group that never forms: rank 0 alone exits with 4 after the timeout, a
   worker with no id file says rank 0 never wrote it.
 
-numpy only (no torch). MOED_TEST_MPS=1 is required (skips otherwise). It does
-not pass yet: the first batch's exchange never completes while both ranks'
-persistent kernels are resident (docs/MULTI_GPU.md, "Not working yet"), so
-scripts/run-gpu-tests.sh runs it with GPU_TESTS_ONLY=nccl only.
+Each rank's persistent kernel runs on its own green-context partition of 48
+SMs (engine.sms_free 80; rank n takes partition n), so both are resident
+whole and 36 SMs stay free for NCCL's kernels.
+
+numpy only (no torch). MOED_TEST_MPS=1 is required (skips otherwise);
+MOED_TEST_NCCL_DEBUG sets the ranks' NCCL_DEBUG (default WARN).
 """
 
 import json
@@ -50,7 +52,7 @@ if os.environ.get("MOED_TEST_MPS") != "1" or not os.path.exists(du.MOED):
     pytest.skip("needs a CUDA build of moed and MPS on the GPU (MOED_TEST_MPS=1)",
                 allow_module_level=True)
 
-SMS_FREE = 80  # each rank's kernel on 52 of 132 SMs: two fit, NCCL's beside them
+SMS_FREE = 80  # each rank's kernel on a 48-SM partition of its own, 36 SMs for NCCL's
 EXIT_BACKEND = 4
 
 
