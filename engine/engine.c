@@ -118,6 +118,11 @@ void on_backend_done(void *ctx, struct moed_batch *b)
     MOED_UV_CHECK(uv_async_send(&e->async));
 }
 
+/* What a backend that stopped being healthy has logged before (its own
+ * line names the cause): a device error, a stalled kernel, a lost NCCL peer
+ * or the end of an NCCL group. */
+#define BACKEND_UNHEALTHY "backend unhealthy (the lines above say why)"
+
 static void engine_fail(struct moed_engine *e, int code, const char *why)
 {
     if (e->failed)
@@ -184,7 +189,7 @@ static void batch_complete(struct moed_engine *e, struct eng_batch *eb)
     batch_free(e, eb);
     if (status == MOED_E_BACKEND ||
         (e->be && e->be->ops->healthy && !e->be->ops->healthy(e->be)))
-        engine_fail(e, MOED_E_BACKEND, "backend unhealthy (device error or stalled kernel)");
+        engine_fail(e, MOED_E_BACKEND, BACKEND_UNHEALTHY);
 }
 
 int moed_engine_attach(struct moed_engine *e, char *err, size_t errlen)
@@ -244,7 +249,7 @@ static void on_health_timer(uv_timer_t *t)
 {
     struct moed_engine *e = t->data;
     if (!e->failed && e->be && !e->be->ops->healthy(e->be))
-        engine_fail(e, MOED_E_BACKEND, "backend unhealthy (device error or stalled kernel)");
+        engine_fail(e, MOED_E_BACKEND, BACKEND_UNHEALTHY);
 }
 
 /* Answer the T = 0 requests: the reply head alone, n_tokens 0 and no y
