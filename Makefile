@@ -109,7 +109,7 @@ BENCH_BIN := $(patsubst bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 BENCH_CU_OBJ := $(patsubst %.cu,$(BUILD)/%.o,$(wildcard bench/*.cu))
 BENCH_LIBS ?= -L$(CUDA_HOME)/lib64 -lcublas
 
-.PHONY: all run test unit-test py-test asan test-gpu test-integration bench fuzz fuzz-run soak install deb clean \
+.PHONY: all run test unit-test py-test asan test-gpu test-integration bench bench-ep fuzz fuzz-run soak install deb clean \
         venv config-doc check-cuda-compile FORCE
 all: $(BUILD)/moed $(BUILD)/moectl $(BUILD)/libmoedclient.so $(BUILD)/moed-client.pc \
      $(BUILD)/moed.service
@@ -222,6 +222,11 @@ test-gpu: all $(GPU_BIN) $(TOOL_BIN) venv
 
 bench: all $(BENCH_BIN)
 	BUILD=$(BUILD) scripts/run-bench.sh
+
+# One DeepSeek-V3 layer on one GPU and over BENCH_EP_GPUS (default 0,1), side
+# by side (scripts/bench-ep.sh; docs/MULTI_GPU.md)
+bench-ep: all
+	BUILD=$(BUILD) scripts/bench-ep.sh
 
 # The CUDA sources compile for every arch in CUDA_ARCHS (CI has nvcc, no GPU).
 check-cuda-compile: $(CU_OBJ) $(CHAN_FATBIN)

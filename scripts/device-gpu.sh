@@ -10,6 +10,8 @@
 #                                         and/or scripts/run-bench.sh with
 #                                         LD_LIBRARY_PATH=.device/lib; logs to
 #                                         $OUT (or $BUILD/gpu-logs)
+#   scripts/device-gpu.sh bench-ep        there: scripts/bench-ep.sh (one GPU
+#                                         against BENCH_EP_GPUS)
 # Carry $BUILD and .device to the GPU machine with the working tree.
 set -u
 cd "$(dirname "$0")/.."
@@ -47,6 +49,9 @@ export LOGDIR
 rc=0
 if [ "$mode" = test ] || [ "$mode" = all ]; then
     BUILD="$BUILD" scripts/run-gpu-tests.sh || rc=1
+fi
+if [ "$mode" = bench-ep ]; then
+    BUILD="$BUILD" LOGDIR="$LOGDIR" scripts/bench-ep.sh || rc=1
 fi
 if [ "$mode" = bench ] || [ "$mode" = all ]; then
     BUILD="$BUILD" scripts/run-bench.sh 2>&1 | tee "$LOGDIR/bench.txt" || rc=1
