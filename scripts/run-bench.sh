@@ -7,6 +7,8 @@
 #   BENCH_SWEEP=0      skip the latency sweep over T = 1..512 (sweep.csv, sweep.png)
 #   BENCH_ZC=0         skip the three client paths (inline, descriptor, doorbell) under MPS
 #   BENCH_ZC_*         bench/zero_copy.py's own settings (models, T list, iterations)
+#   BENCH_ZC_PEER=0    skip the dedicated-GPU run of it (moed on GPU 0, the client on
+#                      GPU 1: only with two GPUs and peer access; zero_copy_peer.md)
 #   BENCH_MPS=0        skip bench/mps_share.py (moed's SM share under MPS); BENCH_MPS_* its settings
 #   BENCH_DS_TOKENS, BENCH_QWEN_TOKENS, BENCH_SWEEP_TOKENS, BENCH_SWEEP_ITERS: the T lists
 set -u
@@ -104,6 +106,16 @@ if [ "${BENCH_ZC:-1}" = 1 ] && [ -x "$BUILD/moed" ] && command -v nvidia-cuda-mp
         [ "${PIPESTATUS[0]}" = 0 ] || rc=1
     fi
     mps_stop
+fi
+# The dedicated expert GPU (docs/ZERO_COPY.md "Mode 2"): the same paths with the
+# client on GPU 1 and moed on GPU 0 over peer access, no MPS (issue 14's target:
+# the doorbell <= 8 us over the kernel); two GPUs only
+if [ "${BENCH_ZC_PEER:-1}" = 1 ] && [ -x "$BUILD/moed" ] &&
+        python3 -c 'import torch; assert torch.cuda.device_count() >= 2' 2>/dev/null; then
+    BENCH_ZC_CLIENT_GPU=1 BENCH_ZC_MODELS=${BENCH_ZC_MODELS:-deepseek-v3} \
+        PYTHONPATH="$PWD/ipc/python${PYTHONPATH:+:$PYTHONPATH}" MOED_BUILD="$BUILD" \
+        timeout "${BENCH_ZC_TIMEOUT:-900}" python3 bench/zero_copy.py 2>&1 | tee "$LOGDIR/zero_copy_peer.md"
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 
 if python3 -c 'import matplotlib' 2>/dev/null; then
