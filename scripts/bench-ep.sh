@@ -17,6 +17,7 @@
 # one-GPU latency. A list that names one GPU twice (0,0) runs the same code
 # on one GPU: a check that the path works, not a measurement of the target.
 set -u
+. "$(dirname "$0")/moed-start.sh"
 BUILD=${BUILD:-build-cuda}
 LOGDIR=${LOGDIR:-$BUILD/bench-logs}
 GPUS=${BENCH_EP_GPUS:-0,1}
@@ -56,14 +57,9 @@ run_conf() {
             "batch_deadline_ms": 20000$extra},
  "log": {"level": "info"}}
 JSON
-    "$BUILD/moed" --config "$tmp/moed.json" > "$LOGDIR/ep-$tag-moed.log" 2>&1 &
-    pid=$!
     ok=0
-    for _ in $(seq 1 "${BENCH_EP_START_S:-900}0"); do
-        if grep -q 'ready: socket' "$LOGDIR/ep-$tag-moed.log"; then ok=1; break; fi
-        kill -0 $pid 2>/dev/null || break
-        sleep 0.1
-    done
+    moed_start "$tmp/moed.json" "$LOGDIR/ep-$tag-moed.log" "${BENCH_EP_START_S:-900}" && ok=1
+    pid=$MOED_PID
     if [ $ok = 1 ]; then
         for T in $(echo "$TOKENS" | tr ',' ' '); do
             timeout $((DUR * 4 + 60)) "$BUILD/moectl" bench --socket "$tmp/moed.sock" --tokens "$T" \

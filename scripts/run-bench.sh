@@ -13,6 +13,7 @@
 #   BENCH_DS_TOKENS, BENCH_QWEN_TOKENS, BENCH_SWEEP_TOKENS, BENCH_SWEEP_ITERS: the T lists
 set -u
 . "$(dirname "$0")/mps.sh"
+. "$(dirname "$0")/moed-start.sh"
 BUILD=${BUILD:-build}
 LOGDIR=${LOGDIR:-$BUILD/bench-logs}
 mkdir -p "$LOGDIR"
@@ -66,14 +67,9 @@ if [ "${BENCH_E2E:-1}" = 1 ] && [ -x "$BUILD/moed" ] && [ -x "$BUILD/moectl" ]; 
  "log": {"level": "info"}}
 JSON
     t0=$(date +%s)
-    "$BUILD/moed" --config "$tmp/moed.json" > "$LOGDIR/e2e-moed.log" 2>&1 &
-    pid=$!
     ok=0
-    for _ in $(seq 1 "${BENCH_E2E_START_S:-120}0"); do
-        if grep -q 'ready: socket' "$LOGDIR/e2e-moed.log"; then ok=1; break; fi
-        kill -0 $pid 2>/dev/null || break
-        sleep 0.1
-    done
+    moed_start "$tmp/moed.json" "$LOGDIR/e2e-moed.log" "${BENCH_E2E_START_S:-120}" && ok=1
+    pid=$MOED_PID
     echo "# e2e: moed ready=$ok after $(( $(date +%s) - t0 )) s (synthetic qwen3-30b-a3b, 1 layer, backend cuda)"
     if [ $ok = 1 ]; then
         timeout 60 "$BUILD/moectl" bench --socket "$tmp/moed.sock" --tokens 64 --connections 1 \

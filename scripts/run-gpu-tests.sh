@@ -12,6 +12,7 @@
 #                 whole may not)
 set -u
 . "$(dirname "$0")/mps.sh"
+. "$(dirname "$0")/moed-start.sh"
 BUILD=${BUILD:-build}
 LOGDIR=${LOGDIR:-$BUILD/gpu-logs}
 mkdir -p "$LOGDIR"
@@ -103,14 +104,9 @@ if [ -x "$BUILD/moed" ]; then
  "engine": {"backend": "cuda", "max_tokens": 64, "batch_deadline_ms": 2000},
  "log": {"level": "info"}}
 JSON
-    "$BUILD/moed" --config "$tmp/moed.json" > "$LOGDIR/moed-cuda.log" 2>&1 &
-    pid=$!
     ok=FAIL
-    for _ in $(seq 1 600); do
-        if grep -q 'ready: socket' "$LOGDIR/moed-cuda.log"; then ok=PASS; break; fi
-        kill -0 $pid 2>/dev/null || break
-        sleep 0.1
-    done
+    moed_start "$tmp/moed.json" "$LOGDIR/moed-cuda.log" 60 && ok=PASS
+    pid=$MOED_PID
     detail=$(grep -oE 'self-check passed[^"]*' "$LOGDIR/moed-cuda.log" | head -1)
     [ -n "$detail" ] || { ok=FAIL; detail="no self-check line (see moed-cuda.log)"; }
     if [ $ok = PASS ] && [ -x "$BUILD/moectl" ]; then
