@@ -170,6 +170,22 @@ else
     step "peer GPU client (GPU 1 -> moed GPU 0)" SKIP "fewer than 2 GPUs, or torch/numpy/pytest missing"
 fi
 
+# 4d. the NCCL group on two GPUs of this host (rank r on GPU r, no MPS,
+# tests/gpu/test_nccl_daemon.py with MOED_TEST_NCCL_GPUS=2: one daemon bit for
+# bit, the environment bootstrap, a stopped peer, a group that never forms,
+# SIGKILL of either rank); SKIP with one GPU
+if python3 -c 'import numpy, pytest, torch; assert torch.cuda.device_count() >= 2' 2>/dev/null; then
+    PYTHONPATH="$PWD/ipc/python${PYTHONPATH:+:$PYTHONPATH}" MOED_BUILD="$BUILD" MOED_TEST_NCCL_GPUS=2 \
+        timeout 900 python3 -m pytest -v -s -rs -p no:cacheprovider tests/gpu/test_nccl_daemon.py \
+        > "$LOGDIR/pytest-nccl-2gpu.log" 2>&1
+    rc=$?
+    grep -E '::.*(PASSED|FAILED|SKIPPED|ERROR)|exited' "$LOGDIR/pytest-nccl-2gpu.log" | sed 's/^/    /'
+    step "NCCL group on GPUs 0 and 1" "$([ $rc = 0 ] && echo PASS || echo FAIL)" \
+        "$(tail -1 "$LOGDIR/pytest-nccl-2gpu.log")"
+else
+    step "NCCL group on GPUs 0 and 1" SKIP "fewer than 2 GPUs, or torch/numpy/pytest missing"
+fi
+
 # 5. a real transformers model (Qwen3-MoE, DeepSeek-V3) on the GPU with its MoE
 # layers served by moed on the CUDA backend (inline path, idle exit 20 ms)
 if python3 -c 'import torch, transformers; assert torch.cuda.is_available()' 2>/dev/null; then

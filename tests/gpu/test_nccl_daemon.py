@@ -2,6 +2,14 @@
 docs/MULTI_GPU.md "Across hosts"), two processes on one host standing in for
 two hosts.
 
+Two modes. MOED_TEST_MPS=1 (scripts/run-gpu-tests.sh step 8): both ranks on
+GPU 0 under MPS, as below. MOED_TEST_NCCL_GPUS=2 (step 4d, two GPUs, no MPS):
+rank r on GPU r, NCCL choosing its own transport between them (no
+NCCL_HOSTID), and the same tests plus SIGKILL of either rank (a killed
+process with a resident kernel would fault the other MPS clients of its GPU,
+so the one-GPU mode stops the peer with SIGSTOP only): the survivor is no
+longer ready and exits with 4 within its timeout.
+
 Both ranks run on the one GPU of the test machine: under MPS (started by
 scripts/run-gpu-tests.sh), each leaving SMs free for the other's kernel and
 for NCCL's (engine.sms_free), with MOED_TEST_MPS_NO_LOCK (a second moed on an
@@ -16,7 +24,8 @@ data through its socket transport over loopback, as between hosts.
 - the same through NCCL's environment bootstrap (NCCL_COMM_ID);
 - a peer that stops answering (SIGSTOP): rank 0's batch fails, it is no
   longer ready and exits with 4 within engine.nccl_timeout_ms; once resumed
-  the peer finds rank 0 gone and exits with 4 too;
+  the peer finds rank 0 gone and exits with 4 too; with rank 0's kernel
+  idling out and with it resident;
 - a group that never forms: rank 0 alone exits with 4 after the timeout, a
   worker with no id file says rank 0 never wrote it.
 
@@ -48,26 +57,29 @@ import moed_client as mc  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ep_cases import TOKENS, batches, differ, skewed_map  # noqa: E402
 
-if os.environ.get("MOED_TEST_MPS") != "1" or not os.path.exists(du.MOED):
-    pytest.skip("needs a CUDA build of moed and MPS on the GPU (MOED_TEST_MPS=1)",
-                allow_module_level=True)
+TWO_GPUS = os.environ.get("MOED_TEST_NCCL_GPUS") == "2"
+if not os.path.exists(du.MOED) or not (TWO_GPUS or os.environ.get("MOED_TEST_MPS") == "1"):
+    pytest.skip("needs a CUDA build of moed and MPS on the GPU (MOED_TEST_MPS=1) or two GPUs "
+                "(MOED_TEST_NCCL_GPUS=2)", allow_module_level=True)
 
 SMS_FREE = 80  # each rank's kernel on a 48-SM partition of its own, 36 SMs for NCCL's
 EXIT_BACKEND = 4
 
 
-def cfg_for(tmp, models, **over):
+def cfg_for(tmp, models, gpu=0, **over):
     kw = dict(status__port=du.free_port(), engine__backend="cuda", engine__sms_free=SMS_FREE,
               engine__max_tokens=max(TOKENS), server__max_frame_bytes=4 << 20,
               server__max_client_buffer_bytes=16 << 20)
+    if TWO_GPUS:
+        kw["engine__gpus"] = [gpu]
     kw.update(over)
     return du.base_config(str(tmp), models, **kw)
 
 
 def rank_env(rank, extra=None):
-    env = {"MOED_TEST_MPS_NO_LOCK": "1", "NCCL_HOSTID": "moed-test-host-%d" % rank,
-           "NCCL_SOCKET_IFNAME": "lo",
-           "NCCL_DEBUG": os.environ.get("MOED_TEST_NCCL_DEBUG", "WARN")}
+    env = {"NCCL_SOCKET_IFNAME": "lo", "NCCL_DEBUG": os.environ.get("MOED_TEST_NCCL_DEBUG", "WARN")}
+    if not TWO_GPUS:  # two ranks on one GPU: NCCL must take them for two hosts
+        env.update({"MOED_TEST_MPS_NO_LOCK": "1", "NCCL_HOSTID": "moed-test-host-%d" % rank})
     env.update(extra or {})
     return env
 
@@ -118,7 +130,8 @@ def group(tmp, models, n=2, env=None, **over):
     for r in range(n):
         d = tmp / ("rank%d" % r)
         d.mkdir()
-        cfg = cfg_for(d, models, engine__nccl_ranks=n, engine__nccl_rank=r, **over)
+        cfg = cfg_for(d, models, gpu=r if TWO_GPUS else 0, engine__nccl_ranks=n,
+                      engine__nccl_rank=r, **over)
         ds.append(du.Daemon(d, cfg, env=rank_env(r, env)))
     return ds
 
@@ -172,12 +185,19 @@ def test_environment_bootstrap(tmp_path, reference):
         r1.kill()
 
 
-def test_peer_that_stops_answering_fails_rank_0(tmp_path, reference):
+@pytest.mark.parametrize("r0_kernel", ["idles-out", "resident"])
+def test_peer_that_stops_answering_fails_rank_0(tmp_path, reference, r0_kernel):
+    """resident: rank 0's persistent kernel never idles out (engine.idle_exit_ms
+    0), so it is resident when rank 0 aborts the communicator (NCCL's abort
+    frees host buffers, which waits for the process's kernels: a worker hung
+    there at its close until it stopped its kernel first)."""
     models, info, cases, _ = reference
     timeout_ms = 3000
     r0, r1 = group(tmp_path, models, engine__nccl_id_file=str(tmp_path / "nccl.id"),
                    engine__nccl_timeout_ms=timeout_ms, engine__nccl_keepalive_ms=300,
                    engine__idle_exit_ms=50)
+    if r0_kernel == "resident":
+        r0.cfg["engine"]["idle_exit_ms"] = 0
     start_group([r1, r0])
     try:
         # T >= 2 with the shared experts: token 1's shared slot is rank 1's
@@ -225,3 +245,35 @@ def test_group_that_never_forms(tmp_path, reference):
                            env=env, timeout=du.wait_s(180))
         assert p.returncode == EXIT_BACKEND, p.stdout[-2000:] + p.stderr[-2000:]
         assert want in p.stdout + p.stderr, p.stdout[-2000:] + p.stderr[-2000:]
+
+
+@pytest.mark.skipif(not TWO_GPUS, reason="SIGKILL of a rank: two GPUs only (MOED_TEST_NCCL_GPUS=2)")
+@pytest.mark.parametrize("killed", [1, 0])
+def test_killed_rank_ends_the_other(tmp_path, reference, killed):
+    """SIGKILL of rank `killed` (its kernel resident: no idle exit): the other
+    rank stops being ready and exits with 4 within its timeout (rank 0 at its
+    next batch, the worker when rank 0's keepalive pings stop)."""
+    models, info, cases, _ = reference
+    timeout_ms = 3000
+    r0, r1 = group(tmp_path, models, engine__nccl_id_file=str(tmp_path / "nccl.id"),
+                   engine__nccl_timeout_ms=timeout_ms, engine__nccl_keepalive_ms=300)
+    start_group([r1, r0])
+    try:
+        run_cases(r0.sock_path, cases[:6])  # the group works
+        dead, other = (r1, r0) if killed == 1 else (r0, r1)
+        os.kill(dead.pid, signal.SIGKILL)
+        dead.wait(du.wait_s(30))
+        t0 = time.monotonic()
+        if killed == 1:
+            layer, t, ro, em, x, ids, w = next(c for c in cases if c[1] >= 2 and not c[2])
+            with mc.Client(r0.sock_path, timeout=du.wait_s(60)) as c:
+                with pytest.raises((mc.MoedError, OSError)):
+                    c.forward(layer, x, ids, w)
+        code = other.wait(du.wait_s(timeout_ms / 1000 * 3 + 30))
+        took = time.monotonic() - t0
+        assert code == EXIT_BACKEND, other.log()[-4000:]
+        print("rank %d exited %d, %.1f s after rank %d was killed (timeout %d ms)"
+              % (1 - killed, code, took, killed, timeout_ms))
+    finally:
+        r0.kill()
+        r1.kill()
