@@ -4,11 +4,16 @@
  *
  * Threads and the communicator. NCCL calls on one communicator must not run
  * from two threads at once, and after ncclCommAbort nothing may touch it:
- * every call (the sends and receives of an exchange, ncclCommGetAsyncError,
- * the abort) is made under the group's mutex `mu`, and `failed` (set under
- * it, once) means the communicator is gone. Waiting for an exchange is not
- * done under mu: the caller polls its event, takes mu only to ask NCCL for
- * an asynchronous error, and fails the group at its deadline.
+ * every call (the sends and receives of an exchange, ncclCommGetAsyncError)
+ * is made under the group's mutex `mu`, and `failed` (set under it, once)
+ * means the communicator is gone: no call touches it after. Waiting for an
+ * exchange is not done under mu: the caller polls its event, takes mu only
+ * to ask NCCL for an asynchronous error, and fails the group at its
+ * deadline. A failure hands the abort to a thread of its own
+ * (grp_abort_locked): ncclCommAbort frees NCCL's host buffers, which waits
+ * for every kernel of the process, so with this process's persistent
+ * kernel resident it returns only once the daemon's close has stopped that
+ * kernel; the failing thread returns at once and its batch fails now.
  *
  * Rank 0 runs one thread per peer (the exchanges of peer r, its pings);
  * rank r > 0 one thread, the worker loop: receive a header, check it, run
@@ -50,6 +55,9 @@ struct moed_nccl_group {
     const struct moed_model *model;
     pthread_mutex_t mu;
     atomic_int failed; /* written under mu */
+    pthread_t aborter; /* grp_abort_locked's thread, joined by grp_abort_join */
+    int aborter_started;
+    ncclComm_t aborting; /* what it aborts (g->comm may be cleared meanwhile) */
     char id_path[4096]; /* the file rank 0 wrote ("" none) */
 };
 
@@ -70,6 +78,35 @@ static void nap(unsigned round)
     nanosleep(&ts, NULL);
 }
 
+static void *aborter_main(void *arg)
+{
+    struct moed_nccl_group *g = arg;
+    (void)cudaSetDevice(g->gpu);
+    (void)ncclCommAbort(g->aborting);
+    return NULL;
+}
+
+/* Abort the communicator on a thread of its own (the header comment says
+ * why), inline if none can be started. Under mu, with failed set. */
+static void grp_abort_locked(struct moed_nccl_group *g)
+{
+    if (g->aborter_started)
+        return;
+    g->aborting = g->comm;
+    if (pthread_create(&g->aborter, NULL, aborter_main, g) == 0)
+        g->aborter_started = 1;
+    else
+        (void)ncclCommAbort(g->comm);
+}
+
+/* Wait for grp_abort_locked's thread (before g is freed). */
+static void grp_abort_join(struct moed_nccl_group *g)
+{
+    if (g->aborter_started)
+        pthread_join(g->aborter, NULL);
+    g->aborter_started = 0;
+}
+
 /* The group fails for good: log why, abort the communicator. Under mu. */
 static void grp_fail_locked(struct moed_nccl_group *g, const char *fmt, ...)
 {
@@ -83,7 +120,7 @@ static void grp_fail_locked(struct moed_nccl_group *g, const char *fmt, ...)
     LOG_E("nccl: rank %u of %u: %s; aborting the communicator, the backend is unhealthy", g->rank,
           g->ranks, why);
     atomic_store(&g->failed, 1);
-    (void)ncclCommAbort(g->comm);
+    grp_abort_locked(g);
 }
 
 /* Settle a non-blocking call's result: poll ncclCommGetAsyncError while it
@@ -330,6 +367,7 @@ int moed_nccl_open(const struct moed_model *m, const struct moed_nccl_cfg *cfg,
     *out = g;
     return 0;
 cleanup:
+    grp_abort_join(g);
     if (g->id_path[0])
         unlink(g->id_path);
     pthread_mutex_destroy(&g->mu);
@@ -346,6 +384,7 @@ void moed_nccl_close(struct moed_nccl_group *g)
         (void)ncclCommAbort(g->comm); /* local: a dead peer cannot hold it up */
     atomic_store(&g->failed, 1);
     pthread_mutex_unlock(&g->mu);
+    grp_abort_join(g); /* a failure's abort: the kernels it waited for are gone now */
     if (g->id_path[0])
         unlink(g->id_path);
     pthread_mutex_destroy(&g->mu);
