@@ -686,6 +686,7 @@ struct nccl_worker {
     int th_started;
     atomic_int stop;
     atomic_int ended; /* the loop is over: the group failed or ended */
+    atomic_int rank0_stop; /* it ended on rank 0's STOP: nothing left posted */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int local_done;   /* under mu */
@@ -779,6 +780,7 @@ static void *worker_thread(void *arg)
         if (h->kind == MOED_NCCL_STOP) {
             LOG_W("nccl: rank %u: rank 0 ended the group after %llu batches; this worker stops "
                   "(restart it to join the next group)", g->rank, (unsigned long long)batches);
+            atomic_store(&w->rank0_stop, 1);
             break;
         }
         if (h->kind == MOED_NCCL_PING) {
@@ -853,16 +855,16 @@ static void worker_close(struct moed_backend *be)
      * NCCL's host buffers (cudaFreeHost in its proxy thread), which waits
      * for every kernel of the process; with this one resident it never
      * returned (H200, 2026-12-03: rank 1 stopped in ncclCommAbort for good,
-     * bench/NOTES.md). A worker thread inside an abort of its own (a
-     * timeout) holds g->mu until then. */
+     * bench/NOTES.md). A failure's abort, on a thread of its own, waits for
+     * it too. */
     moed_backend_cuda_quiesce(w->local);
     if (w->th_started) {
-        /* a receive posted for rank 0's next header ends only with the
-         * communicator: abort it, then the loop sees stop; a thread that
-         * ended (rank 0 sent STOP) left nothing posted, and
-         * moed_nccl_close ends the communicator after this close */
+        /* a receive posted for rank 0's next header (the loop leaves it
+         * posted when it sees stop) ends only with the communicator: abort
+         * it. After rank 0's STOP nothing is posted: the buffers are freed
+         * as usual and moed_nccl_close ends the communicator. */
         pthread_mutex_lock(&w->g->mu);
-        if (!atomic_load(&w->ended) && !atomic_load(&w->g->failed)) {
+        if (!atomic_load(&w->rank0_stop) && !atomic_load(&w->g->failed)) {
             atomic_store(&w->g->failed, 1);
             (void)ncclCommAbort(w->g->comm);
         }
