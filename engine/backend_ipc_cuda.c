@@ -254,6 +254,10 @@ int cuda_green_stream(struct cuda_backend *cb, int sms, unsigned part, cudaStrea
               "may land on every SM and leave none whole", cb->dev, want, (int)r);
         return -1;
     }
+    if (part >= groups)
+        LOG_W("cuda: GPU %d: partition %u asked, %u fit: a process on this GPU that took "
+              "partition %u shares its SMs, and two persistent grids on one partition may "
+              "not both be resident (raise engine.sms_free)", cb->dev, part, groups, pick);
     cb->green = g;
     cb->green_sms = (int)parts[pick].sm.smCount;
     *out = (cudaStream_t)st;
