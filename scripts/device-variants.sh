@@ -9,7 +9,12 @@
 #                                                       or @REV: the tree of git revision
 #                                                       REV (a branch that edits a tuning
 #                                                       constant in kernels/moe_gpu/
-#                                                       config.cuh, an older commit);
+#                                                       config.cuh, an older commit),
+#                                                       or +P1[+P2...]: HEAD's tree with
+#                                                       the patches P applied in order
+#                                                       (bench/variants/*.patch: kept in
+#                                                       the tree, a branch does not
+#                                                       outlive its session's checkout);
 #                                                       builds build-var/NAME/bench/bench_moe
 #                                                       (sm_90a only); needs .device/lib
 #                                                       from scripts/device-gpu.sh prepare
@@ -20,7 +25,8 @@
 #                                                       summary table, variants-summary.txt
 # Carry build-var and .device (and build-cuda if the GPU tests run in the same call).
 #
-# e.g. scripts/device-variants.sh prepare base: ph:-DMOE_GPU_PHASES=1 old:@f5b1759
+# e.g. scripts/device-variants.sh prepare base: ph:-DMOE_GPU_PHASES=1 old:@f5b1759 \
+#          wpf:+bench/variants/wait-prefetch.patch
 set -u
 cd "$(dirname "$0")/.."
 mode=${1:-}
@@ -40,6 +46,13 @@ if [ "$mode" = prepare ]; then
                 src=$(mktemp -d)/tree
                 git worktree add --detach "$src" "${defs#@}" > /dev/null
                 defs="" ;;
+            +*) # HEAD's tree with patches applied, in a temporary worktree
+                src=$(mktemp -d)/tree
+                git worktree add --detach "$src" HEAD > /dev/null
+                for pf in $(echo "${defs#+}" | tr '+' ' '); do
+                    git -C "$src" apply "$PWD/$pf" || { echo "$name: $pf does not apply"; exit 1; }
+                done
+                defs="" ;;
         esac
         (cd "$src" && NVCCFLAGS="$defs" CFLAGS="$defs" make -s BUILD="$src/build-var-$name" CUDA=1 \
             CUDA_ARCHS=90a "$src/build-var-$name/bench/bench_moe") > "/tmp/variant-$name.log" 2>&1 ||
@@ -48,7 +61,7 @@ if [ "$mode" = prepare ]; then
         mv "$src/build-var-$name/bench/bench_moe" "build-var/$name/bench/bench_moe"
         rm -rf "$src/build-var-$name"
         [ "$src" = "$PWD" ] || git worktree remove --force "$src"
-        [ "$name" = "$v" ] || case "${v#*:}" in @*) defs="${v#*:}" ;; esac
+        [ "$name" = "$v" ] || case "${v#*:}" in @*|+*) defs="${v#*:}" ;; esac
         echo "$defs" > "build-var/$name/DEFS" # only the binary travels
     done
     du -sh build-var
