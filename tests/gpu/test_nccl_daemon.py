@@ -29,12 +29,13 @@ data through its socket transport over loopback, as between hosts.
 - a group that never forms: rank 0 alone exits with 4 after the timeout, a
   worker with no id file says rank 0 never wrote it.
 
-Each rank's persistent kernel runs on its own green-context partition of 48
-SMs (engine.sms_free 80; rank n takes partition n), so both are resident
-whole and 36 SMs stay free for NCCL's kernels.
+On one GPU each rank's persistent kernel runs on its own green-context
+partition of 48 SMs (engine.sms_free 80; rank n takes partition n), so both
+are resident whole and 36 SMs stay free for NCCL's kernels.
 
-numpy only (no torch). MOED_TEST_MPS=1 is required (skips otherwise);
-MOED_TEST_NCCL_DEBUG sets the ranks' NCCL_DEBUG (default WARN).
+numpy only (no torch). MOED_TEST_MPS=1 or MOED_TEST_NCCL_GPUS=2 is required
+(skips otherwise; SIGKILL only with the second); MOED_TEST_NCCL_DEBUG sets
+the ranks' NCCL_DEBUG (default WARN).
 """
 
 import json
