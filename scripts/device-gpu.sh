@@ -13,6 +13,8 @@
 #   scripts/device-gpu.sh bench-ep        there: scripts/bench-ep.sh (one GPU
 #                                         against BENCH_EP_GPUS)
 # Carry $BUILD and .device to the GPU machine with the working tree.
+# The device tool returns at most 8 files from $OUT: with more, everything
+# goes into $OUT/logs.tgz and only the summaries stay beside it (pack_out).
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-cuda}
@@ -56,4 +58,15 @@ fi
 if [ "$mode" = bench ] || [ "$mode" = all ]; then
     BUILD="$BUILD" scripts/run-bench.sh 2>&1 | tee "$LOGDIR/bench.txt" || rc=1
 fi
+
+# ---- at most 8 files come back from $OUT: the summaries and one archive ----
+pack_out() {
+    [ -n "${OUT:-}" ] && [ -d "$OUT" ] || return 0
+    [ "$(find "$OUT" -type f | wc -l)" -le 8 ] && return 0
+    tar czf /tmp/moed-logs.tgz -C "$OUT" . || return 0
+    find "$OUT" -mindepth 1 -maxdepth 1 ! -name test-gpu.txt ! -name bench.txt ! -name bench.csv \
+        ! -name bench.png ! -name sweep.csv ! -name sweep.png -exec rm -rf {} +
+    mv /tmp/moed-logs.tgz "$OUT/logs.tgz"
+}
+pack_out
 exit $rc
