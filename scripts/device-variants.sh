@@ -26,7 +26,7 @@
 # Carry build-var and .device (and build-cuda if the GPU tests run in the same call).
 #
 # e.g. scripts/device-variants.sh prepare base: ph:-DMOE_GPU_PHASES=1 old:@f5b1759 \
-#          wpf:+bench/variants/wait-prefetch.patch
+#          exp:+bench/variants/EXPERIMENT.patch
 set -u
 cd "$(dirname "$0")/.."
 mode=${1:-}
