@@ -129,6 +129,8 @@ if grep -q MOED_TEST_BACKEND tests/py/daemon_util.py 2>/dev/null; then
         timeout 1500 python3 -m pytest -q -p no:cacheprovider tests/py \
         --ignore=tests/py/test_e2e_transformers.py > "$LOGDIR/pytest-cuda.log" 2>&1
     rc=$?
+    # the failures' one-line summaries, in the step's output (the log may not come back)
+    grep -E '^(FAILED|ERROR) ' "$LOGDIR/pytest-cuda.log" | cut -c1-300 | sed 's/^/    /'
     step "pytest tests/py (MOED_TEST_BACKEND=cuda)" "$([ $rc = 0 ] && echo PASS || echo FAIL)" \
         "$(tail -1 "$LOGDIR/pytest-cuda.log")"
 else
