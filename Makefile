@@ -108,6 +108,9 @@ BENCH_BIN := $(patsubst bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 # bench-only CUDA sources (baselines) and libraries (cuBLAS): never in libmoed
 BENCH_CU_OBJ := $(patsubst %.cu,$(BUILD)/%.o,$(wildcard bench/*.cu))
 BENCH_LIBS ?= -L$(CUDA_HOME)/lib64 -lcublas
+# bench-only host code shared by the bench programs (bench/lib: NVML energy)
+BENCH_LIB_OBJ := $(patsubst %.c,$(BUILD)/%.o,$(wildcard bench/lib/*.c))
+.SECONDARY: $(BENCH_LIB_OBJ)
 
 .PHONY: all run test unit-test py-test asan test-gpu test-integration bench bench-ep fuzz fuzz-run soak install deb clean \
         venv config-doc check-cuda-compile FORCE
@@ -184,9 +187,10 @@ $(BUILD)/tests/gpu_%: tests/gpu/%.c $(BUILD)/libmoed.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -MMD -MP -o $@ $< $(BUILD)/libmoed.a $(LDFLAGS) $(LIBS)
 
-$(BUILD)/bench/%: bench/%.c $(BUILD)/libmoed.a $(BENCH_CU_OBJ)
+$(BUILD)/bench/%: bench/%.c $(BUILD)/libmoed.a $(BENCH_CU_OBJ) $(BENCH_LIB_OBJ)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itests -o $@ $< $(BENCH_CU_OBJ) $(BUILD)/libmoed.a $(LDFLAGS) $(LIBS) $(BENCH_LIBS)
+	$(CC) $(CFLAGS) -Itests -Ibench/lib -o $@ $< $(BENCH_CU_OBJ) $(BENCH_LIB_OBJ) $(BUILD)/libmoed.a \
+	    $(LDFLAGS) $(LIBS) $(BENCH_LIBS)
 
 # Python virtual environment for the test helpers (numpy, ml_dtypes,
 # safetensors, pytest, prometheus_client). The package index is asked only

@@ -31,6 +31,11 @@
  * each T's timed batches one profiler range (cudaProfilerStart/Stop, the
  * kernel idle at both ends) and prints their distinct experts' bytes, for
  * the DRAM-bytes-per-batch report (scripts/device-profile.sh dram).
+ * Energy (bench/lib/power.h, NVML): per T, BENCH_ENERGY_MS (default 300; 0:
+ * none) of the same batches back to back, the board's energy counter read
+ * at both ends: joules per GB of distinct expert bytes, the mean power, and
+ * the SM clock sampled every 10 ms (the clock the power cap leaves); the
+ * sustained streaming read gets the same window, for the floor.
  */
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
@@ -50,6 +55,7 @@
 #include "moed_err.h"
 #include "moed_log.h"
 #include "nvfp4.h"
+#include "power.h"
 
 /* batch sizes one run may time (--tokens: the make bench table, or the
  * 1..512 sweep of scripts/run-bench.sh) */
@@ -200,6 +206,8 @@ int main(int argc, char **argv)
     const int prof_range = pr && *pr == '1';
     moed_log_set_level(MOED_LOG_WARN);
     char err[MOED_ERRLEN] = "";
+    const char *em = getenv("BENCH_ENERGY_MS");
+    const double energy_ms = em && *em ? atof(em) : 300;
 
     /* %globaltimer - CLOCK_REALTIME, before anything else holds the GPU */
     int64_t clk_off = 0, clk_half = 0;
@@ -224,9 +232,27 @@ int main(int argc, char **argv)
      * 3.84 over 2000). Printed for reference; the fractions use the short one. */
     float ms_s = 0;
     const int reps_s = 500;
+    /* the board's energy over that read: the joules per GB of the stream */
+    struct bench_power *pw = NULL;
+    char pci[32], perr[MOED_ERRLEN] = "";
+    if (energy_ms > 0) {
+        if (cudaDeviceGetPCIBusId(pci, sizeof pci, 0) != cudaSuccess)
+            snprintf(perr, sizeof perr, "power: no PCI bus id for GPU 0");
+        else
+            pw = bench_power_open(pci, perr, sizeof perr);
+    }
+    struct bench_power_window swin = {0};
+    if (pw && bench_power_start(pw, perr, sizeof perr)) {
+        bench_power_close(pw);
+        pw = NULL;
+    }
     if (moe_gpu_read_bw(probe, pb, reps_s, &ms_s, err, sizeof err) != 0) {
         fprintf(stderr, "read probe failed: %s\n", err);
         return 1;
+    }
+    if (pw && bench_power_stop(pw, &swin, perr, sizeof perr)) {
+        bench_power_close(pw);
+        pw = NULL;
     }
     cudaFree(probe);
     const double stream_sus = (double)pb * reps_s / (ms_s * 1e-3) / 1e12;
@@ -271,6 +297,14 @@ int main(int argc, char **argv)
            layers, baselines ? "" : " (no baselines)", desc);
     printf("# streaming read (4 GB x %d): %.3f TB/s; sustained (4 GB x %d): %.3f TB/s\n", reps,
            stream_tbs, reps_s, stream_sus);
+    if (pw)
+        printf("# energy: sustained read %.0f W (limit %.0f W), %.3f J/GB, SM clock p50 %.0f MHz "
+               "(%.0f-%.0f over %u samples); per T below: BENCH_ENERGY_MS %.0f of batches back to "
+               "back, J/GB of distinct expert bytes\n", swin.watts, swin.limit_w,
+               swin.joules / ((double)pb * reps_s / 1e9), swin.sm_mhz_p50, swin.sm_mhz_min,
+               swin.sm_mhz_max, swin.samples, energy_ms);
+    else if (energy_ms > 0)
+        printf("# energy: not measured (%s)\n", perr);
     printf("# clock: globaltimer - CLOCK_REALTIME = %lld ns, +- %lld ns (half the best of 200 "
            "mapped-memory round trips)\n", (long long)clk_off, (long long)clk_half);
     if (baselines)
@@ -297,7 +331,8 @@ int main(int argc, char **argv)
         if (ftell(csv) == 0)
             fprintf(csv, "model,T,experts,MB,moed_p50_us,moed_p10_us,moed_p90_us,moed_TBps,frac,"
                          "staged_p50_us,cublas_p50_us,staged_relL2,cublas_relL2,kernel_us,"
-                         "dispatch_us,complete_us,payload_copy_us,moed_dev_p50_us,frac_kernel\n");
+                         "dispatch_us,complete_us,payload_copy_us,moed_dev_p50_us,frac_kernel,"
+                         "energy_J_per_GB,power_W,sm_MHz\n");
     }
     struct row {
         uint32_t T;
@@ -471,6 +506,37 @@ int main(int argc, char **argv)
                "in+out %.1f\n", "", "", med[6], med[7], clk_unc, (double)(off_b - off_a) * 1e-3,
                med[8], cpy);
 
+        /* energy: the same batches (x, y in pinned host memory) back to back
+         * for energy_ms, the board's counter at both ends */
+        double jpgb = -1, watts = -1, mhz = -1;
+        if (pw) {
+            struct bench_power_window win;
+            uint32_t nb = 0;
+            double bsum = 0;
+            int ok = bench_power_start(pw, perr, sizeof perr) == 0;
+            const double t_end = now_us() + energy_ms * 1e3;
+            while (ok && (nb == 0 || now_us() < t_end)) {
+                bsum += gen_routing(&d, T, &s, ids, w, seen);
+                if (moed_one(be, nb % layers, T, d.top_k, d.hidden, x, ids, w, y, xy_kind)) {
+                    fprintf(stderr, "batch (energy) failed\n");
+                    return 1;
+                }
+                nb++;
+            }
+            if (ok && bench_power_stop(pw, &win, perr, sizeof perr) == 0 && bsum > 0) {
+                jpgb = win.joules / (bsum * (double)per_expert / 1e9);
+                watts = win.watts;
+                mhz = win.sm_mhz_p50;
+                printf("%-14s %5s   energy: %u batches back to back in %.0f ms: %.0f W, %.3f J/GB "
+                       "(%.2fx the sustained read's), SM clock p50 %.0f MHz (%.0f-%.0f)\n", "", "",
+                       nb, win.seconds * 1e3, watts, jpgb,
+                       swin.joules > 0 ? jpgb / (swin.joules / ((double)pb * reps_s / 1e9)) : 0,
+                       mhz, win.sm_mhz_min, win.sm_mhz_max);
+            } else {
+                printf("%-14s %5s   energy: not measured (%s)\n", "", "", perr);
+            }
+        }
+
         struct row *rw = &rows[ti];
         memset(rw, 0, sizeof *rw);
         rw->T = T;
@@ -546,10 +612,11 @@ int main(int argc, char **argv)
             }
         }
         if (csv)
-            fprintf(csv, "%s,%u,%.1f,%.1f,%.1f,%.1f,%.1f,%.3f,%.3f,%.1f,%.1f,%.2e,%.2e,%.1f,%.2f,%.2f,%.1f,%.1f,%.3f\n",
+            fprintf(csv, "%s,%u,%.1f,%.1f,%.1f,%.1f,%.1f,%.3f,%.3f,%.1f,%.1f,%.2e,%.2e,%.1f,%.2f,%.2f,%.1f,%.1f,%.3f,"
+                         "%.4f,%.1f,%.0f\n",
                     preset, T, dist, bytes / 1e6, p50, p10, p90, tbs,
                     tbs / stream_tbs, rw->a50, rw->b50, rw->arel, rw->brel, med[8], med[6], med[7],
-                    cpy, p50_dev, tbs_k / stream_tbs);
+                    cpy, p50_dev, tbs_k / stream_tbs, jpgb, watts, mhz);
         fflush(stdout);
         if (xy_kind == MOED_BUF_PINNED) { /* queued; freed when the backend closes */
             be->ops->host_free(be, x);
@@ -583,6 +650,7 @@ int main(int argc, char **argv)
     int64_t off2 = 0, half2 = 0;
     moed_backend_close(be);
     bl_close(bl);
+    bench_power_close(pw);
     if (bl_clock_offset(200, &off2, &half2, err, sizeof err) == 0)
         printf("# clock offset at the end: %lld ns (drift %lld ns)\n", (long long)off2,
                (long long)(off2 - clk_off));

@@ -11,6 +11,8 @@
 #                      GPU 1: only with two GPUs and peer access; zero_copy_peer.md)
 #   BENCH_MPS=0        skip bench/mps_share.py (moed's SM share under MPS); BENCH_MPS_* its settings
 #   BENCH_DS_TOKENS, BENCH_QWEN_TOKENS, BENCH_SWEEP_TOKENS, BENCH_SWEEP_ITERS: the T lists
+#   BENCH_ENERGY_MS=300 per T, ms of batches back to back under the board's
+#                      energy counter (NVML): J/GB, W, SM clock (0: none)
 set -u
 . "$(dirname "$0")/mps.sh"
 . "$(dirname "$0")/moed-start.sh"
