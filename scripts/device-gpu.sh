@@ -13,8 +13,8 @@
 #   scripts/device-gpu.sh bench-ep        there: scripts/bench-ep.sh (one GPU
 #                                         against BENCH_EP_GPUS)
 # Carry $BUILD and .device to the GPU machine with the working tree.
-# The device tool returns at most 8 files from $OUT: with more, everything
-# goes into $OUT/logs.tgz and only the summaries stay beside it (pack_out).
+# The device tool returns at most 8 files from $OUT: with more, the logs go
+# into $OUT/logs.tgz and only the summaries stay beside it (pack_out).
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build-cuda}
@@ -60,12 +60,16 @@ if [ "$mode" = bench ] || [ "$mode" = all ]; then
 fi
 
 # ---- at most 8 files come back from $OUT: the summaries and one archive ----
+# (the logs, not the synthetic models that bench-ep caches under $OUT/models,
+# nor any file over 8 MB)
 pack_out() {
     [ -n "${OUT:-}" ] && [ -d "$OUT" ] || return 0
     [ "$(find "$OUT" -type f | wc -l)" -le 8 ] && return 0
-    tar czf /tmp/moed-logs.tgz -C "$OUT" . || return 0
+    (cd "$OUT" && find . -path ./models -prune -o -type f -size -8M -print |
+         tar czf /tmp/moed-logs.tgz -T -) || return 0
     find "$OUT" -mindepth 1 -maxdepth 1 ! -name test-gpu.txt ! -name bench.txt ! -name bench.csv \
-        ! -name bench.png ! -name sweep.csv ! -name sweep.png -exec rm -rf {} +
+        ! -name bench.png ! -name sweep.csv ! -name sweep.png ! -name ep.md ! -name bench-ep.txt \
+        -exec rm -rf {} +
     mv /tmp/moed-logs.tgz "$OUT/logs.tgz"
 }
 pack_out
