@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Plot bench.csv (written by bench/bench_moe with BENCH_CSV set): p50 latency
 and effective bandwidth vs tokens per batch, moed against the two baselines,
-one column per model.
+one column per model; a third row, where the CSV has them, with moed's energy
+per GB of distinct expert bytes and the SM clock under the power cap.
 
     python3 scripts/plot_bench.py bench.csv bench.png
 """
@@ -26,7 +27,12 @@ def main(argv):
     for r in rows:
         if r["model"] not in models:
             models.append(r["model"])
-    fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 8), squeeze=False)
+    def has(key):
+        return any(float(r.get(key) or -1) > 0 for r in rows)
+    energy = has("energy_J_per_GB")
+    nrow = 3 if energy else 2
+    fig, axes = plt.subplots(nrow, len(models), figsize=(6 * len(models), 4 * nrow),
+                             squeeze=False)
     series = [("moed_p50_us", "moed (persistent), x/y through host staging", "o-"),
               ("moed_dev_p50_us", "moed (persistent), x/y in device memory", "D-"),
               ("kernel_us", "moed kernel time (head seen -> batch complete)", "x-"),
@@ -63,6 +69,25 @@ def main(argv):
         bw_ax.set_ylabel("TB/s")
         bw_ax.grid(True, which="both", alpha=0.3)
         bw_ax.legend(fontsize=8)
+        if energy:
+            en_ax = axes[2][c]
+            j = [float(r.get("energy_J_per_GB") or -1) for r in rs]
+            mhz = [float(r.get("sm_MHz") or -1) for r in rs]
+            en_ax.plot(T, [x if x > 0 else float("nan") for x in j], "o-", color="tab:green",
+                       label="moed: J per GB of distinct expert bytes")
+            en_ax.set_xscale("log", base=2)
+            en_ax.set_ylim(bottom=0)
+            en_ax.set_title("%s: energy per byte, SM clock (batches back to back)" % m)
+            en_ax.set_xlabel("tokens per batch (T)")
+            en_ax.set_ylabel("J/GB")
+            en_ax.grid(True, which="both", alpha=0.3)
+            ck_ax = en_ax.twinx()
+            ck_ax.plot(T, [x if x > 0 else float("nan") for x in mhz], "s:", color="tab:gray",
+                       label="SM clock p50 (MHz)")
+            ck_ax.set_ylabel("MHz")
+            lines = en_ax.get_legend_handles_labels()
+            more = ck_ax.get_legend_handles_labels()
+            en_ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(argv[2], dpi=110)
     return 0
