@@ -207,7 +207,15 @@ int main(int argc, char **argv)
     moed_log_set_level(MOED_LOG_WARN);
     char err[MOED_ERRLEN] = "";
     const char *em = getenv("BENCH_ENERGY_MS");
-    const double energy_ms = em && *em ? atof(em) : 300;
+    double energy_ms = 300;
+    if (em && *em) {
+        char *end;
+        energy_ms = strtod(em, &end);
+        if (*end || !(energy_ms >= 0 && energy_ms <= 60000)) {
+            fprintf(stderr, "BENCH_ENERGY_MS=%s: not a number of ms in [0, 60000]\n", em);
+            return 2;
+        }
+    }
 
     /* %globaltimer - CLOCK_REALTIME, before anything else holds the GPU */
     int64_t clk_off = 0, clk_half = 0;
