@@ -306,9 +306,10 @@ int main(int argc, char **argv)
     printf("# streaming read (4 GB x %d): %.3f TB/s; sustained (4 GB x %d): %.3f TB/s\n", reps,
            stream_tbs, reps_s, stream_sus);
     if (pw)
-        printf("# energy: sustained read %.0f W (limit %.0f W), %.3f J/GB, SM clock p50 %.0f MHz "
-               "(%.0f-%.0f over %u samples); per T below: BENCH_ENERGY_MS %.0f of batches back to "
-               "back, J/GB of distinct expert bytes\n", swin.watts, swin.limit_w,
+        printf("# energy: sustained read %.0f W (sampled draw p50 %.0f W, limit %.0f W), %.3f J/GB, "
+               "SM clock p50 %.0f MHz (%.0f-%.0f over %u samples); per T below: BENCH_ENERGY_MS "
+               "%.0f of batches back to back, J/GB of distinct expert bytes\n", swin.watts,
+               swin.draw_w_p50, swin.limit_w,
                swin.joules / ((double)pb * reps_s / 1e9), swin.sm_mhz_p50, swin.sm_mhz_min,
                swin.sm_mhz_max, swin.samples, energy_ms);
     else if (energy_ms > 0)
@@ -535,9 +536,12 @@ int main(int argc, char **argv)
                 jpgb = win.joules / (bsum * (double)per_expert / 1e9);
                 watts = win.watts;
                 mhz = win.sm_mhz_p50;
-                printf("%-14s %5s   energy: %u batches back to back in %.0f ms: %.0f W, %.3f J/GB "
-                       "(%.2fx the sustained read's), SM clock p50 %.0f MHz (%.0f-%.0f)\n", "", "",
-                       nb, win.seconds * 1e3, watts, jpgb,
+                /* the sampled draw beside the counter's mean: a cross-check of
+                 * the counter's resolution over a short window */
+                printf("%-14s %5s   energy: %u batches back to back in %.0f ms: %.0f W (sampled "
+                       "draw p50 %.0f W), %.3f J/GB (%.2fx the sustained read's), SM clock p50 "
+                       "%.0f MHz (%.0f-%.0f)\n", "", "", nb, win.seconds * 1e3, watts,
+                       win.draw_w_p50, jpgb,
                        swin.joules > 0 ? jpgb / (swin.joules / ((double)pb * reps_s / 1e9)) : 0,
                        mhz, win.sm_mhz_min, win.sm_mhz_max);
             } else {
