@@ -179,6 +179,19 @@ $(BUILD)/tests/%: tests/unit/%.c $(BUILD)/libmoed.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(CHECK_CFLAGS) -Itests -o $@ $< $(BUILD)/libmoed.a $(LDFLAGS) $(LIBS) $(CHECK_LIBS)
 
+# bench/lib/power.h against a fake NVML built beside it (no driver in CI)
+$(BUILD)/tests/libfake_nvml.so: tests/unit/fake_nvml.c
+	@mkdir -p $(dir $@)
+	$(CC) -std=c11 -D_GNU_SOURCE $(WARN) -O1 -shared -fPIC -o $@ $<
+$(BUILD)/tests/libfake_nvml_partial.so: tests/unit/fake_nvml.c
+	@mkdir -p $(dir $@)
+	$(CC) -std=c11 -D_GNU_SOURCE $(WARN) -O1 -shared -fPIC -DFAKE_NVML_PARTIAL -o $@ $<
+$(BUILD)/tests/test_power: tests/unit/test_power.c $(BENCH_LIB_OBJ) $(BUILD)/tests/libfake_nvml.so \
+                           $(BUILD)/tests/libfake_nvml_partial.so
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(CHECK_CFLAGS) -Itests -Ibench/lib -o $@ $< $(BENCH_LIB_OBJ) $(LDFLAGS) \
+	    $(LIBS) $(CHECK_LIBS)
+
 $(BUILD)/tools/%: tests/tools/%.c $(BUILD)/libmoed.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests -o $@ $< $(BUILD)/libmoed.a $(LDFLAGS) $(LIBS)

@@ -247,7 +247,7 @@ int main(int argc, char **argv)
         if (cudaDeviceGetPCIBusId(pci, sizeof pci, 0) != cudaSuccess)
             snprintf(perr, sizeof perr, "power: no PCI bus id for GPU 0");
         else
-            pw = bench_power_open(pci, perr, sizeof perr);
+            pw = bench_power_open(pci, NULL, perr, sizeof perr);
     }
     struct bench_power_window swin = {0};
     if (pw && bench_power_start(pw, perr, sizeof perr)) {
@@ -262,6 +262,7 @@ int main(int argc, char **argv)
         bench_power_close(pw);
         pw = NULL;
     }
+    const double stream_jpgb = pw ? swin.joules / ((double)pb * reps_s / 1e9) : 0;
     cudaFree(probe);
     const double stream_sus = (double)pb * reps_s / (ms_s * 1e-3) / 1e12;
 
@@ -309,8 +310,7 @@ int main(int argc, char **argv)
         printf("# energy: sustained read %.0f W (sampled draw p50 %.0f W, limit %.0f W), %.3f J/GB, "
                "SM clock p50 %.0f MHz (%.0f-%.0f over %u samples); per T below: BENCH_ENERGY_MS "
                "%.0f of batches back to back, J/GB of distinct expert bytes\n", swin.watts,
-               swin.draw_w_p50, swin.limit_w,
-               swin.joules / ((double)pb * reps_s / 1e9), swin.sm_mhz_p50, swin.sm_mhz_min,
+               swin.draw_w_p50, swin.limit_w, stream_jpgb, swin.sm_mhz_p50, swin.sm_mhz_min,
                swin.sm_mhz_max, swin.samples, energy_ms);
     else if (energy_ms > 0)
         printf("# energy: not measured (%s)\n", perr);
@@ -542,7 +542,7 @@ int main(int argc, char **argv)
                        "draw p50 %.0f W), %.3f J/GB (%.2fx the sustained read's), SM clock p50 "
                        "%.0f MHz (%.0f-%.0f)\n", "", "", nb, win.seconds * 1e3, watts,
                        win.draw_w_p50, jpgb,
-                       swin.joules > 0 ? jpgb / (swin.joules / ((double)pb * reps_s / 1e9)) : 0,
+                       stream_jpgb > 0 ? jpgb / stream_jpgb : 0,
                        mhz, win.sm_mhz_min, win.sm_mhz_max);
             } else {
                 printf("%-14s %5s   energy: not measured (%s)\n", "", "", perr);

@@ -46,14 +46,17 @@ static const char *nv_err(const struct bench_power *pw, int r)
     return s ? s : "unknown NVML error";
 }
 
-struct bench_power *bench_power_open(const char *pci_bus_id, char *err, size_t errlen)
+struct bench_power *bench_power_open(const char *pci_bus_id, const char *lib, char *err,
+                                     size_t errlen)
 {
+    if (!lib)
+        lib = "libnvidia-ml.so.1";
     struct bench_power *pw = calloc(1, sizeof *pw);
     if (!pw) {
         snprintf(err, errlen, "power: out of memory");
         return NULL;
     }
-    pw->lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    pw->lib = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
     if (!pw->lib) {
         snprintf(err, errlen, "power: NVML not loaded (%s)", dlerror());
         free(pw);
@@ -71,7 +74,7 @@ struct bench_power *bench_power_open(const char *pci_bus_id, char *err, size_t e
     pw->errstr = (const char *(*)(int))dlsym(pw->lib, "nvmlErrorString");
     if (!init || !by_pci || !pw->shutdown || !pw->energy || !pw->clock || !pw->power ||
         !pw->limit) {
-        snprintf(err, errlen, "power: libnvidia-ml.so.1 lacks an entry point this bench uses");
+        snprintf(err, errlen, "power: %s lacks an entry point this bench uses", lib);
         dlclose(pw->lib);
         free(pw);
         return NULL;
@@ -98,7 +101,7 @@ struct bench_power *bench_power_open(const char *pci_bus_id, char *err, size_t e
 static void *sampler(void *arg)
 {
     struct bench_power *pw = arg;
-    while (!atomic_load(&pw->stop)) {
+    do { /* a first sample at once: a short window has one too */
         unsigned mhz, mw;
         if (pw->n < MAX_SAMPLES && pw->clock(pw->dev, NVML_CLOCK_SM, &mhz) == NVML_OK &&
             pw->power(pw->dev, &mw) == NVML_OK) {
@@ -109,7 +112,7 @@ static void *sampler(void *arg)
         struct timespec ts = {0, SAMPLE_NS};
         while (nanosleep(&ts, &ts) && errno == EINTR)
             ;
-    }
+    } while (!atomic_load(&pw->stop));
     return NULL;
 }
 

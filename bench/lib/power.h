@@ -6,7 +6,8 @@
  * message, and the bench prints no energy column, where it is missing.
  *
  * A window: bench_power_start reads the board's energy counter and starts a
- * sampler thread (power draw and SM clock every 10 ms); bench_power_stop
+ * sampler thread (power draw and SM clock at once, then every 10 ms);
+ * bench_power_stop
  * joins it and reads the counter again. The energy is the counter's
  * difference (millijoules since the driver loaded), not an integral of the
  * samples; the samples give the clock's spread and the instantaneous draw.
@@ -29,10 +30,11 @@ struct bench_power_window {
     unsigned samples;
 };
 
-/* NVML for the GPU at pci_bus_id ("0000:19:00.0", cudaDeviceGetPCIBusId's
- * form); NULL with err set when NVML or the GPU's energy counter is
- * unavailable */
-struct bench_power *bench_power_open(const char *pci_bus_id, char *err, size_t errlen);
+/* NVML (the library at `lib`, NULL: the driver's libnvidia-ml.so.1) for the
+ * GPU at pci_bus_id ("0000:19:00.0", cudaDeviceGetPCIBusId's form); NULL
+ * with err set when NVML or the GPU's energy counter is unavailable */
+struct bench_power *bench_power_open(const char *pci_bus_id, const char *lib, char *err,
+                                     size_t errlen);
 /* 0, or -1 with err set (a window already open, the counter unreadable) */
 int bench_power_start(struct bench_power *pw, char *err, size_t errlen);
 int bench_power_stop(struct bench_power *pw, struct bench_power_window *out, char *err,
