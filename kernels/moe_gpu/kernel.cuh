@@ -536,11 +536,13 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
         const unsigned TPC_GU = (RT_GU + NTG - 1) / NTG, TPC_DN = (RT_DN + NTD - 1) / NTD;
         const unsigned n_gu = n_ch * TPC_GU, n_dn = n_ch * TPC_DN; /* tasks */
 
-        /* ---- tasks: claimed per CTA once its current task is done (a
-         * claim made while the task ran held the next one back by up to a
-         * task: the chunks of a tile group then started tens of us apart,
-         * long enough for L2 to evict what the first one read, and small
-         * batches ended on a few CTAs; bench/NOTES.md 2026-12-03);
+        /* ---- tasks: claimed per CTA as its current task's K loop ends
+         * (task_splitk: the claim's round trip beside the reduction and the
+         * epilogue, H200 2026-12-03 "early claim"); a claim made as the task
+         * began held the next one back by up to a task: the chunks of a tile
+         * group then started tens of us apart, long enough for L2 to evict
+         * what the first one read, and small batches ended on a few CTAs;
+         * bench/NOTES.md 2026-12-03);
          * gate_up/down split K over the warps; combine gives each warp one
          * (token, 256-column) unit ---- */
         const unsigned n_cblk = (p.d.hidden + 255) / 256;
@@ -585,7 +587,9 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                     }
                 }
                 __syncthreads(); /* also: every thread has read s_task */
-                run_task(p, L, r, is_gu, is_gu ? NTG : NTD, e, p0, cnt, rt0, ntiles, sw, sw_cta);
+                unsigned next = 0; /* tid 0: the next task, claimed in the task */
+                run_task(p, L, r, is_gu, is_gu ? NTG : NTD, e, p0, cnt, rt0, ntiles, sw, sw_cta,
+                         &st->task_ctr, next);
                 /* warp w wrote tile rt0 + w */
                 if (warp < ntiles) {
                     __syncwarp();
@@ -600,6 +604,9 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                     }
                 }
                 __syncthreads(); /* stage buffers (partials) free for the next task */
+                if (tid == 0)
+                    s_task = next;
+                continue; /* claimed */
             } else {
                 if (tid == 0) {
                     /* the first: every down tile first. A volatile read, by
@@ -616,7 +623,7 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                 if (u < n_cu) /* y from sd here: not a register across the loop */
                     combine_unit(p, r, u / n_cblk, u % n_cblk, (uint16_t *)sd.y);
             }
-            if (tid == 0) /* claimed once this task is done: consecutive tasks start together */
+            if (tid == 0) /* a combine task: claimed once it is done */
                 s_task = atomicAdd(&st->task_ctr, 1u);
         }
         /* this warp wrote y iff it had a unit in its CTA's first combine task

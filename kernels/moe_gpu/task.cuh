@@ -8,12 +8,14 @@
  * through the weights together, one contiguous window at a time), each warp
  * parks its per-tile partials in its own (drained) stage buffer, and warp
  * w < ntiles sums tile w's NWARPS partials in warp order (fixed:
- * deterministic) into out. Every thread of the CTA calls this. */
+ * deterministic) into out. Thread 0 claims the CTA's next task from *ctr
+ * into next as the K loop ends. Every thread of the CTA calls this. */
 template <int NT, int NTILE>
 __device__ __forceinline__ void task_splitk(const uint8_t *wtask, unsigned tile_units,
                                             unsigned ntiles, const xsrc &xs, uint8_t *sw,
                                             uint8_t *sw_cta,
-                                            float (&out)[MR][NT][4])
+                                            float (&out)[MR][NT][4], unsigned *ctr,
+                                            unsigned &next)
 {
     static_assert(NTILE * 32 * MR * NT * 4 * sizeof(float) <= WARP_SMEM,
                   "partials of a task must fit a warp's stage buffer");
@@ -33,6 +35,10 @@ __device__ __forceinline__ void task_splitk(const uint8_t *wtask, unsigned tile_
         else
             task_mma<1, 1>(wtask, warp, nuw, ntiles, tile_units, xs, sw, acc);
     }
+    /* the CTA's next task, claimed as its K loop ends: the claim's round
+     * trip runs beside the reduction and the epilogue */
+    if (threadIdx.x == 0)
+        next = atomicAdd(ctr, 1u);
     constexpr int PER = MR * NT * 4; /* floats per lane per tile */
 #pragma unroll
     for (int j = 0; j < NTILE; j++) {
@@ -156,12 +162,12 @@ __device__ __forceinline__ void mm_task(const struct moe_gpu_params &p,
                                         const struct moe_gpu_layer &L, const route &r,
                                         bool is_gu, unsigned e, unsigned p0, unsigned cnt,
                                         unsigned rt0, unsigned ntiles, uint8_t *sw,
-                                        uint8_t *sw_cta)
+                                        uint8_t *sw_cta, unsigned *ctr, unsigned &next)
 {
     const unsigned warp = threadIdx.x >> 5;
     const task_src ts = is_gu ? gu_src(p, L, r, e, p0, cnt, rt0) : dn_src(p, L, e, p0, cnt, rt0);
     float acc[MR][NT][4];
-    task_splitk<NT, NTILE>(ts.wt, ts.units, ntiles, ts.xs, sw, sw_cta, acc);
+    task_splitk<NT, NTILE>(ts.wt, ts.units, ntiles, ts.xs, sw, sw_cta, acc, ctr, next);
     if (warp >= ntiles)
         return;
     if (is_gu)
@@ -178,12 +184,12 @@ __device__ __forceinline__ void run_task(const struct moe_gpu_params &p,
                                          const struct moe_gpu_layer &L, const route &r,
                                          bool is_gu, unsigned nt, unsigned e, unsigned p0,
                                          unsigned cnt, unsigned rt0, unsigned ntiles, uint8_t *sw,
-                                         uint8_t *sw_cta)
+                                         uint8_t *sw_cta, unsigned *ctr, unsigned &next)
 {
     if (nt > 1)
-        mm_task<1, NTILE_MAX>(p, L, r, is_gu, e, p0, cnt, rt0, ntiles, sw, sw_cta);
+        mm_task<1, NTILE_MAX>(p, L, r, is_gu, e, p0, cnt, rt0, ntiles, sw, sw_cta, ctr, next);
     else
-        mm_task<1, 1>(p, L, r, is_gu, e, p0, cnt, rt0, ntiles, sw, sw_cta);
+        mm_task<1, 1>(p, L, r, is_gu, e, p0, cnt, rt0, ntiles, sw, sw_cta, ctr, next);
 }
 
 /* combine unit: token t, columns [256 blk, 256 blk + 256) (8 per lane).
