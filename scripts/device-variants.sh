@@ -10,8 +10,9 @@
 #                                                       REV (a branch that edits a tuning
 #                                                       constant in kernels/moe_gpu/
 #                                                       config.cuh, an older commit),
-#                                                       or +P1[+P2...]: HEAD's tree with
-#                                                       the patches P applied in order
+#                                                       or +P1[+P2...][,-DX...]: HEAD's tree
+#                                                       with the patches P applied in order
+#                                                       (and the -D switches after them)
 #                                                       (bench/variants/*.patch: kept in
 #                                                       the tree, a branch does not
 #                                                       outlive its session's checkout);
@@ -49,10 +50,12 @@ if [ "$mode" = prepare ]; then
             +*) # HEAD's tree with patches applied, in a temporary worktree
                 src=$(mktemp -d)/tree
                 git worktree add --detach "$src" HEAD > /dev/null
+                pdefs=""
                 for pf in $(echo "${defs#+}" | tr '+' ' '); do
+                    case "$pf" in -D*) pdefs="$pdefs $pf"; continue ;; esac # the switches after them
                     git -C "$src" apply "$PWD/$pf" || { echo "$name: $pf does not apply"; exit 1; }
                 done
-                defs="" ;;
+                defs=$pdefs ;;
         esac
         (cd "$src" && NVCCFLAGS="$defs" CFLAGS="$defs" make -s BUILD="$src/build-var-$name" CUDA=1 \
             CUDA_ARCHS=90a "$src/build-var-$name/bench/bench_moe") > "/tmp/variant-$name.log" 2>&1 ||
