@@ -83,6 +83,10 @@ CU_OBJ   := $(patsubst %.cu,$(BUILD)/%.o,$(CU_SRC))
 # The doorbell client kernel: a fatbin of its own (every CUDA_ARCHS SASS and
 # compute_90 PTX for later GPUs), embedded in the daemon, sent to clients.
 CHAN_FATBIN := $(BUILD)/kernels/moe_chan_client.fatbin
+# The measurement probes (bench/probe: tile_probe includes the kernel's task
+# code), compiled by check-cuda-compile so that a kernel change cannot leave
+# them behind; they are built and run on the GPU machine
+PROBE_OBJ := $(patsubst %.cu,$(BUILD)/%.o,$(wildcard bench/probe/*.cu))
 LIBS     += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lnccl -lstdc++
 else
 LIB_C    := $(filter-out %_cuda.c,$(LIB_C))
@@ -246,7 +250,7 @@ bench-ep: all
 	BUILD=$(BUILD) scripts/bench-ep.sh
 
 # The CUDA sources compile for every arch in CUDA_ARCHS (CI has nvcc, no GPU).
-check-cuda-compile: $(CU_OBJ) $(CHAN_FATBIN)
+check-cuda-compile: $(CU_OBJ) $(CHAN_FATBIN) $(PROBE_OBJ)
 
 # libFuzzer targets (clang): the host library built once with the fuzzer's
 # coverage and ASan/UBSan, then one binary per tests/fuzz/fuzz_*.c.

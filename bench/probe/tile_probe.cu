@@ -17,7 +17,8 @@
  *   nvcc -O3 -std=c++17 -lineinfo -gencode=arch=compute_90a,code=sm_90a -Icommon -Ikernels \
  *     -DMOED_HAVE_CUDA=1 -o build-var/tile_probe bench/probe/tile_probe.cu \
  *     kernels/moe_gpu_pack.c common/moed_err.c common/moed_log.c common/moed_check_cuda.c
- * Run:   tile_probe [gu|dn] [cnt] [reps] [ntile]
+ * Run:   tile_probe [gu|dn] [cnt] [reps] [ntile] [deepseek-v3|qwen3-30b-a3b]
+ *        (the shape: DeepSeek-V3's by default; Qwen3's down tiles have 12 K units)
  *        ncu --clock-control none --launch-skip 1 --launch-count 1 \
  *            --section ComputeWorkloadAnalysis tile_probe gu 1 1 1
  */
@@ -27,11 +28,13 @@
 #include <cstdlib>
 #include <cstring>
 
+__device__ unsigned probe_claims;
+
 __global__ void __launch_bounds__(THREADS, MINB)
     tile_probe(const struct moe_gpu_params p, const struct moe_gpu_layer L, route r, int is_gu,
                unsigned n_exp, unsigned cnt, unsigned ntile)
 {
-    extern __shared__ __align__(16) uint8_t smem[];
+    extern __shared__ __align__(128) uint8_t smem[]; /* as the persistent kernel declares it */
     const unsigned warp = threadIdx.x >> 5;
     uint8_t *sw_cta = smem;
     uint8_t *sw = smem + warp * WARP_SMEM;
@@ -39,10 +42,12 @@ __global__ void __launch_bounds__(THREADS, MINB)
     const unsigned TPE = (RT + ntile - 1) / ntile, n_tasks = n_exp * TPE;
     for (unsigned t = blockIdx.x; t < n_tasks; t += gridDim.x) {
         const unsigned e = t / TPE, rt0 = (t - e * TPE) * ntile, nt = min(ntile, RT - rt0);
+        unsigned next; /* the task's claim, as in the persistent kernel (unused here) */
         if (ntile > 1)
-            mm_task<1, NTILE_MAX>(p, L, r, is_gu, e, 0, cnt, rt0, nt, sw, sw_cta);
+            mm_task<1, NTILE_MAX>(p, L, r, is_gu, e, 0, cnt, rt0, nt, sw, sw_cta, &probe_claims,
+                                  next);
         else
-            mm_task<1, 1>(p, L, r, is_gu, e, 0, cnt, rt0, nt, sw, sw_cta);
+            mm_task<1, 1>(p, L, r, is_gu, e, 0, cnt, rt0, nt, sw, sw_cta, &probe_claims, next);
         __syncthreads();
     }
 }
@@ -60,8 +65,15 @@ int main(int argc, char **argv)
     const unsigned cnt = argc > 2 ? (unsigned)atoi(argv[2]) : 1;
     const int reps = argc > 3 ? atoi(argv[3]) : 5;
     const unsigned ntile = argc > 4 ? (unsigned)atoi(argv[4]) : 1;
+    const bool qwen = argc > 5 && strcmp(argv[5], "qwen3-30b-a3b") == 0;
+    if (argc > 5 && !qwen && strcmp(argv[5], "deepseek-v3") != 0) {
+        fprintf(stderr, "tile_probe: shape %s: not deepseek-v3 or qwen3-30b-a3b\n", argv[5]);
+        return 2;
+    }
     struct moe_gpu_dims d = {7168, 2048, 256, 1, 8, 512};
-    const unsigned n_exp = 240; /* 5.9 GB: several times the L2 */
+    if (qwen)
+        d = {2048, 768, 128, 0, 8, 512};
+    const unsigned n_exp = 240; /* 5.9 GB (Qwen3: 0.64 GB): several times the L2 */
     const size_t eb = (size_t)moe_gpu_gu_bytes(d.hidden, d.inter) + moe_gpu_dn_bytes(d.hidden, d.inter);
     { /* (a block: the gotos to cleanup leave it) */
     MOED_CUDA_TRY(cudaMalloc(&w, eb * n_exp));
@@ -113,8 +125,9 @@ int main(int argc, char **argv)
     float ms;
     MOED_CUDA_TRY(cudaEventElapsedTime(&ms, a, b));
     const double bytes = (double)n_exp * (is_gu ? moe_gpu_gu_bytes(d.hidden, d.inter) : moe_gpu_dn_bytes(d.hidden, d.inter));
-    printf("tile_probe %s cnt=%u ntile=%u grid=%d (%d/SM): %.1f us per pass, %.3f TB/s\n",
-           is_gu ? "gate_up" : "down", cnt, ntile, grid, per, ms * 1e3 / reps,
+    printf("tile_probe %s %s cnt=%u ntile=%u grid=%d (%d/SM): %.1f us per pass, %.3f TB/s\n",
+           qwen ? "qwen3-30b-a3b" : "deepseek-v3", is_gu ? "gate_up" : "down", cnt, ntile, grid,
+           per, ms * 1e3 / reps,
            bytes * reps / (ms * 1e-3) / 1e12);
     }
 cleanup:
