@@ -75,27 +75,25 @@ struct bench_power *bench_power_open(const char *pci_bus_id, const char *lib, ch
     if (!init || !by_pci || !pw->shutdown || !pw->energy || !pw->clock || !pw->power ||
         !pw->limit) {
         snprintf(err, errlen, "power: %s lacks an entry point this bench uses", lib);
-        dlclose(pw->lib);
-        free(pw);
-        return NULL;
+        goto fail;
     }
     int r = init();
     if (r != NVML_OK) {
         snprintf(err, errlen, "power: nvmlInit: %s", nv_err(pw, r));
-        dlclose(pw->lib);
-        free(pw);
-        return NULL;
+        goto fail;
     }
     unsigned long long e;
     if ((r = by_pci(pci_bus_id, &pw->dev)) != NVML_OK ||
         (r = pw->energy(pw->dev, &e)) != NVML_OK) {
         snprintf(err, errlen, "power: GPU %s: %s", pci_bus_id, nv_err(pw, r));
         pw->shutdown();
-        dlclose(pw->lib);
-        free(pw);
-        return NULL;
+        goto fail;
     }
     return pw;
+fail:
+    dlclose(pw->lib);
+    free(pw);
+    return NULL;
 }
 
 static void *sampler(void *arg)
