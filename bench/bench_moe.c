@@ -36,6 +36,10 @@
  * at both ends: joules per GB of distinct expert bytes, the mean power, and
  * the SM clock sampled every 10 ms (the clock the power cap leaves); the
  * sustained streaming read gets the same window, for the floor.
+ * BENCH_TASKLOG=dir (a kernel built with -DMOE_GPU_TASK_LOG=1): after each
+ * T's timed batches, the last batch's task log (moe_gpu_task_log) to
+ * dir/PRESET-TT.bin, the header array then the entries, little-endian u64
+ * (scripts/tasklog.py reads it).
  */
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
@@ -142,6 +146,38 @@ static int wait_idle(struct moed_backend *be)
     return moed_backend_cuda_running(be);
 }
 
+/* BENCH_TASKLOG: the last batch's task log to dir/PRESET-TT.bin, with the
+ * kernel gone (idle exit) so that nothing rewrites it meanwhile */
+static int tasklog_write(struct moed_backend *be, const char *dir, const char *preset, uint32_t T)
+{
+    const size_t nh = (size_t)MOE_GPU_TLOG_CTAS * 8, ne = (size_t)MOE_GPU_TLOG_CTAS * MOE_GPU_TLOG_N * 8;
+    uint64_t *h = malloc(nh * sizeof *h), *e = malloc(ne * sizeof *e);
+    char err[MOED_ERRLEN] = "", path[4096];
+    int rc = 1;
+    FILE *f = NULL;
+    snprintf(path, sizeof path, "%s/%s-T%u.bin", dir, preset, T);
+    if (!h || !e)
+        fprintf(stderr, "BENCH_TASKLOG: out of memory\n");
+    else if (wait_idle(be))
+        fprintf(stderr, "BENCH_TASKLOG: the kernel did not idle out\n");
+    else if (moe_gpu_task_log(h, e, err, sizeof err))
+        fprintf(stderr, "BENCH_TASKLOG: %s\n", err);
+    else if (!(f = fopen(path, "wb")) || fwrite(h, sizeof *h, nh, f) != nh ||
+             fwrite(e, sizeof *e, ne, f) != ne)
+        fprintf(stderr, "BENCH_TASKLOG: cannot write %s\n", path);
+    else
+        rc = 0;
+    if (f && fclose(f) && !rc) {
+        fprintf(stderr, "BENCH_TASKLOG: cannot write %s\n", path);
+        rc = 1;
+    }
+    if (!rc)
+        printf("# task log: %s\n", path);
+    free(h);
+    free(e);
+    return rc;
+}
+
 static double rt_us(void)
 {
     struct timespec ts;
@@ -202,6 +238,9 @@ int main(int argc, char **argv)
     /* BENCH_PROFILE_RANGE=1: each T's timed batches are one profiler range
      * (cudaProfilerStart/Stop, with the kernel idle at both ends), for
      * Nsight Compute's range replay: scripts/device-profile.sh dram */
+    const char *tasklog = getenv("BENCH_TASKLOG");
+    if (tasklog && !*tasklog)
+        tasklog = NULL;
     const char *pr = getenv("BENCH_PROFILE_RANGE");
     const int prof_range = pr && *pr == '1';
     moed_log_set_level(MOED_LOG_WARN);
@@ -440,6 +479,8 @@ int main(int argc, char **argv)
             printf("# profile-range T=%u batches=%u distinct_bytes=%.0f\n", T, n_it,
                    distinct_sum * (double)per_expert);
         }
+        if (tasklog && tasklog_write(be, tasklog, preset, T))
+            return 1;
         /* the kernel exits when idle; then the second calibration */
         off_b = off_a;
         half_b = half_a;

@@ -278,6 +278,24 @@ cleanup:
     return rc;
 }
 
+extern "C" int moe_gpu_task_log(uint64_t *hdr, uint64_t *ents, char *err, size_t errlen)
+{
+#if MOE_GPU_TASK_LOG
+    static_assert(sizeof moe_tlog_hdr == MOE_GPU_TLOG_CTAS * 8 * sizeof(uint64_t), "task log");
+    static_assert(sizeof moe_tlog == (size_t)MOE_GPU_TLOG_CTAS * MOE_GPU_TLOG_N * 8 * 8, "task log");
+    int rc = 0;
+    MOED_CUDA_TRY(cudaMemcpyFromSymbol(hdr, moe_tlog_hdr, sizeof moe_tlog_hdr));
+    MOED_CUDA_TRY(cudaMemcpyFromSymbol(ents, moe_tlog, sizeof moe_tlog));
+cleanup:
+    return rc;
+#else
+    (void)hdr;
+    (void)ents;
+    return moed_seterr(err, errlen, MOED_E_UNSUPPORTED,
+                       "the kernel was built without MOE_GPU_TASK_LOG");
+#endif
+}
+
 extern "C" int moe_gpu_take_stamps(uint64_t (*out)[4], char *err, size_t errlen)
 {
 #if MOE_GPU_TAKE_STAMPS

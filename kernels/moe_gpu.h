@@ -150,6 +150,21 @@ int moe_gpu_fill_random(void *buf, uint64_t bytes, uint64_t seed, char *err, siz
  * built with MOE_GPU_TAKE_STAMPS=1 (bench/NOTES.md); MOED_E_UNSUPPORTED
  * otherwise. */
 int moe_gpu_take_stamps(uint64_t (*out)[4], char *err, size_t errlen);
+/* The task log of a kernel built with MOE_GPU_TASK_LOG=1 (bench/NOTES.md;
+ * scripts/tasklog.py reads it): each CTA's timeline of the last batch it ran.
+ * hdr[MOE_GPU_TLOG_CTAS][8] per CTA: %globaltimer at go, clock64 at go, clock64
+ * routed, clock64 at the task loop's end, %globaltimer there, entries, clock64
+ * after the batch end, the batch's seq. ents[MOE_GPU_TLOG_CTAS][MOE_GPU_TLOG_N][8]
+ * per task, clock64: claim seen, decoded, ready (x staged / the expert's
+ * gate_up tiles done / every down tile done), every warp's K loop done,
+ * reduced, epilogue done (warp 0), end; then kind (0 gate_up, 1 down, 2
+ * combine) | ntiles << 4 | cnt << 8 | task << 32 (a combine task: decoded =
+ * claim seen, the K loop to the epilogue 0). CTAs past MOE_GPU_TLOG_CTAS and
+ * tasks past MOE_GPU_TLOG_N are not logged. MOED_E_UNSUPPORTED without the
+ * switch. */
+#define MOE_GPU_TLOG_CTAS 1024
+#define MOE_GPU_TLOG_N 256
+int moe_gpu_task_log(uint64_t *hdr, uint64_t *ents, char *err, size_t errlen);
 /* Streaming-read bandwidth probe for the benchmark: reads `bytes` from buf
  * `reps` times; returns elapsed ms through *ms. */
 int moe_gpu_read_bw(const void *buf, uint64_t bytes, int reps, float *ms, char *err,

@@ -5,7 +5,8 @@
 #
 #   scripts/device-variants.sh prepare NAME:DEFS ...   here: DEFS is a comma list of
 #                                                       -D switches (may be empty; the
-#                                                       kernel has one, MOE_GPU_PHASES),
+#                                                       kernel's instrumentation switches:
+#                                                       docs/GPU.md, e.g. MOE_GPU_PHASES),
 #                                                       or @REV: the tree of git revision
 #                                                       REV (a branch that edits a tuning
 #                                                       constant in kernels/moe_gpu/

@@ -12,6 +12,9 @@
 #ifndef MOE_GPU_PHASES /* 1: gate_up / down end timestamps (costs an atomic per tile) */
 #define MOE_GPU_PHASES 0
 #endif
+#ifndef MOE_GPU_TASK_LOG /* 1: each CTA's task timeline of its last batch (moe_gpu_task_log) */
+#define MOE_GPU_TASK_LOG 0
+#endif
 #ifndef MOE_GPU_TAKE_STAMPS /* 1: the doorbell take's own stamps (moe_gpu_take_stamps) */
 #define MOE_GPU_TAKE_STAMPS 0
 #endif
@@ -45,6 +48,21 @@ constexpr int NTILE_WAVES = 2;
  * j: its weight ring has NTILE_MAX slots and its activation ring as many,
  * which fill exactly the warp's STAGES stages. */
 static_assert(NTILE_MAX == STAGES, "task_mma_full: one stage per tile of a full task");
+
+#if MOE_GPU_TASK_LOG
+/* The task log (moe_gpu.h): the current task's stamps, staged in shared
+ * memory by thread 0 and written once the task is done (a global store per
+ * stamp waited behind the SM's weight streams, H200 2026-12-04) */
+__shared__ unsigned long long tlog_st[7];
+__device__ __forceinline__ void tlog_stamp(int i)
+{
+    if (threadIdx.x == 0)
+        tlog_st[i] = clock64();
+}
+#define TLOG_STAMP(i) tlog_stamp(i)
+#else
+#define TLOG_STAMP(i) ((void)0)
+#endif
 
 /* (int, as the macros they replace: the index arithmetic keeps its types) */
 constexpr int MR = MOE_GPU_MR;

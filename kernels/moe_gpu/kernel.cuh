@@ -279,6 +279,21 @@ __device__ __forceinline__ unsigned chan_desc_check(const struct moe_gpu_chan_de
  * descriptor checked, ids and w staged (= the channel's "taken" stamp). */
 __device__ unsigned long long moe_take_stamp[MOE_GPU_CHAN_SLOTS][4];
 #endif
+#if MOE_GPU_TASK_LOG
+__device__ unsigned long long moe_tlog_hdr[MOE_GPU_TLOG_CTAS][8];
+__device__ unsigned long long moe_tlog[MOE_GPU_TLOG_CTAS][MOE_GPU_TLOG_N][8];
+/* thread 0: the task's entry, from its staged stamps and the end's */
+__device__ __forceinline__ void tlog_task(unsigned &n, unsigned long long info)
+{
+    if (threadIdx.x != 0 || blockIdx.x >= MOE_GPU_TLOG_CTAS || n >= MOE_GPU_TLOG_N)
+        return;
+    unsigned long long *en = moe_tlog[blockIdx.x][n++];
+    en[6] = clock64();
+    for (int i = 0; i < 6; i++)
+        en[i] = tlog_st[i];
+    en[7] = info;
+}
+#endif
 
 __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe_gpu_params p)
 {
@@ -298,6 +313,9 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
      * 20 bytes, stored and reloaded once per task). */
     __shared__ bool s_x_ready; /* tid 0 has seen every CTA's x staged */
     __shared__ unsigned s_cb0; /* the first combine task this CTA took, ~0u: none yet */
+#if MOE_GPU_TASK_LOG
+    __shared__ unsigned s_tl; /* tasks logged this batch */
+#endif
 
     const unsigned tid = threadIdx.x, warp = tid >> 5;
     const unsigned NE = p.d.n_experts + p.d.n_shared, KS = p.d.top_k + p.d.n_shared;
@@ -506,6 +524,14 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
         __syncthreads();
         if (!s_go)
             break;
+#if MOE_GPU_TASK_LOG
+        if (tid == 0 && blockIdx.x < MOE_GPU_TLOG_CTAS) {
+            s_tl = 0;
+            moe_tlog_hdr[blockIdx.x][0] = globaltimer_ns();
+            moe_tlog_hdr[blockIdx.x][1] = clock64();
+            moe_tlog_hdr[blockIdx.x][7] = sd.seq;
+        }
+#endif
 
         /* ---- stage this CTA's slice of x into device memory: x may be
          * mapped host memory, and PCIe needs many SMs' loads in flight.
@@ -529,6 +555,10 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
         const struct moe_gpu_layer L = p.layers[sd.layer];
         build_route(p.d, T, p.ids_s, r, sd.flags, sd.ep_n, sd.ep_shard, &st->x_done);
         const unsigned n_ch = r.chs[NE];
+#if MOE_GPU_TASK_LOG
+        if (tid == 0 && blockIdx.x < MOE_GPU_TLOG_CTAS)
+            moe_tlog_hdr[blockIdx.x][2] = clock64();
+#endif
         /* row tiles per task: up to NTILE_MAX while the batch still has
          * NTILE_WAVES tasks per CTA (small T keeps 1: every SM busy) */
         const unsigned gu_tiles = n_ch * RT_GU, dn_tiles = n_ch * RT_DN;
@@ -560,6 +590,7 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
             const unsigned t = s_task;
             if (t >= total)
                 break;
+            TLOG_STAMP(0);
             if (t < n_gu + n_dn) {
                 const bool is_gu = t < n_gu;
                 const unsigned tt = is_gu ? t : t - n_gu, TPC = is_gu ? TPC_GU : TPC_DN;
@@ -574,6 +605,10 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                 const unsigned p0 = r.off[e] + c * CHUNK_TOKENS;
                 const unsigned cnt = min((unsigned)CHUNK_TOKENS,
                                          r.cnt[e] - c * CHUNK_TOKENS);
+#if MOE_GPU_TASK_LOG
+                asm volatile("" ::"r"(e), "r"(cnt), "r"(p0), "r"(rt0), "r"(ntiles));
+                TLOG_STAMP(1);
+#endif
                 if (tid == 0) {
                     if (is_gu) {
                         if (!s_x_ready)
@@ -586,6 +621,7 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                             __nanosleep(64);
                     }
                 }
+                TLOG_STAMP(2);
                 __syncthreads(); /* also: every thread has read s_task */
                 unsigned next = 0; /* tid 0: the next task, claimed in the task */
                 run_task(p, L, r, is_gu, is_gu ? NTG : NTD, e, p0, cnt, rt0, ntiles, sw, sw_cta,
@@ -604,6 +640,10 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                     }
                 }
                 __syncthreads(); /* stage buffers (partials) free for the next task */
+#if MOE_GPU_TASK_LOG
+                tlog_task(s_tl, (is_gu ? 0u : 1u) | ntiles << 4 | cnt << 8 |
+                                    (unsigned long long)t << 32);
+#endif
                 if (tid == 0)
                     s_task = next;
                 continue; /* claimed */
@@ -618,11 +658,22 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                         s_cb0 = t;
                     }
                 }
+#if MOE_GPU_TASK_LOG
+                if (tid == 0) {
+                    tlog_st[1] = tlog_st[0];
+                    tlog_st[2] = clock64();
+                    tlog_st[3] = tlog_st[4] = tlog_st[5] = 0;
+                }
+#endif
                 __syncthreads();
                 const unsigned u = (t - n_gu - n_dn) * NWARPS + warp;
                 if (u < n_cu) /* y from sd here: not a register across the loop */
                     combine_unit(p, r, u / n_cblk, u % n_cblk, (uint16_t *)sd.y);
             }
+#if MOE_GPU_TASK_LOG
+            __syncthreads();
+            tlog_task(s_tl, 2u | (unsigned long long)t << 32);
+#endif
             if (tid == 0) /* a combine task: claimed once it is done */
                 s_task = atomicAdd(&st->task_ctr, 1u);
         }
@@ -640,8 +691,19 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
         if (wrote_y)
             __threadfence_system(); /* y or rows (host or peer memory) before done_seq */
 
+#if MOE_GPU_TASK_LOG
+        if (tid == 0 && blockIdx.x < MOE_GPU_TLOG_CTAS) {
+            moe_tlog_hdr[blockIdx.x][3] = clock64();
+            moe_tlog_hdr[blockIdx.x][4] = globaltimer_ns();
+            moe_tlog_hdr[blockIdx.x][5] = s_tl;
+        }
+#endif
         /* ---- batch end: the last CTA resets the counters and publishes ---- */
         batch_end(p, NE, st, n, s_last);
+#if MOE_GPU_TASK_LOG
+        if (tid == 0 && blockIdx.x < MOE_GPU_TLOG_CTAS)
+            moe_tlog_hdr[blockIdx.x][6] = clock64();
+#endif
         if (blockIdx.x == 0 && tid == 0) {
             st_relaxed_sys(&ctrl->heartbeat, ++s_hb);
             s_hb_last = globaltimer_ns();

@@ -54,6 +54,7 @@ __device__ __forceinline__ void task_splitk(const uint8_t *wtask, unsigned tile_
         }
     }
     __syncthreads();
+    TLOG_STAMP(3); /* every warp's K loop done */
     zero_acc<NT>(out);
     if (warp < ntiles) {
         for (unsigned w = 0; w < NWARPS; w++) {
@@ -168,12 +169,14 @@ __device__ __forceinline__ void mm_task(const struct moe_gpu_params &p,
     const task_src ts = is_gu ? gu_src(p, L, r, e, p0, cnt, rt0) : dn_src(p, L, e, p0, cnt, rt0);
     float acc[MR][NT][4];
     task_splitk<NT, NTILE>(ts.wt, ts.units, ntiles, ts.xs, sw, sw_cta, acc, ctr, next);
+    TLOG_STAMP(4); /* reduced (warp 0's tile) */
     if (warp >= ntiles)
         return;
     if (is_gu)
         gu_epilogue<NT>(p, L, e, p0, cnt, rt0 + warp, acc);
     else
         dn_epilogue<NT>(p, L, e, p0, cnt, rt0 + warp, acc);
+    TLOG_STAMP(5); /* warp 0's epilogue issued */
 }
 
 /* One gate_up or down task (whole CTA), one n-tile: tile by tile when nt =

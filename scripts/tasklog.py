@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""Where a batch's SM time goes: each CTA's task timeline of the persistent
+kernel's last batch (a kernel built with -DMOE_GPU_TASK_LOG=1, bench_moe with
+BENCH_TASKLOG=dir; layout in kernels/moe_gpu.h, moe_gpu_task_log). Pure Python.
+
+  scripts/tasklog.py [--rate] FILE.bin [...]    FILE: PRESET-TT.bin as bench_moe writes it
+
+Per file:
+- the batch's span (the first CTA's go to the last CTA's task loop end) and the
+  SM clock (clock64 over %globaltimer, median over the CTAs);
+- the CTAs' time split into: pre-go (waiting for the batch's release),
+  stage+route (its slice of x, then the routing), to-first (-> its first task's
+  claim seen), decode, ready (x staged / the expert's gate_up tiles / every down
+  tile), stream (-> every warp's K loop done), reduce (split-K sums), epilogue,
+  release (the tiles' counters and the barrier: -> the task's end), between
+  (-> the next claim seen), combine (a combine task's run), after-last (its last
+  task's end -> the span's end);
+- per task kind and tiles per task: count, those parts' means, and the stream
+  part against the task's weight bytes at 1/grid of the streaming read
+  (TASKLOG_STREAM_TBS, default 4.53);
+- a timeline of how many CTAs stream gate_up / down and run combine tasks; with
+  --rate, the weight bytes streamed per bin (TB/s, tasks' bytes spread evenly
+  over their stream part).
+"""
+import os
+import re
+import struct
+import sys
+
+CTAS, N, W = 1024, 256, 8  # MOE_GPU_TLOG_CTAS, MOE_GPU_TLOG_N, words per entry
+SHAPES = {"deepseek-v3": (7168, 2048), "qwen3-30b-a3b": (2048, 768)}
+UNIT_BYTES, UNIT_K = 1152, 64  # MOE_GPU_UNIT_BYTES, MOE_GPU_UNIT_K
+STREAM = float(os.environ.get("TASKLOG_STREAM_TBS", "4.53")) * 1e12
+PARTS = ["decode", "ready", "stream", "reduce", "epilogue", "release"]
+
+
+def load(path):
+    raw = open(path, "rb").read()
+    nh = CTAS * 8
+    if len(raw) != 8 * (nh + CTAS * N * W):
+        sys.exit("%s: %d bytes, not a task log of %d CTAs x %d entries" % (path, len(raw), CTAS, N))
+    return struct.unpack_from("<%dQ" % nh, raw, 0), struct.unpack_from("<%dQ" % (CTAS * N * W), raw, nh * 8)
+
+
+def task_bytes(model, kind, nt):
+    H, I = SHAPES.get(model, (0, 0))
+    return nt * ((H if kind == 0 else I) // UNIT_K) * UNIT_BYTES
+
+
+def main(path, rate):
+    m = re.match(r"(.*)-T(\d+)\.bin$", os.path.basename(path))
+    if not m:
+        sys.exit("%s: not PRESET-TT.bin" % path)
+    model, T = m.group(1), int(m.group(2))
+    hdr, ents = load(path)
+    seqs = {hdr[c * 8 + 7] for c in range(CTAS) if hdr[c * 8]}
+    ctas = [c for c in range(CTAS) if hdr[c * 8] and hdr[c * 8 + 4] > hdr[c * 8]
+            and hdr[c * 8 + 7] == max(seqs)]
+    if not ctas:
+        print("%s: no CTA logged" % path)
+        return
+    fs = sorted((hdr[c * 8 + 3] - hdr[c * 8 + 1]) / (hdr[c * 8 + 4] - hdr[c * 8]) for c in ctas)
+    f = fs[len(fs) // 2]  # SM cycles per ns
+    t0 = min(hdr[c * 8] for c in ctas)
+
+    def ns(c, clk):
+        return hdr[c * 8] - t0 + (clk - hdr[c * 8 + 1]) / f
+
+    grid = len(ctas)
+    cat = dict.fromkeys(["pre-go", "stage+route", "to-first"] + PARTS +
+                        ["between", "combine", "after-last"], 0.0)
+    kinds = {}
+    ev = []  # (start, end, kind, bytes) of each task's stream part (combine: its run)
+    span = max(ns(c, hdr[c * 8 + 3]) for c in ctas)
+    for c in ctas:
+        go, routed = ns(c, hdr[c * 8 + 1]), ns(c, hdr[c * 8 + 2])
+        cat["pre-go"] += go
+        cat["stage+route"] += routed - go
+        prev = routed
+        for i in range(min(hdr[c * 8 + 5], N)):
+            b = (c * N + i) * W
+            st = [ns(c, x) for x in ents[b:b + 7]]
+            info = ents[b + 7]
+            kind, nt, cnt = info & 15, (info >> 4) & 15, (info >> 8) & 255
+            cat["to-first" if i == 0 else "between"] += st[0] - prev
+            prev = st[6]
+            k = kinds.setdefault((kind, nt), [0, 0] + [0.0] * len(PARTS))
+            k[0] += 1
+            k[1] += cnt
+            if kind == 2:
+                cat["ready"] += st[2] - st[0]
+                cat["combine"] += st[6] - st[2]
+                k[2 + PARTS.index("ready")] += st[2] - st[0]
+                k[2 + PARTS.index("stream")] += st[6] - st[2]
+                ev.append((st[2], st[6], 2, 0))
+                continue
+            for j, part in enumerate(PARTS):
+                d = st[j + 1] - st[j]
+                cat[part] += d
+                k[2 + j] += d
+            ev.append((st[2], st[3], kind, task_bytes(model, kind, nt)))
+        cat["after-last"] += span - prev
+    tot = grid * span
+    print("== %s T=%d: %d CTAs, SM clock %.0f MHz, span %.1f us (first go -> last loop end)" %
+          (model, T, grid, f * 1e3, span / 1e3))
+    print("   CTA time: " + ", ".join("%s %.1f%%" % (k, 100 * v / tot) for k, v in cat.items()))
+    for (kind, nt), k in sorted(kinds.items()):
+        n = k[0]
+        name = ("gate_up", "down", "combine")[kind]
+        if kind == 2:
+            print("   %-7s: %5d tasks, ready wait %.2f us, run %.2f us" %
+                  (name, n, k[2 + PARTS.index("ready")] / n / 1e3,
+                   k[2 + PARTS.index("stream")] / n / 1e3))
+            continue
+        parts = ", ".join("%s %.2f" % (p, k[2 + j] / n / 1e3) for j, p in enumerate(PARTS))
+        line = "   %-7s %d tiles: %5d tasks, %.1f tokens; us: %s" % (name, nt, n, k[1] / n, parts)
+        byt = task_bytes(model, kind, nt)
+        if byt:
+            fair = byt / (STREAM / grid) * 1e9
+            line += "; %.0f KB streams at %.2f of 1/%d of the stream" % (
+                byt / 1e3, fair / (k[2 + PARTS.index("stream")] / n), grid)
+        print(line)
+    nb = 24
+    w = span / nb
+    bins = [[0.0] * 4 for _ in range(nb)]
+    for s, e, kind, byt in ev:
+        for b in range(int(s // w), min(int(e // w), nb - 1) + 1):
+            lo, hi = max(s, b * w), min(e, (b + 1) * w)
+            if hi > lo:
+                bins[b][kind] += (hi - lo) / w
+                bins[b][3] += byt * (hi - lo) / (e - s) if e > s else 0
+    print("   timeline (%.1f us bins), CTAs streaming gate_up / down / running combine:" % (w / 1e3))
+    print("   " + " ".join("%d/%d/%d" % tuple(round(x) for x in bb[:3]) for bb in bins))
+    if rate:
+        print("   weight TB/s per bin: " + " ".join("%.2f" % (bb[3] / w / 1e3) for bb in bins))
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    rate = "--rate" in args
+    args = [a for a in args if a != "--rate"]
+    if not args:
+        sys.exit(__doc__)
+    for p in args:
+        main(p, rate)
