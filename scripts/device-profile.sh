@@ -11,6 +11,8 @@
 # Logs go to $OUT (or build-var/profile): NAME.sass, NAME-time.txt, NAME-ncu.txt,
 # NAME-src.csv (SASS with executed-instruction counts).
 # PROF_ARGS: tile_probe arguments for the profile (default "gu 1 1 1").
+# PROF_TIMES: the timed tile_probe runs, ';'-separated argument lists (default:
+# DeepSeek-V3's gate_up and down at 1 and 8 tokens, 1 and 4 tiles per task).
 # PROF_SRC: a tree with kernels/, common/ and bench/probe/ to build from instead
 # (e.g. an older commit's, for an A/B of the task code); NCU=none: no profile.
 #
@@ -78,6 +80,7 @@ CUOBJDUMP=${CUOBJDUMP:-$(dirname "$NVCC")/cuobjdump}
 ARGS=${PROF_ARGS:-gu 1 1 1}
 # tile_probe runs timed for every build: phase, tokens per task, reps, tiles per task
 TIMES=("gu 1 20 1" "gu 8 20 1" "dn 1 20 1" "gu 1 20 4" "gu 8 20 4" "dn 1 20 4" "dn 8 20 4")
+[ -n "${PROF_TIMES:-}" ] && IFS=';' read -r -a TIMES <<< "$PROF_TIMES"
 [ $# = 0 ] && set -- base:
 for v in "$@"; do
     name=${v%%:*}
