@@ -199,7 +199,7 @@ extern "C" uint32_t moe_gpu_route_gmem_bytes(const struct moe_gpu_dims *d)
 extern "C" uint32_t moe_gpu_smem_route_bytes(const struct moe_gpu_dims *d)
 {
     size_t ne = d->n_experts + d->n_shared;
-    size_t b = sizeof(unsigned) * (ne + 2 * (ne + 1));
+    size_t b = sizeof(unsigned) * (ne + 2 * (ne + 1)) + sizeof(uint16_t) * CTAB;
     return (uint32_t)((b + 127) & ~(size_t)127); /* stages 128-byte aligned */
 }
 

@@ -155,8 +155,9 @@ int moe_gpu_take_stamps(uint64_t (*out)[4], char *err, size_t errlen);
  * hdr[MOE_GPU_TLOG_CTAS][8] per CTA: %globaltimer at go, clock64 at go, clock64
  * routed, clock64 at the task loop's end, %globaltimer there, entries, clock64
  * after the batch end, the batch's seq. ents[MOE_GPU_TLOG_CTAS][MOE_GPU_TLOG_N][8]
- * per task, clock64: claim seen, decoded, ready (x staged / the expert's
- * gate_up tiles done / every down tile done), every warp's K loop done,
+ * per task, clock64: claim seen, decoded, ready (the last task's tiles
+ * released, then x staged / the expert's gate_up tiles done / every down
+ * tile done), every warp's K loop done,
  * reduced, epilogue done (warp 0), end; then kind (0 gate_up, 1 down, 2
  * combine) | ntiles << 4 | cnt << 8 | task << 32 (a combine task: decoded =
  * claim seen, the K loop to the epilogue 0). CTAs past MOE_GPU_TLOG_CTAS and

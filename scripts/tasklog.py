@@ -11,8 +11,9 @@ Per file:
 - the CTAs' time split into: pre-go (waiting for the batch's release),
   stage+route (its slice of x, then the routing), to-first (-> its first task's
   claim seen), decode, ready (x staged / the expert's gate_up tiles / every down
-  tile), stream (-> every warp's K loop done), reduce (split-K sums), epilogue,
-  release (the tiles' counters and the barrier: -> the task's end), between
+  tile; thread 0 first releases the last task's tiles' counter), stream (->
+  every warp's K loop done), reduce (split-K sums), epilogue, release (the
+  barrier: -> the task's end), between
   (-> the next claim seen), combine (a combine task's run), after-last (its last
   task's end -> the span's end);
 - per task kind and tiles per task: count, those parts' means, and the stream

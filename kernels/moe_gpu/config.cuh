@@ -64,6 +64,10 @@ __device__ __forceinline__ void tlog_stamp(int i)
 #define TLOG_STAMP(i) ((void)0)
 #endif
 
+/* chunks whose expert a task finds in the routing's table (shared memory,
+ * 2 bytes each); later chunks of a larger batch search the chunk offsets */
+constexpr int CTAB = 1024;
+
 /* (int, as the macros they replace: the index arithmetic keeps its types) */
 constexpr int MR = MOE_GPU_MR;
 constexpr int X_ROW_BYTES = 144; /* 128 + 16: conflict-free 16-byte fragment reads */

@@ -316,6 +316,12 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
 #if MOE_GPU_TASK_LOG
     __shared__ unsigned s_tl; /* tasks logged this batch */
 #endif
+    /* the last task's tiles, released by tid 0 at the next task's decode:
+     * the release's fence then finds the epilogue's stores done, not in
+     * flight. Volatile: only tid 0 reads them, and a plain load was issued
+     * by every thread while tid 0 stored them (racecheck) */
+    __shared__ unsigned *volatile s_rel;
+    __shared__ volatile unsigned s_reln;
 
     const unsigned tid = threadIdx.x, warp = tid >> 5;
     const unsigned NE = p.d.n_experts + p.d.n_shared, KS = p.d.top_k + p.d.n_shared;
@@ -327,6 +333,7 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
     r.cnt = (unsigned *)smem;
     r.off = r.cnt + NE;
     r.chs = r.off + NE + 1;
+    r.ctab = reinterpret_cast<uint16_t *>(r.chs + NE + 1);
     r.pos = p.route_g + (size_t)blockIdx.x * (2 * (size_t)p.d.max_tokens * KS);
     r.tok = r.pos + (size_t)p.d.max_tokens * KS;
     uint8_t *sw = smem + p.smem_route + warp * WARP_SMEM;
@@ -583,13 +590,31 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
         if (tid == 0) {
             s_x_ready = false;
             s_cb0 = ~0u;
+            s_rel = nullptr;
             s_task = atomicAdd(&st->task_ctr, 1u);
         }
         for (;;) {
             __syncthreads();
             const unsigned t = s_task;
-            if (t >= total)
+            /* (tid 0, on every path below before any wait, which may wait
+             * for these very tiles) */
+            auto release_last = [&]() {
+                if (s_rel) {
+                    red_release_gpu(s_rel, s_reln);
+#if MOE_GPU_PHASES
+                    const bool g = s_rel != &st->dn_done;
+                    if (atomicAdd(g ? &st->gu_all : &st->dn_all, s_reln) + s_reln ==
+                        (g ? gu_tiles : dn_tiles))
+                        st_relaxed_sys(&ctrl->phase_ns[g ? 3 : 4], globaltimer_ns());
+#endif
+                    s_rel = nullptr;
+                }
+            };
+            if (t >= total) {
+                if (tid == 0)
+                    release_last();
                 break;
+            }
             TLOG_STAMP(0);
             if (t < n_gu + n_dn) {
                 const bool is_gu = t < n_gu;
@@ -598,7 +623,7 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                 /* an expert's tasks are [chs[e] TPC, chs[e+1] TPC), tile group
                  * major: the chunks of one tile group run back to back, so a
                  * crowded expert's weights are re-read from L2, not HBM */
-                const unsigned e = chunk_expert(r.chs, NE, tt / TPC);
+                const unsigned e = chunk_expert(r, NE, tt / TPC);
                 const unsigned nch = r.chs[e + 1] - r.chs[e], loc = tt - r.chs[e] * TPC;
                 const unsigned tg = loc / nch, c = loc - tg * nch, rt0 = tg * NTT;
                 const unsigned ntiles = min(NTT, RT - rt0);
@@ -610,6 +635,7 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                 TLOG_STAMP(1);
 #endif
                 if (tid == 0) {
+                    release_last();
                     if (is_gu) {
                         if (!s_x_ready)
                             while (ld_acquire_gpu32(&st->x_done) < gridDim.x)
@@ -626,29 +652,22 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                 unsigned next = 0; /* tid 0: the next task, claimed in the task */
                 run_task(p, L, r, is_gu, is_gu ? NTG : NTD, e, p0, cnt, rt0, ntiles, sw, sw_cta,
                          &st->task_ctr, next);
-                /* warp w wrote tile rt0 + w */
-                if (warp < ntiles) {
-                    __syncwarp();
-                    if ((tid & 31) == 0) {
-                        const unsigned nd = 1u;
-                        red_release_gpu(is_gu ? &st->gu_done[e] : &st->dn_done, nd);
-#if MOE_GPU_PHASES
-                        if (atomicAdd(is_gu ? &st->gu_all : &st->dn_all, nd) + nd ==
-                            (is_gu ? gu_tiles : dn_tiles))
-                            st_relaxed_sys(&ctrl->phase_ns[is_gu ? 3 : 4], globaltimer_ns());
-#endif
-                    }
-                }
+                /* warps < ntiles wrote tiles rt0 ..: released by tid 0 after the
+                 * barrier (which orders their stores before its release) */
                 __syncthreads(); /* stage buffers (partials) free for the next task */
 #if MOE_GPU_TASK_LOG
                 tlog_task(s_tl, (is_gu ? 0u : 1u) | ntiles << 4 | cnt << 8 |
                                     (unsigned long long)t << 32);
 #endif
-                if (tid == 0)
+                if (tid == 0) {
+                    s_rel = is_gu ? &st->gu_done[e] : &st->dn_done;
+                    s_reln = ntiles;
                     s_task = next;
+                }
                 continue; /* claimed */
             } else {
                 if (tid == 0) {
+                    release_last();
                     /* the first: every down tile first. A volatile read, by
                      * tid 0 only: a plain one was loaded by every thread
                      * while tid 0 stored it (racecheck) */

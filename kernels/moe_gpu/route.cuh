@@ -7,6 +7,7 @@ struct route {
     unsigned *cnt;     /* [NE] pairs per expert */
     unsigned *off;     /* [NE+1] first pair of each expert */
     unsigned *chs;     /* [NE+1] first chunk of each expert */
+    uint16_t *ctab;    /* [CTAB] expert of each chunk below CTAB */
     uint16_t *pos;     /* [T*KS] pair position of entry (t, j) */
     uint16_t *tok;     /* [T*KS] token of pair */
 };
@@ -125,12 +126,21 @@ __device__ void build_route(const struct moe_gpu_dims &d, unsigned T, const int3
         r.pos[i] = (uint16_t)p;
         r.tok[p] = (uint16_t)(i / KS);
     }
+    /* the chunk -> expert table: one shared-memory load per task decode */
+    for (unsigned e = tid; e < NE; e += THREADS)
+        for (unsigned c = r.chs[e], c1 = min(r.chs[e + 1], (unsigned)CTAB); c < c1; c++)
+            r.ctab[c] = (uint16_t)e;
     __syncthreads();
 }
 
-/* expert owning global chunk cg: the largest e with chs[e] <= cg */
-__device__ __forceinline__ unsigned chunk_expert(const unsigned *chs, unsigned NE, unsigned cg)
+/* expert owning global chunk cg: the largest e with chs[e] <= cg (from the
+ * table below CTAB; a binary search over chs, 8 dependent shared-memory
+ * loads at NE = 257, past it) */
+__device__ __forceinline__ unsigned chunk_expert(const route &r, unsigned NE, unsigned cg)
 {
+    if (cg < (unsigned)CTAB)
+        return r.ctab[cg];
+    const unsigned *chs = r.chs;
     unsigned lo = 0, hi = NE;
     while (hi - lo > 1) {
         unsigned mid = (lo + hi) >> 1;
