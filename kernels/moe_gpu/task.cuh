@@ -39,35 +39,45 @@ __device__ __forceinline__ void task_splitk(const uint8_t *wtask, unsigned tile_
      * trip runs beside the reduction and the epilogue */
     if (threadIdx.x == 0)
         next = atomicAdd(ctr, 1u);
-    constexpr int PER = MR * NT * 4; /* floats per lane per tile */
+    /* tile j's partials: float4 (m, n) of lane l at [j][m * NT + n][l] (each
+     * 8-lane phase of a 16-byte access one contiguous 128 bytes: no bank
+     * conflicts) */
+    constexpr int Q = MR * NT; /* float4 per lane per tile */
 #pragma unroll
     for (int j = 0; j < NTILE; j++) {
         if ((unsigned)j < ntiles) {
-            float *mine = reinterpret_cast<float *>(sw) + (j * 32 + lane) * PER;
+            float4 *mine = reinterpret_cast<float4 *>(sw) + j * Q * 32 + lane;
 #pragma unroll
             for (int m = 0; m < MR; m++)
 #pragma unroll
                 for (int n = 0; n < NT; n++)
-#pragma unroll
-                    for (int c = 0; c < 4; c++)
-                        mine[(m * NT + n) * 4 + c] = acc[j][m][n][c];
+                    mine[(m * NT + n) * 32] = make_float4(acc[j][m][n][0], acc[j][m][n][1],
+                                                          acc[j][m][n][2], acc[j][m][n][3]);
         }
     }
     __syncthreads();
     TLOG_STAMP(3); /* every warp's K loop done */
     zero_acc<NT>(out);
     if (warp < ntiles) {
-        for (unsigned w = 0; w < NWARPS; w++) {
-            const float *part = reinterpret_cast<const float *>(sw_cta + w * WARP_SMEM) +
-                                (warp * 32 + lane) * PER;
+        float4 part[NWARPS][Q];
+#pragma unroll
+        for (unsigned w = 0; w < NWARPS; w++)
+#pragma unroll
+            for (int q = 0; q < Q; q++)
+                part[w][q] = reinterpret_cast<const float4 *>(sw_cta + w * WARP_SMEM)[
+                    (warp * Q + q) * 32 + lane];
+#pragma unroll
+        for (unsigned w = 0; w < NWARPS; w++)
 #pragma unroll
             for (int m = 0; m < MR; m++)
 #pragma unroll
-                for (int n = 0; n < NT; n++)
-#pragma unroll
-                    for (int c = 0; c < 4; c++)
-                        out[m][n][c] += part[(m * NT + n) * 4 + c];
-        }
+                for (int n = 0; n < NT; n++) {
+                    const float4 v = part[w][m * NT + n];
+                    out[m][n][0] += v.x;
+                    out[m][n][1] += v.y;
+                    out[m][n][2] += v.z;
+                    out[m][n][3] += v.w;
+                }
     }
 }
 
