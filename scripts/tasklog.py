@@ -48,18 +48,21 @@ def task_bytes(model, kind, nt):
     return nt * ((H if kind == 0 else I) // UNIT_K) * UNIT_BYTES
 
 
-def main(path, rate):
+def summarize(path):
+    """The file's batch as a dict: model, T, grid, mhz, span_ns, cat (ns per part,
+    summed over the CTAs), kinds ({(kind, ntiles): [tasks, tokens, ns per PARTS
+    entry...]}) and ev ((start, end, kind, bytes) of each task's stream part)."""
     m = re.match(r"(.*)-T(\d+)\.bin$", os.path.basename(path))
     if not m:
         sys.exit("%s: not PRESET-TT.bin" % path)
     model, T = m.group(1), int(m.group(2))
     hdr, ents = load(path)
+    # the CTAs of the last batch (seq): a CTA that took no part in it keeps an older one's
     seqs = {hdr[c * 8 + 7] for c in range(CTAS) if hdr[c * 8]}
     ctas = [c for c in range(CTAS) if hdr[c * 8] and hdr[c * 8 + 4] > hdr[c * 8]
-            and hdr[c * 8 + 7] == max(seqs)]
+            and hdr[c * 8 + 7] == max(seqs)] if seqs else []
     if not ctas:
-        print("%s: no CTA logged" % path)
-        return
+        return None
     fs = sorted((hdr[c * 8 + 3] - hdr[c * 8 + 1]) / (hdr[c * 8 + 4] - hdr[c * 8]) for c in ctas)
     f = fs[len(fs) // 2]  # SM cycles per ns
     t0 = min(hdr[c * 8] for c in ctas)
@@ -67,11 +70,10 @@ def main(path, rate):
     def ns(c, clk):
         return hdr[c * 8] - t0 + (clk - hdr[c * 8 + 1]) / f
 
-    grid = len(ctas)
     cat = dict.fromkeys(["pre-go", "stage+route", "to-first"] + PARTS +
                         ["between", "combine", "after-last"], 0.0)
     kinds = {}
-    ev = []  # (start, end, kind, bytes) of each task's stream part (combine: its run)
+    ev = []
     span = max(ns(c, hdr[c * 8 + 3]) for c in ctas)
     for c in ctas:
         go, routed = ns(c, hdr[c * 8 + 1]), ns(c, hdr[c * 8 + 2])
@@ -101,9 +103,19 @@ def main(path, rate):
                 k[2 + j] += d
             ev.append((st[2], st[3], kind, task_bytes(model, kind, nt)))
         cat["after-last"] += span - prev
+    return {"model": model, "T": T, "grid": len(ctas), "mhz": f * 1e3, "span_ns": span,
+            "cat": cat, "kinds": kinds, "ev": ev}
+
+
+def main(path, rate):
+    s = summarize(path)
+    if s is None:
+        print("%s: no CTA logged" % path)
+        return
+    model, T, grid, span, cat, kinds = s["model"], s["T"], s["grid"], s["span_ns"], s["cat"], s["kinds"]
     tot = grid * span
     print("== %s T=%d: %d CTAs, SM clock %.0f MHz, span %.1f us (first go -> last loop end)" %
-          (model, T, grid, f * 1e3, span / 1e3))
+          (model, T, grid, s["mhz"], span / 1e3))
     print("   CTA time: " + ", ".join("%s %.1f%%" % (k, 100 * v / tot) for k, v in cat.items()))
     for (kind, nt), k in sorted(kinds.items()):
         n = k[0]
@@ -124,12 +136,12 @@ def main(path, rate):
     nb = 24
     w = span / nb
     bins = [[0.0] * 4 for _ in range(nb)]
-    for s, e, kind, byt in ev:
-        for b in range(int(s // w), min(int(e // w), nb - 1) + 1):
-            lo, hi = max(s, b * w), min(e, (b + 1) * w)
+    for st, e, kind, byt in s["ev"]:
+        for b in range(int(st // w), min(int(e // w), nb - 1) + 1):
+            lo, hi = max(st, b * w), min(e, (b + 1) * w)
             if hi > lo:
                 bins[b][kind] += (hi - lo) / w
-                bins[b][3] += byt * (hi - lo) / (e - s) if e > s else 0
+                bins[b][3] += byt * (hi - lo) / (e - st) if e > st else 0
     print("   timeline (%.1f us bins), CTAs streaming gate_up / down / running combine:" % (w / 1e3))
     print("   " + " ".join("%d/%d/%d" % tuple(round(x) for x in bb[:3]) for bb in bins))
     if rate:

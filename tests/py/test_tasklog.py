@@ -1,0 +1,93 @@
+"""scripts/tasklog.py (the kernel's task log, MOE_GPU_TASK_LOG) on synthetic logs
+whose every stamp is known: the per-part split, the clock conversion, the CTAs of
+an older batch left out, and files that are not task logs refused."""
+import importlib.util
+import os
+import struct
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.util.spec_from_file_location(
+    "tasklog", os.path.join(HERE, "..", "..", "scripts", "tasklog.py"))
+tasklog = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tasklog)
+
+CTAS, N, W = tasklog.CTAS, tasklog.N, tasklog.W
+CPN = 2  # SM cycles per ns in these logs (2 GHz)
+
+
+def write_log(path, ctas):
+    """ctas: {cta: (go_ns, seq, routed_ns, [(kind, ntiles, cnt, [7 stamps in ns after go])], end_ns)}"""
+    hdr = [0] * (CTAS * 8)
+    ents = [0] * (CTAS * N * W)
+    for c, (go, seq, routed, tasks, end) in ctas.items():
+        clk0 = 1_000_000 + 777 * c  # each SM's clock64 has its own origin
+        hdr[c * 8:c * 8 + 8] = [go, clk0, clk0 + CPN * routed, clk0 + CPN * end, go + end,
+                                len(tasks), clk0 + CPN * (end + 5), seq]
+        for i, (kind, nt, cnt, st) in enumerate(tasks):
+            b = (c * N + i) * W
+            ents[b:b + 7] = [clk0 + CPN * x for x in st]
+            ents[b + 7] = kind | nt << 4 | cnt << 8 | (i << 32)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<%dQ" % len(hdr), *hdr))
+        f.write(struct.pack("<%dQ" % len(ents), *ents))
+
+
+def test_parts_clock_and_older_batches(tmp_path):
+    p = tmp_path / "qwen3-30b-a3b-T4.bin"
+    write_log(p, {
+        # CTA 0: go at 10000 ns; a gate_up task of 4 tiles, a down task, a combine task
+        0: (10_000, 7, 300, [
+            (0, 4, 3, [400, 500, 600, 5600, 5700, 5800, 5900]),
+            (1, 4, 3, [6000, 6100, 6300, 8300, 8400, 8500, 8600]),
+            (2, 0, 0, [8700, 8700, 9700, 0, 0, 0, 10_200]),
+        ], 10_500),
+        # CTA 1: go 200 ns later, one gate_up task, ends first
+        1: (10_200, 7, 100, [(0, 4, 1, [200, 300, 350, 4350, 4400, 4450, 4500])], 4_600),
+        # CTA 2 ran an older batch (seq 6): not this batch's
+        2: (1_000, 6, 50, [(0, 4, 1, [60, 70, 80, 90, 100, 110, 120])], 200),
+    })
+    s = tasklog.summarize(str(p))
+    assert (s["model"], s["T"], s["grid"]) == ("qwen3-30b-a3b", 4, 2)
+    assert s["mhz"] == pytest.approx(CPN * 1e3)
+    assert s["span_ns"] == pytest.approx(10_500)  # CTA 0's loop end, from the first go
+    cat = s["cat"]
+    assert cat["pre-go"] == pytest.approx(200)  # CTA 1 went 200 ns after CTA 0
+    assert cat["stage+route"] == pytest.approx(300 + 100)
+    assert cat["to-first"] == pytest.approx(100 + 100)
+    assert cat["decode"] == pytest.approx(100 + 100 + 100)
+    # the combine task's ready wait counts as ready; its run as combine
+    assert cat["ready"] == pytest.approx(100 + 200 + 1000 + 50)
+    assert cat["stream"] == pytest.approx(5000 + 2000 + 4000)
+    assert cat["reduce"] == pytest.approx(100 + 100 + 50)
+    assert cat["epilogue"] == pytest.approx(100 + 100 + 50)
+    assert cat["release"] == pytest.approx(100 + 100 + 50)
+    assert cat["between"] == pytest.approx(100 + 100)
+    assert cat["combine"] == pytest.approx(500)
+    # CTA 0 ends its last task at 10200 of a 10500 span; CTA 1 at 200 + 4500
+    assert cat["after-last"] == pytest.approx(300 + (10_500 - 4_700))
+    assert sum(cat.values()) == pytest.approx(s["grid"] * s["span_ns"])
+    gu = s["kinds"][(0, 4)]
+    assert gu[0:2] == [2, 4]  # tasks, tokens
+    assert gu[2 + tasklog.PARTS.index("stream")] == pytest.approx(9000)
+    assert s["kinds"][(2, 0)][0] == 1
+    # each task's stream part with the weight bytes of its tiles (Qwen3: K 2048 gate_up, 768 down)
+    assert sorted(e[3] for e in s["ev"]) == [0, 4 * 12 * 1152, 4 * 32 * 1152, 4 * 32 * 1152]
+
+
+def test_not_a_task_log(tmp_path):
+    p = tmp_path / "deepseek-v3-T1.bin"
+    p.write_bytes(b"\0" * 64)
+    with pytest.raises(SystemExit, match="not a task log"):
+        tasklog.summarize(str(p))
+    q = tmp_path / "log.bin"
+    q.write_bytes(b"")
+    with pytest.raises(SystemExit, match="not PRESET-TT.bin"):
+        tasklog.summarize(str(q))
+
+
+def test_no_cta_logged(tmp_path):
+    p = tmp_path / "deepseek-v3-T16.bin"
+    write_log(p, {})
+    assert tasklog.summarize(str(p)) is None
