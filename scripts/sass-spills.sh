@@ -18,18 +18,18 @@ ROOT=$PWD
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 ND=${NVDISASM:-$(dirname "$NVCC")/nvdisasm}
 if [ ! -x "$ND" ]; then
-    ND=$(ls "$ROOT"/.venv-sass/lib/python3*/site-packages/nvidia/cu*/bin/nvdisasm 2>/dev/null | head -1)
+    ND=$(find "$ROOT/.venv-sass" -path '*/bin/nvdisasm' -type f 2>/dev/null | head -1)
     if [ -z "$ND" ]; then
         python3 -m venv "$ROOT/.venv-sass"
         "$ROOT/.venv-sass/bin/pip" install -q nvidia-cuda-nvdisasm
-        ND=$(ls "$ROOT"/.venv-sass/lib/python3*/site-packages/nvidia/cu*/bin/nvdisasm | head -1)
+        ND=$(find "$ROOT/.venv-sass" -path '*/bin/nvdisasm' -type f | head -1)
     fi
 fi
 cd "${SRC:-$ROOT}"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 for a in ${ARCHS:-90a 120a}; do
-    "$NVCC" -std=c++17 -O3 -lineinfo -Xptxas -v -gencode=arch=compute_$a,code=sm_$a \
+    "$NVCC" -std=c++17 -O3 -lineinfo -Xptxas -v "-gencode=arch=compute_$a,code=sm_$a" \
         -Icommon -Ikernels -DMOED_HAVE_CUDA=1 "$@" -cubin -o "$tmp/k.cubin" kernels/moe_gpu.cu \
         2> "$tmp/ptxas.txt" || { cat "$tmp/ptxas.txt"; exit 1; }
     echo "== sm_$a: $(grep -A2 "entry function '_Z14moe_persistent" "$tmp/ptxas.txt" | tail -2 |
