@@ -155,8 +155,9 @@ static int tasklog_write(struct moed_backend *be, const char *dir, const char *p
     char err[MOED_ERRLEN] = "", path[4096];
     int rc = 1;
     FILE *f = NULL;
-    snprintf(path, sizeof path, "%s/%s-T%u.bin", dir, preset, T);
-    if (!h || !e)
+    if ((size_t)snprintf(path, sizeof path, "%s/%s-T%u.bin", dir, preset, T) >= sizeof path)
+        fprintf(stderr, "BENCH_TASKLOG: directory name over %zu bytes\n", sizeof path - 32);
+    else if (!h || !e)
         fprintf(stderr, "BENCH_TASKLOG: out of memory\n");
     else if (wait_idle(be))
         fprintf(stderr, "BENCH_TASKLOG: the kernel did not idle out\n");

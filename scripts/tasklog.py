@@ -31,7 +31,13 @@ import sys
 CTAS, N, W = 1024, 256, 8  # MOE_GPU_TLOG_CTAS, MOE_GPU_TLOG_N, words per entry
 SHAPES = {"deepseek-v3": (7168, 2048), "qwen3-30b-a3b": (2048, 768)}
 UNIT_BYTES, UNIT_K = 1152, 64  # MOE_GPU_UNIT_BYTES, MOE_GPU_UNIT_K
-STREAM = float(os.environ.get("TASKLOG_STREAM_TBS", "4.53")) * 1e12
+try:
+    STREAM = float(os.environ.get("TASKLOG_STREAM_TBS", "4.53")) * 1e12
+    if not 0 < STREAM < 1e15:
+        raise ValueError
+except ValueError:
+    sys.exit("TASKLOG_STREAM_TBS=%s: not a read bandwidth in TB/s (0, 1000)" %
+             os.environ.get("TASKLOG_STREAM_TBS"))
 PARTS = ["decode", "ready", "stream", "reduce", "epilogue", "release"]
 
 

@@ -91,3 +91,15 @@ def test_no_cta_logged(tmp_path):
     p = tmp_path / "deepseek-v3-T16.bin"
     write_log(p, {})
     assert tasklog.summarize(str(p)) is None
+
+
+def test_bad_stream_bandwidth_refused(tmp_path):
+    import subprocess
+    import sys
+    p = tmp_path / "qwen3-30b-a3b-T4.bin"
+    write_log(p, {})
+    for bad in ("x", "0", "-1"):
+        r = subprocess.run([sys.executable, _spec.origin, str(p)], capture_output=True, text=True,
+                           env={**os.environ, "TASKLOG_STREAM_TBS": bad})
+        assert r.returncode == 1
+        assert "TASKLOG_STREAM_TBS=%s: not a read bandwidth" % bad in r.stderr
