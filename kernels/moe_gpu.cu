@@ -65,10 +65,12 @@
  *
  * ROUTING. Every CTA builds the batch's expert histogram (shared memory),
  * the (token, slot) -> pair position map and the pair -> token list (its own
- * region of device memory, leaving shared memory to
- * the pipeline) by itself (one warp ranks entries 32 at a time with
- * __match_any_sync in a fixed order, so pair numbering is deterministic): no
- * grid barrier.
+ * region of device memory, leaving shared memory to the pipeline) by itself,
+ * with no grid barrier: the histogram from shared-memory atomics, then each
+ * warp ranks a quarter of the entries 32 at a time with __match_any_sync
+ * (ids and ranks in the stage buffers, free between batches), so a pair's
+ * position is its entry's rank among the earlier entries of its expert, the
+ * same in every CTA (a batch of at most 128 entries: warp 0 alone).
  *
  * PIPELINE. Each warp streams its share of a task through its own
  * STAGES-deep ring of shared-memory stages filled with 16-byte cp.async

@@ -560,7 +560,8 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
 
         /* ---- route (a COMBINE batch: no pairs, its rows into dout) ---- */
         const struct moe_gpu_layer L = p.layers[sd.layer];
-        build_route(p.d, T, p.ids_s, r, sd.flags, sd.ep_n, sd.ep_shard, &st->x_done);
+        build_route(p.d, T, p.ids_s, r, sd.flags, sd.ep_n, sd.ep_shard, &st->x_done,
+                    smem + p.smem_route);
         const unsigned n_ch = r.chs[NE];
 #if MOE_GPU_TASK_LOG
         if (tid == 0 && blockIdx.x < MOE_GPU_TLOG_CTAS)

@@ -36,9 +36,35 @@ __device__ __forceinline__ unsigned expert_of(const int32_t *ids, unsigned i, un
     return E + (j - k);
 }
 
+/* The routing's scratch in the CTA's stage buffers (free between batches):
+ * run [NE] u32, wc [NWARPS][NE] u16, then a window of er u32 (expert | rank
+ * << 16) per entry; ROUTE_CAP entries per window at NE = 1024 (the most
+ * moe_gpu_check_dims allows), a multiple of NWARPS * 32 */
+constexpr unsigned ROUTE_CAP =
+    (NWARPS * WARP_SMEM - 1024 * (4 + 2 * NWARPS)) / 4 / (NWARPS * 32) * (NWARPS * 32);
+static_assert(ROUTE_CAP >= NWARPS * 32, "a routing window of one round per warp at least");
+/* entries an expert_of pass keeps in flight per thread (independent loads) */
+constexpr int ROUTE_LD = 4;
+/* a batch of at most 32 ROUTE_SMALL entries is routed by warp 0 alone (its
+ * ids loaded at once, its ranks in registers): no window, two barriers
+ * fewer (H200 2026-12-04: the windows cost Qwen3 T = 8 1.2 us) */
+constexpr int ROUTE_SMALL = 4;
+
+/* The batch's routing, built by every CTA for itself from the staged ids
+ * (the same tables in every CTA): pair positions grouped by expert, in entry
+ * order within an expert. Every load is independent of the others (H200
+ * 2026-12-04: the walk by one warp over the ids in device memory, one L2
+ * round trip per 32 entries, then a second pass reading them and pos back,
+ * took 20-50 us of every CTA at T = 256 before its first task):
+ * (1) the histogram, shared-memory atomics; (2) the scans (off, chs);
+ * (3) per window of ROUTE_CAP entries: each entry's expert into shared
+ * memory, each warp's rank walk over its quarter (match_any), the warps'
+ * bases per expert, then pos and tok; a batch of at most 32 ROUTE_SMALL
+ * entries (T <= 16 at top-8) takes warp 0's rounds instead of (1) and (3).
+ * scratch: the stage buffers. */
 __device__ void build_route(const struct moe_gpu_dims &d, unsigned T, const int32_t *ids,
                             const route &r, unsigned flags, unsigned ep_n, unsigned ep_shard,
-                            unsigned *x_done)
+                            unsigned *x_done, uint8_t *scratch)
 {
     const unsigned NE = d.n_experts + d.n_shared, KS = d.top_k + d.n_shared;
     const unsigned n_ent = T * KS;
@@ -64,31 +90,66 @@ __device__ void build_route(const struct moe_gpu_dims &d, unsigned T, const int3
         __syncthreads();
         return;
     }
-    for (unsigned i = tid; i < NE; i += THREADS)
-        r.cnt[i] = 0;
-    __syncthreads();
-    if (warp == 0) {
-        /* rank of each entry among earlier entries of the same expert */
-        for (unsigned base = 0; base < n_ent; base += 32) {
-            unsigned i = base + lane;
-            unsigned ex = i < n_ent ? expert_of(ids, i, d.top_k, KS, d.n_experts, flags, ep_n,
-                                                ep_shard)
-                                    : ROUTE_NONE;
-            bool act = ex != ROUTE_NONE;
-            if (!act)
-                ex = 0x80000000u | lane;
-            unsigned m = __match_any_sync(0xffffffffu, ex);
-            unsigned lt = m & ((1u << lane) - 1u);
-            unsigned c = act ? r.cnt[ex] : 0u;
-            __syncwarp();
-            if (act) {
-                r.pos[i] = (uint16_t)(c + __popc(lt));
-                if ((m >> lane) == 1u) /* highest lane of the group */
-                    r.cnt[ex] = c + __popc(m);
+    unsigned *const run = reinterpret_cast<unsigned *>(scratch);
+    uint16_t *const wc = reinterpret_cast<uint16_t *>(run + 1024);
+    unsigned *const er = reinterpret_cast<unsigned *>(wc + NWARPS * 1024);
+    /* entries [i0, i1) by this thread, ROUTE_LD loads in flight at a time */
+    auto experts = [&](unsigned i0, unsigned i1, auto &&use) {
+        for (unsigned b = i0 + tid; b < i1; b += ROUTE_LD * THREADS) {
+            unsigned ex[ROUTE_LD];
+#pragma unroll
+            for (int u = 0; u < ROUTE_LD; u++) {
+                const unsigned i = b + u * THREADS;
+                ex[u] = i < i1 ? expert_of(ids, i, d.top_k, KS, d.n_experts, flags, ep_n, ep_shard)
+                               : ROUTE_NONE;
             }
-            __syncwarp();
+#pragma unroll
+            for (int u = 0; u < ROUTE_LD; u++)
+                if (b + u * THREADS < i1)
+                    use(b + u * THREADS, ex[u]);
         }
-        /* exclusive scans: pairs -> off, chunks -> chs */
+    };
+    for (unsigned i = tid; i < NE; i += THREADS) {
+        r.cnt[i] = 0;
+        run[i] = 0;
+    }
+    __syncthreads();
+    /* (1) pairs per expert (the counts do not depend on the order); a batch
+     * of at most 32 ROUTE_SMALL entries: warp 0's rounds count and rank
+     * them, every id loaded at once */
+    const bool small = n_ent <= 32 * ROUTE_SMALL;
+    unsigned exs[ROUTE_SMALL], rks[ROUTE_SMALL];
+    if (small) {
+        if (warp == 0) {
+#pragma unroll
+            for (int u = 0; u < ROUTE_SMALL; u++) {
+                const unsigned i = 32 * u + lane;
+                exs[u] = i < n_ent ? expert_of(ids, i, d.top_k, KS, d.n_experts, flags, ep_n,
+                                               ep_shard)
+                                   : ROUTE_NONE;
+            }
+#pragma unroll
+            for (int u = 0; u < ROUTE_SMALL; u++) {
+                const bool act = exs[u] != ROUTE_NONE;
+                const unsigned m =
+                    __match_any_sync(0xffffffffu, act ? exs[u] : 0x80000000u | lane);
+                const unsigned c = act ? r.cnt[exs[u]] : 0u;
+                __syncwarp();
+                rks[u] = c + __popc(m & ((1u << lane) - 1u));
+                if (act && (m >> lane) == 1u) /* highest lane of the group */
+                    r.cnt[exs[u]] = c + __popc(m);
+                __syncwarp();
+            }
+        }
+    } else {
+        experts(0, n_ent, [&](unsigned, unsigned ex) {
+            if (ex != ROUTE_NONE)
+                atomicAdd(&r.cnt[ex], 1u);
+        });
+        __syncthreads();
+    }
+    /* (2) exclusive scans: pairs -> off, chunks -> chs (warp 0) */
+    if (warp == 0) {
         unsigned per = (NE + 31) / 32, b = lane * per, e = min(b + per, NE);
         unsigned s1 = 0, s2 = 0;
         for (unsigned i = b; i < e; i++) {
@@ -116,15 +177,75 @@ __device__ void build_route(const struct moe_gpu_dims &d, unsigned T, const int3
         }
     }
     __syncthreads();
-    for (unsigned i = tid; i < n_ent; i += THREADS) {
-        unsigned ex = expert_of(ids, i, d.top_k, KS, d.n_experts, flags, ep_n, ep_shard);
-        if (ex == ROUTE_NONE) {
-            r.pos[i] = (uint16_t)(d.max_tokens * KS); /* the zero row */
-            continue;
+    /* (3) positions: warp 0's rounds, or window by window (one window up to
+     * ROUTE_CAP entries) */
+    if (small && warp == 0) {
+#pragma unroll
+        for (int u = 0; u < ROUTE_SMALL; u++) {
+            const unsigned i = 32 * u + lane;
+            if (i >= n_ent)
+                continue;
+            if (exs[u] == ROUTE_NONE) {
+                r.pos[i] = (uint16_t)(d.max_tokens * KS); /* the zero row */
+            } else {
+                const unsigned p = r.off[exs[u]] + rks[u];
+                r.pos[i] = (uint16_t)p;
+                r.tok[p] = (uint16_t)(i / KS);
+            }
         }
-        unsigned p = r.off[ex] + r.pos[i];
-        r.pos[i] = (uint16_t)p;
-        r.tok[p] = (uint16_t)(i / KS);
+    }
+    for (unsigned w0 = 0; !small && w0 < n_ent; w0 += ROUTE_CAP) {
+        const unsigned w1 = min(w0 + ROUTE_CAP, n_ent);
+        /* each warp's quarter: whole rounds of 32 */
+        const unsigned q = ((w1 - w0 + NWARPS * 32 - 1) / (NWARPS * 32)) * 32;
+        for (unsigned i = tid; i < NWARPS * NE; i += THREADS)
+            wc[(i / NE) * 1024 + i % NE] = 0;
+        experts(w0, w1, [&](unsigned i, unsigned ex) { er[i - w0] = ex; });
+        __syncthreads();
+        /* rank of each entry among the earlier entries of its expert in this
+         * warp's quarter */
+        const unsigned a0 = w0 + warp * q, a1 = min(a0 + q, w1);
+        uint16_t *const mine = wc + warp * 1024;
+        for (unsigned base = a0; base < a1; base += 32) {
+            const unsigned i = base + lane;
+            unsigned ex = i < a1 ? er[i - w0] : ROUTE_NONE;
+            const bool act = ex != ROUTE_NONE;
+            if (!act)
+                ex = 0x80000000u | lane;
+            const unsigned m = __match_any_sync(0xffffffffu, ex);
+            const unsigned c = act ? mine[ex] : 0u;
+            __syncwarp();
+            if (act) {
+                er[i - w0] = ex | (c + __popc(m & ((1u << lane) - 1u))) << 16;
+                if ((m >> lane) == 1u) /* highest lane of the group */
+                    mine[ex] = (uint16_t)(c + __popc(m));
+            }
+            __syncwarp();
+        }
+        __syncthreads();
+        /* each warp's base per expert: the window's earlier warps and windows */
+        for (unsigned e = tid; e < NE; e += THREADS) {
+            unsigned b = run[e];
+#pragma unroll
+            for (unsigned w = 0; w < NWARPS; w++) {
+                const unsigned c = wc[w * 1024 + e];
+                wc[w * 1024 + e] = (uint16_t)b;
+                b += c;
+            }
+            run[e] = b;
+        }
+        __syncthreads();
+        for (unsigned i = w0 + tid; i < w1; i += THREADS) {
+            const unsigned v = er[i - w0];
+            if (v == ROUTE_NONE) {
+                r.pos[i] = (uint16_t)(d.max_tokens * KS); /* the zero row */
+                continue;
+            }
+            const unsigned ex = v & 0xffffu, p = r.off[ex] + wc[((i - w0) / q) * 1024 + ex] + (v >> 16);
+            r.pos[i] = (uint16_t)p;
+            r.tok[p] = (uint16_t)(i / KS);
+        }
+        __syncthreads(); /* er, wc are the next window's */
     }
     /* the chunk -> expert table: one shared-memory load per task decode */
     for (unsigned e = tid; e < NE; e += THREADS)
