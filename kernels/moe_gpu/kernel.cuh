@@ -688,7 +688,7 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                 __syncthreads();
                 const unsigned u = (t - n_gu - n_dn) * NWARPS + warp;
                 if (u < n_cu) /* y from sd here: not a register across the loop */
-                    combine_unit(p, r, u / n_cblk, u % n_cblk, (uint16_t *)sd.y);
+                    combine_unit(p, r, u / n_cblk, u % n_cblk, (uint16_t *)sd.y, sw);
             }
 #if MOE_GPU_TASK_LOG
             __syncthreads();

@@ -207,47 +207,54 @@ __device__ __forceinline__ void run_task(const struct moe_gpu_params &p,
 
 /* combine unit: token t, columns [256 blk, 256 blk + 256) (8 per lane).
  * Slots in fixed order (routed j = 0..k-1 weighted, then shared s = 0..S-1
- * with weight 1), fp32, one bf16 rounding: deterministic. Loads of up to 4
- * slots are issued before they are summed (L2 latency, not one slot at a
- * time). Writes y (device or mapped host memory) with 16-byte stores. */
+ * with weight 1), fp32, one bf16 rounding: deterministic. Every slot's rows
+ * are copied at once (cp.async, up to CMB_SLOTS per round) into the warp's
+ * stage buffer sw, free in a combine task, then summed: two round trips
+ * (pos, then the rows) per round, where loading 2 slots at a time into
+ * registers took KS / 2 (H200 2026-12-04: Qwen3 T = 1's combine task ran 2.9
+ * us). Writes y (device or mapped host memory) with 16-byte stores. */
+constexpr unsigned CMB_SLOTS = WARP_SMEM / (32 * 32); /* 32 bytes per lane per slot */
 __device__ void combine_unit(const struct moe_gpu_params &p, const route &r, unsigned t,
-                             unsigned blk, uint16_t *y)
+                             unsigned blk, uint16_t *y, uint8_t *sw)
 {
     const unsigned H = p.d.hidden, k = p.d.top_k, KS = k + p.d.n_shared;
     const unsigned lane = threadIdx.x & 31;
     const unsigned c = blk * 256 + lane * 8;
-    constexpr int CB = 2; /* slots loaded per round (4 spilled at 128 registers) */
-    if (c >= H)
-        return;
+    const bool in = c < H;
+    /* token t's routing weights, lane j holding slot j's (j < k <= 32 is
+     * not assumed: a slot past 32 reloads it) */
+    const float wl = lane < k ? __ldcg(p.w_s + (size_t)t * k + lane) : 1.f;
     float a[8];
 #pragma unroll
     for (int v = 0; v < 8; v++)
         a[v] = 0.f;
-    for (unsigned j0 = 0; j0 < KS; j0 += CB) {
-        float4 d[CB][2];
-        float wj[CB];
-#pragma unroll
-        for (int u = 0; u < CB; u++) {
-            unsigned j = j0 + u;
-            if (j < KS) {
-                const float *src = p.dout + (size_t)r.pos[t * KS + j] * H + c;
-                d[u][0] = __ldcg(reinterpret_cast<const float4 *>(src));
-                d[u][1] = __ldcg(reinterpret_cast<const float4 *>(src + 4));
-                wj[u] = j < k ? __ldcg(p.w_s + (size_t)t * k + j) : 1.f;
+    for (unsigned j0 = 0; j0 < KS; j0 += CMB_SLOTS) {
+        const unsigned n = min(CMB_SLOTS, KS - j0);
+        if (in)
+            for (unsigned u = 0; u < n; u++) {
+                const float *src = p.dout + (size_t)r.pos[t * KS + j0 + u] * H + c;
+                cp_async16(sw + ((2 * u) * 32 + lane) * 16, src);
+                cp_async16(sw + ((2 * u + 1) * 32 + lane) * 16, src + 4);
             }
-        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncwarp();
+        for (unsigned u = 0; u < n; u++) {
+            const unsigned j = j0 + u;
+            const float wsl = __shfl_sync(0xffffffffu, wl, j & 31);
+            const float wj = j < k ? (j < 32 ? wsl : __ldcg(p.w_s + (size_t)t * k + j)) : 1.f;
+            const float4 d0 = *reinterpret_cast<const float4 *>(sw + ((2 * u) * 32 + lane) * 16);
+            const float4 d1 =
+                *reinterpret_cast<const float4 *>(sw + ((2 * u + 1) * 32 + lane) * 16);
+            const float dv[8] = {d0.x, d0.y, d0.z, d0.w, d1.x, d1.y, d1.z, d1.w};
 #pragma unroll
-        for (int u = 0; u < CB; u++) {
-            unsigned j = j0 + u;
-            if (j < KS) {
-                float dv[8] = {d[u][0].x, d[u][0].y, d[u][0].z, d[u][0].w,
-                               d[u][1].x, d[u][1].y, d[u][1].z, d[u][1].w};
-#pragma unroll
-                for (int v = 0; v < 8; v++)
-                    a[v] = j < k ? fmaf(wj[u], dv[v], a[v]) : a[v] + dv[v];
-            }
+            for (int v = 0; v < 8; v++)
+                a[v] = j < k ? fmaf(wj, dv[v], a[v]) : a[v] + dv[v];
         }
+        __syncwarp(); /* the next round's copies overwrite sw */
     }
+    if (!in)
+        return;
     uint4 o;
     __nv_bfloat162 b0 = __floats2bfloat162_rn(a[0], a[1]), b1 = __floats2bfloat162_rn(a[2], a[3]);
     __nv_bfloat162 b2 = __floats2bfloat162_rn(a[4], a[5]), b3 = __floats2bfloat162_rn(a[6], a[7]);
