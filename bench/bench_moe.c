@@ -30,7 +30,10 @@
  * BENCH_CSV=path appends one row per (model, T). BENCH_PROFILE_RANGE=1 makes
  * each T's timed batches one profiler range (cudaProfilerStart/Stop, the
  * kernel idle at both ends) and prints their distinct experts' bytes, for
- * the DRAM-bytes-per-batch report (scripts/device-profile.sh dram).
+ * the DRAM-bytes-per-batch report (scripts/device-profile.sh dram);
+ * BENCH_PROFILE_RANGE=busy makes a range of BENCH_PROFILE_MS (500) of
+ * batches back to back after them instead, for the stall and pipe figures
+ * of the busy kernel (scripts/device-profile.sh range).
  * Energy (bench/lib/power.h, NVML): per T, BENCH_ENERGY_MS (default 300; 0:
  * none) of the same batches back to back, the board's energy counter read
  * at both ends: joules per GB of distinct expert bytes, the mean power, and
@@ -238,12 +241,36 @@ int main(int argc, char **argv)
         }
     /* BENCH_PROFILE_RANGE=1: each T's timed batches are one profiler range
      * (cudaProfilerStart/Stop, with the kernel idle at both ends), for
-     * Nsight Compute's range replay: scripts/device-profile.sh dram */
+     * Nsight Compute's range replay: scripts/device-profile.sh dram.
+     * BENCH_PROFILE_RANGE=busy: after each T's timed batches, a range of
+     * BENCH_PROFILE_MS (default 500) of batches back to back, so that the
+     * kernel's idle polling (the idle exit's 20 ms at the range's end) is a
+     * small part of it: scripts/device-profile.sh range */
     const char *tasklog = getenv("BENCH_TASKLOG");
     if (tasklog && !*tasklog)
         tasklog = NULL;
     const char *pr = getenv("BENCH_PROFILE_RANGE");
-    const int prof_range = pr && *pr == '1';
+    int prof_range = 0;
+    if (pr && *pr && strcmp(pr, "0")) {
+        if (!strcmp(pr, "1"))
+            prof_range = 1;
+        else if (!strcmp(pr, "busy"))
+            prof_range = 2;
+        else {
+            fprintf(stderr, "BENCH_PROFILE_RANGE=%s: not 0, 1 or busy\n", pr);
+            return 2;
+        }
+    }
+    double prof_ms = 500;
+    const char *pm = getenv("BENCH_PROFILE_MS");
+    if (pm && *pm) {
+        char *end;
+        prof_ms = strtod(pm, &end);
+        if (*end || !(prof_ms >= 1 && prof_ms <= 60000)) {
+            fprintf(stderr, "BENCH_PROFILE_MS=%s: not a number of ms in [1, 60000]\n", pm);
+            return 2;
+        }
+    }
     moed_log_set_level(MOED_LOG_WARN);
     char err[MOED_ERRLEN] = "";
     const char *em = getenv("BENCH_ENERGY_MS");
@@ -435,7 +462,8 @@ int main(int argc, char **argv)
             return 1;
         }
         for (uint32_t it = 0; it < n_it + 10; it++) {
-            if (it == 10 && prof_range && (wait_idle(be) || cudaProfilerStart() != cudaSuccess)) {
+            if (it == 10 && prof_range == 1 &&
+                (wait_idle(be) || cudaProfilerStart() != cudaSuccess)) {
                 fprintf(stderr, "BENCH_PROFILE_RANGE: could not start the range\n");
                 return 1;
             }
@@ -470,7 +498,7 @@ int main(int argc, char **argv)
                 distinct_sum += distinct;
             }
         }
-        if (prof_range) {
+        if (prof_range == 1) {
             /* the range ends with the kernel gone (idle exit): every batch of
              * it, and nothing else, is counted */
             if (wait_idle(be) || cudaProfilerStop() != cudaSuccess) {
@@ -479,6 +507,27 @@ int main(int argc, char **argv)
             }
             printf("# profile-range T=%u batches=%u distinct_bytes=%.0f\n", T, n_it,
                    distinct_sum * (double)per_expert);
+        }
+        if (prof_range == 2) { /* busy: batches back to back, the same routing draw */
+            uint32_t nb = 0;
+            double dsum = 0;
+            if (wait_idle(be) || cudaProfilerStart() != cudaSuccess) {
+                fprintf(stderr, "BENCH_PROFILE_RANGE: could not start the range\n");
+                return 1;
+            }
+            for (const double t_end = now_us() + prof_ms * 1e3; nb == 0 || now_us() < t_end; nb++) {
+                dsum += gen_routing(&d, T, &s, ids, w, seen);
+                if (moed_one(be, nb % layers, T, d.top_k, d.hidden, x, ids, w, y, xy_kind)) {
+                    fprintf(stderr, "batch (profile range) failed\n");
+                    return 1;
+                }
+            }
+            if (wait_idle(be) || cudaProfilerStop() != cudaSuccess) {
+                fprintf(stderr, "BENCH_PROFILE_RANGE: could not end the range\n");
+                return 1;
+            }
+            printf("# profile-range T=%u batches=%u distinct_bytes=%.0f busy_ms=%.0f\n", T, nb,
+                   dsum * (double)per_expert, prof_ms);
         }
         if (tasklog && tasklog_write(be, tasklog, preset, T))
             return 1;

@@ -24,10 +24,42 @@
 # with the kernel idle at both ends); dram__bytes_read.sum of the range over
 # the distinct experts' bytes of its batches, per T: NAME-dram.txt.
 # DRAM_ITERS batches per T (default 20).
+#
+#   scripts/device-profile.sh range [PRESET:T,T,... ...]
+# Where the busy kernel's warps stall and which pipes and memories are busy:
+# bench_moe (BENCH_BIN) with BENCH_PROFILE_RANGE=busy (per T, BENCH_PROFILE_MS
+# of batches back to back, default 500; the range ends with the kernel's 20 ms
+# idle exit, 4 % of it) under Nsight Compute's application range replay with
+# the sections RANGE_SECTIONS (default: SpeedOfLight, WarpStateStats,
+# SchedulerStats, ComputeWorkloadAnalysis, MemoryWorkloadAnalysis,
+# InstructionStats): NAME-range.txt per preset, one report per T. (The timed
+# batches' range, BENCH_PROFILE_RANGE=1, is 85 % idle kernel at Qwen3 T = 64:
+# 30 batches of 125 us, then the 20 ms idle exit; H200 2026-12-04.)
 set -u
 cd "$(dirname "$0")/.."
 LOG=${OUT:-build-var/profile}
 LOG=$(mkdir -p "$LOG" && cd "$LOG" && pwd)
+if [ "${1:-}" = range ]; then
+    shift
+    NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
+    B=${BENCH_BIN:-build-cuda/bench/bench_moe}
+    export LD_LIBRARY_PATH="$PWD/.device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    [ $# = 0 ] && set -- qwen3-30b-a3b:64,256 deepseek-v3:64,256
+    secs=()
+    for s in ${RANGE_SECTIONS:-SpeedOfLight WarpStateStats SchedulerStats ComputeWorkloadAnalysis MemoryWorkloadAnalysis InstructionStats}; do
+        secs+=(--section "$s")
+    done
+    rc=0
+    for spec in "$@"; do
+        m=${spec%%:*}
+        BENCH_PROFILE_RANGE=busy BENCH_ENERGY_MS=0 timeout "${RANGE_TIMEOUT:-400}" "$NCU" \
+            --replay-mode app-range "${secs[@]}" --log-file "$LOG/$m-range.txt" "$B" \
+            --preset "$m" --tokens "${spec#*:}" --no-baselines --iters "${RANGE_ITERS:-20}" \
+            > "$LOG/$m-range-bench.txt" 2>&1 || rc=1
+        grep -E "^# profile-range|==ERROR==" "$LOG/$m-range-bench.txt" | sort -u
+    done
+    exit $rc
+fi
 if [ "${1:-}" = dram ]; then
     shift
     NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
