@@ -142,6 +142,23 @@ static int moed_one(struct moed_backend *be, uint32_t layer, uint32_t T, uint32_
 /* Wait (up to 3 s) for the persistent kernel's idle exit: the clock ping-pong
  * and the baselines need SMs it would otherwise hold (its grid takes every
  * register of every SM). Returns 1 if it is still resident. */
+/* *out = the environment's name as ms in [lo, 60000], or def when unset;
+ * -1 (said on stderr) when it is not such a number */
+static int env_ms(const char *name, double def, double lo, double *out)
+{
+    const char *v = getenv(name);
+    char *end;
+    *out = def;
+    if (!v || !*v)
+        return 0;
+    *out = strtod(v, &end);
+    if (*end || !(*out >= lo && *out <= 60000)) {
+        fprintf(stderr, "%s=%s: not a number of ms in [%.0f, 60000]\n", name, v, lo);
+        return -1;
+    }
+    return 0;
+}
+
 static int wait_idle(struct moed_backend *be)
 {
     for (int q = 0; q < 3000 && moed_backend_cuda_running(be); q++)
@@ -261,28 +278,11 @@ int main(int argc, char **argv)
             return 2;
         }
     }
-    double prof_ms = 500;
-    const char *pm = getenv("BENCH_PROFILE_MS");
-    if (pm && *pm) {
-        char *end;
-        prof_ms = strtod(pm, &end);
-        if (*end || !(prof_ms >= 1 && prof_ms <= 60000)) {
-            fprintf(stderr, "BENCH_PROFILE_MS=%s: not a number of ms in [1, 60000]\n", pm);
-            return 2;
-        }
-    }
+    double prof_ms, energy_ms;
+    if (env_ms("BENCH_PROFILE_MS", 500, 1, &prof_ms) || env_ms("BENCH_ENERGY_MS", 300, 0, &energy_ms))
+        return 2;
     moed_log_set_level(MOED_LOG_WARN);
     char err[MOED_ERRLEN] = "";
-    const char *em = getenv("BENCH_ENERGY_MS");
-    double energy_ms = 300;
-    if (em && *em) {
-        char *end;
-        energy_ms = strtod(em, &end);
-        if (*end || !(energy_ms >= 0 && energy_ms <= 60000)) {
-            fprintf(stderr, "BENCH_ENERGY_MS=%s: not a number of ms in [0, 60000]\n", em);
-            return 2;
-        }
-    }
 
     /* %globaltimer - CLOCK_REALTIME, before anything else holds the GPU */
     int64_t clk_off = 0, clk_half = 0;

@@ -10,7 +10,10 @@
  *             independent loads in flight per thread
  *   cpasync   like moed's kernel: each warp streams 1152-byte units (units
  *             w, w+NW, ... of the chunk) through an S-stage cp.async ring;
- *             the ring drains at the end of every chunk
+ *             the ring drains at the end of every chunk; ws=M re-reads an
+ *             M MB working set (L2), share=R has R CTAs read each chunk at
+ *             about the same time (HBM once, L2 R times): the bytes
+ *             delivered to shared memory per second
  *   bulk      each warp streams its share of the chunk with 1-D bulk copies
  *             (cp.async.bulk ... mbarrier::complete_tx) of B bytes into an
  *             S-stage ring; lane 0 issues, the warp waits on the mbarrier
@@ -68,9 +71,15 @@ __device__ __forceinline__ void cpa16(void *s, const void *g)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(a), "l"(g) : "memory");
 }
 
-/* NW warps per CTA; STAGES-deep ring of 1152-byte units per warp */
+/* NW warps per CTA; STAGES-deep ring of 1152-byte units per warp. Chunk c
+ * (c = blockIdx.x, + gridDim.x, ... < nchunks) reads physical chunk
+ * (c / share) % nphys: nphys = nchunks and share = 1 read each chunk once;
+ * a smaller nphys reads a working set over and over (L2 when it fits);
+ * share = R makes R CTAs read each chunk at about the same time (HBM once,
+ * L2 R times, as the chunks of one of moed's tile groups do) */
 template <int STAGES>
-__global__ void k_cpasync(const uint8_t *__restrict__ b, size_t nchunks, size_t chunk, unsigned *sink)
+__global__ void k_cpasync(const uint8_t *__restrict__ b, size_t nchunks, size_t chunk,
+                          unsigned *sink, size_t nphys, unsigned share)
 {
     extern __shared__ __align__(16) uint8_t sm[];
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -78,7 +87,7 @@ __global__ void k_cpasync(const uint8_t *__restrict__ b, size_t nchunks, size_t 
     unsigned x = 0;
     const unsigned units = (unsigned)(chunk / UNIT);
     for (size_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
-        const uint8_t *p = b + c * chunk;
+        const uint8_t *p = b + ((c / share) % nphys) * chunk;
         const unsigned nu = units > warp ? (units - warp + nw - 1) / nw : 0;
         auto issue = [&](unsigned i) {
             if (i < nu) {
@@ -199,7 +208,8 @@ int main(int argc, char **argv)
     MOED_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     MOED_CUDA_TRY(cudaEventCreate(&a));
     MOED_CUDA_TRY(cudaEventCreate(&b2));
-#define TIMEIT(name, body) MOED_TRY(timeit(name, [&] { body; }, bytes, a, b2, err, errlen))
+#define TIMEIT_B(name, body, nb) MOED_TRY(timeit(name, [&] { body; }, nb, a, b2, err, errlen))
+#define TIMEIT(name, body) TIMEIT_B(name, body, bytes)
     TIMEIT("grid 4x512/SM", (k_grid<<<sms * 4, 512>>>((const uint4 *)buf, bytes / 16, sink)));
     TIMEIT("grid 4x128/SM", (k_grid<<<sms * 4, 128>>>((const uint4 *)buf, bytes / 16, sink)));
     {
@@ -215,12 +225,12 @@ int main(int argc, char **argv)
             {
                 int smem = 4 * 3 * UNIT;
                 snprintf(nm, sizeof nm, "cpasync C=%zu 4x(4w x S3)/SM", C);
-                TIMEIT(nm, (k_cpasync<3><<<sms * 4, 128, smem>>>(buf, n, C, sink)));
+                TIMEIT(nm, (k_cpasync<3><<<sms * 4, 128, smem>>>(buf, n, C, sink, n, 1)));
                 smem = 4 * 6 * UNIT;
                 MOED_CUDA_TRY(cudaFuncSetAttribute(k_cpasync<6>,
                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
                 snprintf(nm, sizeof nm, "cpasync C=%zu 4x(4w x S6)/SM", C);
-                TIMEIT(nm, (k_cpasync<6><<<sms * 4, 128, smem>>>(buf, n, C, sink)));
+                TIMEIT(nm, (k_cpasync<6><<<sms * 4, 128, smem>>>(buf, n, C, sink, n, 1)));
             }
             for (unsigned B : {2304u, 4608u}) {
                 for (unsigned S : {2u, 3u, 4u, 6u}) {
@@ -235,7 +245,26 @@ int main(int argc, char **argv)
             }
         }
     }
+    {
+        /* L2 (issue 12, T = 256): moed's ring (4 stages) over Qwen3's 4-tile
+         * gate_up task chunks, a working set re-read, then chunks read by
+         * R CTAs at once; the figure is the bytes delivered to shared memory */
+        const size_t C = 147456, n = bytes / C;
+        const int smem = 4 * 4 * UNIT;
+        for (unsigned mb : {16u, 32u, 48u}) {
+            snprintf(nm, sizeof nm, "cpasync C=%zu 4x(4w x S4)/SM ws=%uMB", C, mb);
+            TIMEIT_B(nm, (k_cpasync<4><<<sms * 4, 128, smem>>>(buf, n, C, sink,
+                                                                ((size_t)mb << 20) / C, 1)),
+                     n * C);
+        }
+        for (unsigned r : {1u, 2u, 3u, 4u}) {
+            snprintf(nm, sizeof nm, "cpasync C=%zu 4x(4w x S4)/SM share=%u (x%u delivered)", C, r, r);
+            TIMEIT_B(nm, (k_cpasync<4><<<sms * 4, 128, smem>>>(buf, n * r, C, sink, n, r)),
+                     n * C * r);
+        }
+    }
 #undef TIMEIT
+#undef TIMEIT_B
 cleanup:
     if (rc)
         fprintf(stderr, "stream_probe: %s\n", err);
