@@ -46,8 +46,9 @@ static_assert(ROUTE_CAP >= NWARPS * 32, "a routing window of one round per warp 
 /* entries an expert_of pass keeps in flight per thread (independent loads) */
 constexpr int ROUTE_LD = 4;
 /* a batch of at most 32 ROUTE_SMALL entries is routed by warp 0 alone (its
- * ids loaded at once, its ranks in registers): no window, two barriers
- * fewer (H200 2026-12-04: the windows cost Qwen3 T = 8 1.2 us) */
+ * ids loaded at once, its ranks in registers): no window and one barrier
+ * fewer (H200 2026-12-04: T <= 16 measured within 1 us of the old walk with
+ * it and without it, bench/NOTES.md) */
 constexpr int ROUTE_SMALL = 4;
 
 /* The batch's routing, built by every CTA for itself from the staged ids
