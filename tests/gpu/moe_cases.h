@@ -11,7 +11,8 @@
  * 1024 experts + shared, top_k <= experts, max_tokens * (top_k + shared)
  * <= 65535. Expert counts that are not powers of two (6, 60), hidden 320 (a
  * combine block of 64 columns, 5 K units: warps with 1 or 2 units) and
- * intermediate 192 (3 K units in down: one warp without any) are served;
+ * intermediate 192 (3 K units in down: one warp without any) are served,
+ * and 12 slots per token (two rounds of the combine's copies);
  * hidden 200 and intermediate 96 are refused at open.
  */
 #ifndef MOED_TESTS_GPU_MOE_CASES_H
@@ -49,6 +50,8 @@ static struct moe_shape moe_shapes[] = {
     {"e6-h320-i192", 320, 192, 6, 2, 1, 2, 512, 1, 0, 0, 0, NULL},
     {"e60-h320-i192", 320, 192, 60, 4, 2, 1, 512, 0, 0, 0, 0, NULL},
     {"e60-h1024-i320", 1024, 320, 60, 6, 0, 1, 512, 0, 0, 0, 0, NULL},
+    /* 10 routed + 2 shared slots: more than a combine round's 9 (task.cuh) */
+    {"e60-k10-s2", 320, 192, 60, 10, 2, 1, 512, 0, 0, 0, 0, NULL},
     {"h200-refused", 200, 128, 8, 2, 0, 1, 512, 1, 0, 0, 0, NULL},
     {"i96-refused", 256, 96, 8, 2, 0, 1, 512, 1, 0, 0, 0, NULL},
     /* the CUDA backend's largest batches (its max_tokens limit) and past them */
@@ -155,6 +158,9 @@ static const struct moe_case moe_cases[] = {
     MOE_CASES3("e60-h1024-i320", 1), MOE_CASES3("e60-h1024-i320", 5),
     MOE_CASES3("e60-h1024-i320", 13), MOE_CASES3("e60-h1024-i320", 64),
     MOE_CASES3("e60-h1024-i320", 257),
+
+    MOE_CASES3("e60-k10-s2", 1), MOE_CASES3("e60-k10-s2", 13), MOE_CASES3("e60-k10-s2", 257),
+    MOE_CASES_FLAGS("e60-k10-s2", 5),
 
     {"h200-refused", 1, R_UNIFORM, 1, MOE_TOL, B_HOST, MOED_E_MODEL},
     {"i96-refused", 1, R_UNIFORM, 1, MOE_TOL, B_HOST, MOED_E_MODEL},
