@@ -1,9 +1,15 @@
 /* wgmma_probe.cu - does a gate_up task stream its weights as fast with the
  * dequant done once for N tokens by wgmma (sm_90a) as moed's task does for 8
  * tokens with mma.sync? (issue 12, T = 256: bench/NOTES.md 2026-12-04, "a
- * structural option"). A timing probe: its sums are not moed's (the
- * activation rows are not permuted to the weights' K order, and the output
- * is summed into a sink), so only the time is meaningful.
+ * structural option"). Timed, its sums go to a sink; `check` runs one pass
+ * that writes the first tasks' outputs and compares them with the same sums
+ * by mma.sync m16n8k16 (one warp per 16 rows, one chain over K in the same
+ * order): a test of the fragment layouts the option relies on (wgmma's A
+ * registers and D as mma.sync's per warp). For that the activation rows are
+ * stored permuted per 64-K unit (16-byte part 2 s + kk: the pairs of elements
+ * 16 q + 4 s + 2 kk, q = 0..3), the order moed's weights give the mma
+ * K steps, so that wgmma's B (each 16-byte core-matrix row 8 consecutive K)
+ * sees them in the weights' order; moed's kernel would write x and h so.
  *
  * Each CTA (moed's 4 warps = one warpgroup, 4 CTAs per SM) takes 4-tile
  * gate_up tasks (128 rows) of E experts from HBM, every task with N
@@ -20,6 +26,7 @@
  *     -DMOED_HAVE_CUDA=1 -o build-var/wgmma_probe bench/probe/wgmma_probe.cu \
  *     kernels/moe_gpu_pack.c common/moed_err.c common/moed_log.c common/moed_check_cuda.c
  * Run:   wgmma_probe [N: 8|16|32] [reps] [deepseek-v3|qwen3-30b-a3b]
+ *        wgmma_probe check [N] [SHAPE]   (exit 0: the outputs agree)
  */
 #include "../../kernels/moe_gpu.cu"
 
@@ -94,7 +101,8 @@ __device__ __forceinline__ void wg_commit_wait0()
 template <int N>
 __global__ void __launch_bounds__(THREADS, MINB)
     wgmma_probe(const uint8_t *__restrict__ w, unsigned n_exp, unsigned rt, unsigned units,
-                size_t exp_bytes, const uint16_t *__restrict__ xs, unsigned ld, float *sink)
+                size_t exp_bytes, const uint16_t *__restrict__ xs, unsigned ld, float *sink,
+                float *out, unsigned n_out)
 {
     extern __shared__ __align__(128) uint8_t smem[];
     constexpr unsigned UB = MOE_GPU_UNIT_BYTES, WB = 4 * UB, XB = N * 128, SB = WB + XB;
@@ -165,6 +173,18 @@ __global__ void __launch_bounds__(THREADS, MINB)
         }
         cp_async_wait<0>();
         __syncthreads();
+        if (out && t < n_out) { /* D: row 16 warp + g (+8), column 8 j + 2 q (+1) */
+            const unsigned g = lane >> 2, q = lane & 3;
+#pragma unroll
+            for (int b = 0; b < 2; b++)
+#pragma unroll
+                for (int j = 0; j < N / 8; j++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const unsigned row = 64 * b + 16 * warp + g + (i >> 1) * 8;
+                        out[((size_t)t * 128 + row) * N + 8 * j + 2 * q + (i & 1)] = acc[b][4 * j + i];
+                    }
+        }
 #pragma unroll
         for (int b = 0; b < 2; b++)
 #pragma unroll
@@ -173,6 +193,47 @@ __global__ void __launch_bounds__(THREADS, MINB)
     }
     if (sum == 1234.5f) /* never: keeps the sums live */
         *sink = sum;
+}
+
+/* The reference: one warp per (task, 16 rows), mma.sync over the rows as
+ * stored (not permuted: the B fragments as moed's load_b reads them), K units
+ * and steps in the same order as the probe, out[task][row][column]. */
+template <int N>
+__global__ void wg_ref(const uint8_t *__restrict__ w, unsigned rt, unsigned units, size_t exp_bytes,
+                       const uint16_t *__restrict__ x, unsigned ld, float *out)
+{
+    const unsigned t = blockIdx.x / 8, r16 = blockIdx.x % 8, lane = threadIdx.x;
+    const unsigned TPE = rt / 4, e = t / TPE, rt0 = (t - e * TPE) * 4;
+    const unsigned g = lane >> 2, q = lane & 3;
+    const uint8_t *wt = w + e * exp_bytes + (size_t)(rt0 + r16 / 2) * units * MOE_GPU_UNIT_BYTES +
+                        (r16 & 1) * MOE_GPU_SUB_BYTES;
+    float c[N / 8][4] = {};
+    for (unsigned v = 0; v < units; v++) {
+        const uint8_t *sub = wt + (size_t)v * MOE_GPU_UNIT_BYTES;
+        const uint4 wq = *reinterpret_cast<const uint4 *>(sub + lane * 16);
+        const uint32_t s2 = *reinterpret_cast<const uint16_t *>(sub + 512 + lane * 2);
+        uint32_t sg, sg8;
+        scales_to_bf16(s2, sg, sg8);
+        const uint32_t words[4] = {wq.x, wq.y, wq.z, wq.w};
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            const uint32_t a[4] = {bf16x2_mul(e2m1x2_bits<0>(words[s]), sg),
+                                   bf16x2_mul(e2m1x2_bits<1>(words[s]), sg8),
+                                   bf16x2_mul(e2m1x2_bits<2>(words[s]), sg),
+                                   bf16x2_mul(e2m1x2_bits<3>(words[s]), sg8)};
+#pragma unroll
+            for (int j = 0; j < N / 8; j++) {
+                const uint32_t *xp = reinterpret_cast<const uint32_t *>(
+                    x + (size_t)(8 * j + g) * ld + v * MOE_GPU_UNIT_K + q * 16 + 4 * s);
+                mma_bf16(c[j], a, xp[0], xp[1]);
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < N / 8; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            out[((size_t)t * 128 + 16 * r16 + g + (i >> 1) * 8) * N + 8 * j + 2 * q + (i & 1)] = c[j][i];
 }
 
 template <int N>
@@ -188,13 +249,15 @@ static int run(const uint8_t *w, unsigned n_exp, const struct moe_gpu_dims &d, c
     MOED_CUDA_TRY(cudaFuncSetAttribute(wgmma_probe<N>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     MOED_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, wgmma_probe<N>, THREADS, smem));
     MOED_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    wgmma_probe<N><<<per * sms, THREADS, smem>>>(w, n_exp, rt, units, eb, xs, d.hidden, sink);
+    wgmma_probe<N><<<per * sms, THREADS, smem>>>(w, n_exp, rt, units, eb, xs, d.hidden, sink,
+                                                 nullptr, 0);
     MOED_CUDA_TRY(cudaDeviceSynchronize());
     MOED_CUDA_TRY(cudaEventCreate(&a));
     MOED_CUDA_TRY(cudaEventCreate(&b));
     MOED_CUDA_TRY(cudaEventRecord(a));
     for (int i = 0; i < reps; i++)
-        wgmma_probe<N><<<per * sms, THREADS, smem>>>(w, n_exp, rt, units, eb, xs, d.hidden, sink);
+        wgmma_probe<N><<<per * sms, THREADS, smem>>>(w, n_exp, rt, units, eb, xs, d.hidden, sink,
+                                                     nullptr, 0);
     MOED_CUDA_TRY(cudaEventRecord(b));
     MOED_CUDA_TRY(cudaEventSynchronize(b));
     MOED_CUDA_TRY(cudaGetLastError());
@@ -210,6 +273,55 @@ cleanup:
     return rc;
 }
 
+/* One pass writing the first n_out tasks, the reference on the rows as stored;
+ * 0 when every output agrees (bit for bit, or within 1e-5 of the largest) */
+template <int N>
+static int check(const uint8_t *w, unsigned n_exp, const struct moe_gpu_dims &d,
+                 const uint16_t *xs_perm, const uint16_t *xs, float *sink, bool qwen, char *err,
+                 size_t errlen)
+{
+    int rc = 0, bad = 0;
+    const unsigned n_out = 64, rt = d.inter / 16 / MR * 2, units = d.hidden / MOE_GPU_UNIT_K;
+    const size_t eb = (size_t)moe_gpu_gu_bytes(d.hidden, d.inter) + moe_gpu_dn_bytes(d.hidden, d.inter);
+    const size_t n_f = (size_t)n_out * 128 * N;
+    float *o = nullptr, *r = nullptr, *ho = nullptr, *hr = nullptr;
+    const int smem = NWARPS * WARP_SMEM;
+    double worst = 0, big = 0;
+    size_t diff = 0;
+    MOED_CUDA_TRY(cudaMalloc(&o, n_f * sizeof(float)));
+    MOED_CUDA_TRY(cudaMalloc(&r, n_f * sizeof(float)));
+    MOED_CUDA_TRY(cudaFuncSetAttribute(wgmma_probe<N>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    wgmma_probe<N><<<n_out, THREADS, smem>>>(w, n_exp, rt, units, eb, xs_perm, d.hidden, sink, o, n_out);
+    wg_ref<N><<<n_out * 8, 32>>>(w, rt, units, eb, xs, d.hidden, r);
+    MOED_CUDA_TRY(cudaDeviceSynchronize());
+    MOED_CUDA_TRY(cudaGetLastError());
+    ho = (float *)malloc(n_f * sizeof(float));
+    hr = (float *)malloc(n_f * sizeof(float));
+    if (!ho || !hr) {
+        rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
+        goto cleanup;
+    }
+    MOED_CUDA_TRY(cudaMemcpy(ho, o, n_f * sizeof(float), cudaMemcpyDeviceToHost));
+    MOED_CUDA_TRY(cudaMemcpy(hr, r, n_f * sizeof(float), cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < n_f; i++) {
+        big = fmax(big, fabs((double)hr[i]));
+        worst = fmax(worst, fabs((double)ho[i] - hr[i]));
+        diff += ho[i] != hr[i];
+    }
+    bad = !(worst <= 1e-5 * big) || big == 0;
+    printf("wgmma_probe check %s N=%d: %u tasks, %zu outputs, %zu differ, max |diff| %.3g of max "
+           "|ref| %.3g: %s\n", qwen ? "qwen3-30b-a3b" : "deepseek-v3", N, n_out, n_f, diff, worst,
+           big, bad ? "FAIL" : "PASS");
+    if (bad)
+        rc = moed_seterr(err, errlen, MOED_E_BACKEND, "the wgmma outputs differ from mma.sync's");
+cleanup:
+    free(ho);
+    free(hr);
+    cudaFree(o);
+    cudaFree(r);
+    return rc;
+}
+
 int main(int argc, char **argv)
 {
     int rc = 0;
@@ -218,14 +330,18 @@ int main(int argc, char **argv)
     uint8_t *w = nullptr;
     uint16_t *xs = nullptr;
     float *sink = nullptr;
-    const int n = argc > 1 ? atoi(argv[1]) : 32;
-    const int reps = argc > 2 ? atoi(argv[2]) : 20;
-    const bool qwen = argc > 3 && strcmp(argv[3], "qwen3-30b-a3b") == 0;
+    const bool chk = argc > 1 && strcmp(argv[1], "check") == 0;
+    const int n = argc > 1 + chk ? atoi(argv[1 + chk]) : 32;
+    const int reps = chk ? 1 : argc > 2 ? atoi(argv[2]) : 20;
+    const char *shape = argc > 3 ? argv[3] : nullptr; /* N reps SHAPE, or check N SHAPE */
+    const bool qwen = shape && strcmp(shape, "qwen3-30b-a3b") == 0;
     if ((n != 8 && n != 16 && n != 32) || reps < 1 ||
-        (argc > 3 && !qwen && strcmp(argv[3], "deepseek-v3") != 0)) {
-        fprintf(stderr, "usage: wgmma_probe [8|16|32] [reps >= 1] [deepseek-v3|qwen3-30b-a3b]\n");
+        (shape && !qwen && strcmp(shape, "deepseek-v3") != 0)) {
+        fprintf(stderr, "usage: wgmma_probe [8|16|32] [reps >= 1] [deepseek-v3|qwen3-30b-a3b]\n"
+                        "       wgmma_probe check [8|16|32] [deepseek-v3|qwen3-30b-a3b]\n");
         return 2;
     }
+    uint16_t *xr = nullptr, *hx = nullptr, *hp = nullptr;
     struct moe_gpu_dims d = {7168, 2048, 256, 1, 8, 512};
     if (qwen)
         d = {2048, 768, 128, 0, 8, 512};
@@ -234,10 +350,39 @@ int main(int argc, char **argv)
     { /* (a block: the gotos to cleanup leave it) */
         MOED_CUDA_TRY(cudaMalloc(&w, eb * n_exp));
         MOED_TRY(moe_gpu_fill_random(w, eb * n_exp, 7, err, errlen));
-        MOED_CUDA_TRY(cudaMalloc(&xs, 32 * (size_t)d.hidden * 2));
-        MOED_CUDA_TRY(cudaMemset(xs, 0x3c, 32 * (size_t)d.hidden * 2));
+        /* 32 rows of bf16 values in [-1, 1] in steps of 1/64 (exact), as
+         * stored (xr, the reference's) and permuted per 64-K unit (xs) */
+        const size_t nx = 32 * (size_t)d.hidden;
+        hx = (uint16_t *)malloc(nx * 2);
+        hp = (uint16_t *)malloc(nx * 2);
+        if (!hx || !hp) {
+            rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
+            goto cleanup;
+        }
+        for (size_t i = 0; i < nx; i++) {
+            const float f = (float)((int)((uint32_t)(i * 2654435761u) % 129u) - 64) / 64.0f;
+            uint32_t u;
+            memcpy(&u, &f, 4);
+            hx[i] = (uint16_t)(u >> 16); /* exact: 7 bits of mantissa are enough */
+        }
+        for (size_t u0 = 0; u0 < nx; u0 += MOE_GPU_UNIT_K) /* part 2 s + kk, pair q */
+            for (unsigned s = 0; s < 4; s++)
+                for (unsigned kk = 0; kk < 2; kk++)
+                    for (unsigned q = 0; q < 4; q++)
+                        for (unsigned i = 0; i < 2; i++)
+                            hp[u0 + (2 * s + kk) * 8 + 2 * q + i] = hx[u0 + 16 * q + 4 * s + 2 * kk + i];
+        MOED_CUDA_TRY(cudaMalloc(&xs, nx * 2));
+        MOED_CUDA_TRY(cudaMalloc(&xr, nx * 2));
+        MOED_CUDA_TRY(cudaMemcpy(xs, hp, nx * 2, cudaMemcpyHostToDevice));
+        MOED_CUDA_TRY(cudaMemcpy(xr, hx, nx * 2, cudaMemcpyHostToDevice));
         MOED_CUDA_TRY(cudaMalloc(&sink, sizeof(float)));
-        if (n == 8)
+        if (chk && n == 8)
+            rc = check<8>(w, n_exp, d, xs, xr, sink, qwen, err, errlen);
+        else if (chk && n == 16)
+            rc = check<16>(w, n_exp, d, xs, xr, sink, qwen, err, errlen);
+        else if (chk)
+            rc = check<32>(w, n_exp, d, xs, xr, sink, qwen, err, errlen);
+        else if (n == 8)
             rc = run<8>(w, n_exp, d, xs, sink, reps, qwen, err, errlen);
         else if (n == 16)
             rc = run<16>(w, n_exp, d, xs, sink, reps, qwen, err, errlen);
@@ -247,8 +392,11 @@ int main(int argc, char **argv)
 cleanup:
     if (rc)
         fprintf(stderr, "wgmma_probe: %s\n", err);
+    free(hx);
+    free(hp);
     cudaFree(w);
     cudaFree(xs);
+    cudaFree(xr);
     cudaFree(sink);
     return rc ? 1 : 0;
 }
