@@ -98,6 +98,24 @@ __device__ __forceinline__ void wg_commit_wait0()
 #endif
 }
 
+/* A fragments of the 4 K steps of one 16-row sub-tile (unit_mma's dequant) */
+__device__ __forceinline__ void sub_frags(const uint8_t *sub, uint32_t (&a)[4][4])
+{
+    const unsigned lane = threadIdx.x & 31;
+    const uint4 wq = *reinterpret_cast<const uint4 *>(sub + lane * 16);
+    const uint32_t s2 = *reinterpret_cast<const uint16_t *>(sub + 512 + lane * 2);
+    uint32_t sg, sg8;
+    scales_to_bf16(s2, sg, sg8);
+    const uint32_t words[4] = {wq.x, wq.y, wq.z, wq.w};
+#pragma unroll
+    for (int s = 0; s < 4; s++) {
+        a[s][0] = bf16x2_mul(e2m1x2_bits<0>(words[s]), sg);
+        a[s][1] = bf16x2_mul(e2m1x2_bits<1>(words[s]), sg8);
+        a[s][2] = bf16x2_mul(e2m1x2_bits<2>(words[s]), sg);
+        a[s][3] = bf16x2_mul(e2m1x2_bits<3>(words[s]), sg8);
+    }
+}
+
 template <int N>
 __global__ void __launch_bounds__(THREADS, MINB)
     wgmma_probe(const uint8_t *__restrict__ w, unsigned n_exp, unsigned rt, unsigned units,
@@ -148,21 +166,8 @@ __global__ void __launch_bounds__(THREADS, MINB)
             const uint8_t *st = smem + (v % WS) * SB;
             uint32_t a[2][4][4];
 #pragma unroll
-            for (int b = 0; b < 2; b++) { /* rows 64 b + 16 warp: tile 2 b + warp / 2 */
-                const uint8_t *sub = st + (2 * b + (warp >> 1)) * UB + (warp & 1) * MOE_GPU_SUB_BYTES;
-                const uint4 wq = *reinterpret_cast<const uint4 *>(sub + lane * 16);
-                const uint32_t s2 = *reinterpret_cast<const uint16_t *>(sub + 512 + lane * 2);
-                uint32_t sg, sg8;
-                scales_to_bf16(s2, sg, sg8);
-                const uint32_t words[4] = {wq.x, wq.y, wq.z, wq.w};
-#pragma unroll
-                for (int s = 0; s < 4; s++) {
-                    a[b][s][0] = bf16x2_mul(e2m1x2_bits<0>(words[s]), sg);
-                    a[b][s][1] = bf16x2_mul(e2m1x2_bits<1>(words[s]), sg8);
-                    a[b][s][2] = bf16x2_mul(e2m1x2_bits<2>(words[s]), sg);
-                    a[b][s][3] = bf16x2_mul(e2m1x2_bits<3>(words[s]), sg8);
-                }
-            }
+            for (int b = 0; b < 2; b++) /* rows 64 b + 16 warp: tile 2 b + warp / 2 */
+                sub_frags(st + (2 * b + (warp >> 1)) * UB + (warp & 1) * MOE_GPU_SUB_BYTES, a[b]);
             wg_fence();
 #pragma unroll
             for (int b = 0; b < 2; b++)
@@ -209,18 +214,11 @@ __global__ void wg_ref(const uint8_t *__restrict__ w, unsigned rt, unsigned unit
                         (r16 & 1) * MOE_GPU_SUB_BYTES;
     float c[N / 8][4] = {};
     for (unsigned v = 0; v < units; v++) {
-        const uint8_t *sub = wt + (size_t)v * MOE_GPU_UNIT_BYTES;
-        const uint4 wq = *reinterpret_cast<const uint4 *>(sub + lane * 16);
-        const uint32_t s2 = *reinterpret_cast<const uint16_t *>(sub + 512 + lane * 2);
-        uint32_t sg, sg8;
-        scales_to_bf16(s2, sg, sg8);
-        const uint32_t words[4] = {wq.x, wq.y, wq.z, wq.w};
+        uint32_t af[4][4];
+        sub_frags(wt + (size_t)v * MOE_GPU_UNIT_BYTES, af);
 #pragma unroll
         for (int s = 0; s < 4; s++) {
-            const uint32_t a[4] = {bf16x2_mul(e2m1x2_bits<0>(words[s]), sg),
-                                   bf16x2_mul(e2m1x2_bits<1>(words[s]), sg8),
-                                   bf16x2_mul(e2m1x2_bits<2>(words[s]), sg),
-                                   bf16x2_mul(e2m1x2_bits<3>(words[s]), sg8)};
+            const uint32_t(&a)[4] = af[s];
 #pragma unroll
             for (int j = 0; j < N / 8; j++) {
                 const uint32_t *xp = reinterpret_cast<const uint32_t *>(
