@@ -35,10 +35,40 @@
 # InstructionStats): NAME-range.txt per preset, one report per T. (The timed
 # batches' range, BENCH_PROFILE_RANGE=1, is 85 % idle kernel at Qwen3 T = 64:
 # 30 batches of 125 us, then the 20 ms idle exit; H200 2026-12-04.)
+#
+#   scripts/device-profile.sh wgmma
+# bench/probe/wgmma_probe.cu (the gate_up task with its dequant feeding wgmma,
+# bench/NOTES.md 2026-12-04) built here from the tracked sources: its check
+# (outputs against mma.sync's) at N = 8, 16, 32 on both shapes, then its
+# timing beside tile_probe's 4-tile gate_up at 8 tokens: probes-wgmma.txt.
 set -u
 cd "$(dirname "$0")/.."
 LOG=${OUT:-build-var/profile}
 LOG=$(mkdir -p "$LOG" && cd "$LOG" && pwd)
+if [ "${1:-}" = wgmma ]; then
+    NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+    mkdir -p build-var
+    rc=0
+    for p in wgmma_probe tile_probe; do
+        "$NVCC" -O3 -std=c++17 -lineinfo -gencode=arch=compute_90a,code=sm_90a -Icommon -Ikernels \
+            -DMOED_HAVE_CUDA=1 -o "build-var/$p" "bench/probe/$p.cu" kernels/moe_gpu_pack.c \
+            common/moed_err.c common/moed_log.c common/moed_check_cuda.c > "$LOG/$p-build.txt" 2>&1 ||
+            { tail -20 "$LOG/$p-build.txt"; exit 1; }
+    done
+    out=$LOG/probes-wgmma.txt
+    : > "$out"
+    for m in deepseek-v3 qwen3-30b-a3b; do
+        for n in 8 16 32; do
+            timeout 120 build-var/wgmma_probe check "$n" "$m" >> "$out" 2>&1 || rc=1
+        done
+        for n in 8 16 32; do
+            timeout 120 build-var/wgmma_probe "$n" 20 "$m" >> "$out" 2>&1 || rc=1
+        done
+        timeout 120 build-var/tile_probe gu 8 20 4 "$m" >> "$out" 2>&1 || rc=1
+    done
+    cat "$out"
+    exit $rc
+fi
 if [ "${1:-}" = range ]; then
     shift
     NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
