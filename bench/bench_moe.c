@@ -139,9 +139,26 @@ static int moed_one(struct moed_backend *be, uint32_t layer, uint32_t T, uint32_
     return b.status ? -1 : 0;
 }
 
-/* Wait (up to 3 s) for the persistent kernel's idle exit: the clock ping-pong
- * and the baselines need SMs it would otherwise hold (its grid takes every
- * register of every SM). Returns 1 if it is still resident. */
+/* Batches back to back for ms (one at least), fresh routing for each: 0, or
+ * 1 (said on stderr, naming what) when one fails; *nb batches were run and
+ * *dsum is their distinct experts */
+static int back_to_back(struct moed_backend *be, const struct moe_gpu_dims *d, uint32_t T,
+                        uint32_t layers, uint64_t *s, int32_t *ids, float *w, uint8_t *seen,
+                        uint16_t *x, uint16_t *y, int xy_kind, double ms, const char *what,
+                        uint32_t *nb, double *dsum)
+{
+    *nb = 0;
+    *dsum = 0;
+    for (const double t_end = now_us() + ms * 1e3; *nb == 0 || now_us() < t_end; ++*nb) {
+        *dsum += gen_routing(d, T, s, ids, w, seen);
+        if (moed_one(be, *nb % layers, T, d->top_k, d->hidden, x, ids, w, y, xy_kind)) {
+            fprintf(stderr, "batch (%s) failed\n", what);
+            return 1;
+        }
+    }
+    return 0;
+}
+
 /* *out = the environment's name as ms in [lo, 60000], or def when unset;
  * -1 (said on stderr) when it is not such a number */
 static int env_ms(const char *name, double def, double lo, double *out)
@@ -159,6 +176,9 @@ static int env_ms(const char *name, double def, double lo, double *out)
     return 0;
 }
 
+/* Wait (up to 3 s) for the persistent kernel's idle exit: the clock ping-pong
+ * and the baselines need SMs it would otherwise hold (its grid takes every
+ * register of every SM). Returns 1 if it is still resident. */
 static int wait_idle(struct moed_backend *be)
 {
     for (int q = 0; q < 3000 && moed_backend_cuda_running(be); q++)
@@ -509,19 +529,15 @@ int main(int argc, char **argv)
                    distinct_sum * (double)per_expert);
         }
         if (prof_range == 2) { /* busy: batches back to back, the same routing draw */
-            uint32_t nb = 0;
-            double dsum = 0;
+            uint32_t nb;
+            double dsum;
             if (wait_idle(be) || cudaProfilerStart() != cudaSuccess) {
                 fprintf(stderr, "BENCH_PROFILE_RANGE: could not start the range\n");
                 return 1;
             }
-            for (const double t_end = now_us() + prof_ms * 1e3; nb == 0 || now_us() < t_end; nb++) {
-                dsum += gen_routing(&d, T, &s, ids, w, seen);
-                if (moed_one(be, nb % layers, T, d.top_k, d.hidden, x, ids, w, y, xy_kind)) {
-                    fprintf(stderr, "batch (profile range) failed\n");
-                    return 1;
-                }
-            }
+            if (back_to_back(be, &d, T, layers, &s, ids, w, seen, x, y, xy_kind, prof_ms,
+                             "profile range", &nb, &dsum))
+                return 1;
             if (wait_idle(be) || cudaProfilerStop() != cudaSuccess) {
                 fprintf(stderr, "BENCH_PROFILE_RANGE: could not end the range\n");
                 return 1;
@@ -614,15 +630,9 @@ int main(int argc, char **argv)
             uint32_t nb = 0;
             double bsum = 0;
             int ok = bench_power_start(pw, perr, sizeof perr) == 0;
-            const double t_end = now_us() + energy_ms * 1e3;
-            while (ok && (nb == 0 || now_us() < t_end)) {
-                bsum += gen_routing(&d, T, &s, ids, w, seen);
-                if (moed_one(be, nb % layers, T, d.top_k, d.hidden, x, ids, w, y, xy_kind)) {
-                    fprintf(stderr, "batch (energy) failed\n");
-                    return 1;
-                }
-                nb++;
-            }
+            if (ok && back_to_back(be, &d, T, layers, &s, ids, w, seen, x, y, xy_kind, energy_ms,
+                                   "energy", &nb, &bsum))
+                return 1;
             if (ok && bench_power_stop(pw, &win, perr, sizeof perr) == 0 && bsum > 0) {
                 jpgb = win.joules / (bsum * (double)per_expert / 1e9);
                 watts = win.watts;

@@ -45,15 +45,28 @@ set -u
 cd "$(dirname "$0")/.."
 LOG=${OUT:-build-var/profile}
 LOG=$(mkdir -p "$LOG" && cd "$LOG" && pwd)
+NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
+# build_probe PROBE BIN LOGNAME [-D...]: bench/probe/PROBE.cu (sm_90a) into BIN,
+# ptxas's report in $LOG/LOGNAME-build.txt; its tail on failure
+build_probe() {
+    local probe=$1 bin=$2 name=$3
+    shift 3
+    "$NVCC" -O3 -std=c++17 -lineinfo -gencode=arch=compute_90a,code=sm_90a -Icommon -Ikernels \
+        -DMOED_HAVE_CUDA=1 "$@" -Xptxas -v -o "$bin" "bench/probe/$probe.cu" \
+        kernels/moe_gpu_pack.c common/moed_err.c common/moed_log.c common/moed_check_cuda.c \
+        > "$LOG/$name-build.txt" 2>&1 || { tail -30 "$LOG/$name-build.txt"; return 1; }
+}
+# bench_moe under Nsight Compute (modes range, dram): the carried binary and libraries
+bench_env() {
+    B=${BENCH_BIN:-build-cuda/bench/bench_moe}
+    export LD_LIBRARY_PATH="$PWD/.device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+}
 if [ "${1:-}" = wgmma ]; then
-    NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
     mkdir -p build-var
     rc=0
     for p in wgmma_probe tile_probe; do
-        "$NVCC" -O3 -std=c++17 -lineinfo -gencode=arch=compute_90a,code=sm_90a -Icommon -Ikernels \
-            -DMOED_HAVE_CUDA=1 -o "build-var/$p" "bench/probe/$p.cu" kernels/moe_gpu_pack.c \
-            common/moed_err.c common/moed_log.c common/moed_check_cuda.c > "$LOG/$p-build.txt" 2>&1 ||
-            { tail -20 "$LOG/$p-build.txt"; exit 1; }
+        build_probe "$p" "build-var/$p" "$p" || exit 1
     done
     out=$LOG/probes-wgmma.txt
     : > "$out"
@@ -71,9 +84,7 @@ if [ "${1:-}" = wgmma ]; then
 fi
 if [ "${1:-}" = range ]; then
     shift
-    NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
-    B=${BENCH_BIN:-build-cuda/bench/bench_moe}
-    export LD_LIBRARY_PATH="$PWD/.device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    bench_env
     [ $# = 0 ] && set -- qwen3-30b-a3b:64,256 deepseek-v3:64,256
     secs=()
     for s in ${RANGE_SECTIONS:-SpeedOfLight WarpStateStats SchedulerStats ComputeWorkloadAnalysis MemoryWorkloadAnalysis InstructionStats}; do
@@ -92,9 +103,7 @@ if [ "${1:-}" = range ]; then
 fi
 if [ "${1:-}" = dram ]; then
     shift
-    NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
-    B=${BENCH_BIN:-build-cuda/bench/bench_moe}
-    export LD_LIBRARY_PATH="$PWD/.device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    bench_env
     [ $# = 0 ] && set -- deepseek-v3:1,4,8,16,32,64,128,256 qwen3-30b-a3b:1,4,8,16,32,64,128,256
     rc=0
     for spec in "$@"; do
@@ -136,8 +145,6 @@ fi
 mkdir -p build-var
 BIN=$PWD/build-var
 [ -n "${PROF_SRC:-}" ] && cd "$PROF_SRC"
-NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
-NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
 CUOBJDUMP=${CUOBJDUMP:-$(dirname "$NVCC")/cuobjdump}
 ARGS=${PROF_ARGS:-gu 1 1 1}
 # tile_probe runs timed for every build: phase, tokens per task, reps, tiles per task
@@ -151,11 +158,7 @@ for v in "$@"; do
     bin=$BIN/tile_probe-$name
     echo "== $name: ${defs:-(defaults)}"
     # shellcheck disable=SC2086
-    "$NVCC" -O3 -std=c++17 -lineinfo -gencode=arch=compute_90a,code=sm_90a -Icommon -Ikernels \
-        -DMOED_HAVE_CUDA=1 $defs -Xptxas -v -o "$bin" bench/probe/tile_probe.cu \
-        kernels/moe_gpu_pack.c common/moed_err.c common/moed_log.c common/moed_check_cuda.c \
-        > "$LOG/$name-build.txt" 2>&1 ||
-        { tail -30 "$LOG/$name-build.txt"; continue; }
+    build_probe tile_probe "$bin" "$name" $defs || continue
     grep -E "tile_probe|spill|registers" "$LOG/$name-build.txt" | head -6
     "$CUOBJDUMP" -sass -fun tile_probe "$bin" > "$LOG/$name.sass" 2>&1 || "$CUOBJDUMP" -sass "$bin" > "$LOG/$name.sass" 2>&1
     for a in "${TIMES[@]}"; do
