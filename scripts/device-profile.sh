@@ -32,15 +32,20 @@
 # idle exit, 4 % of it) under Nsight Compute's application range replay with
 # the sections RANGE_SECTIONS (default: SpeedOfLight, WarpStateStats,
 # SchedulerStats, ComputeWorkloadAnalysis, MemoryWorkloadAnalysis,
-# InstructionStats): NAME-range.txt per preset, one report per T. (The timed
+# InstructionStats), or with RANGE_METRICS (a comma list for ncu --metrics,
+# regex: entries allowed) those metrics instead; clocks as the GPU runs them
+# (--clock-control none: under ncu's default base clock the kernel ran 1.5x
+# slower at Qwen3 T = 64 and 256, H200 2026-12-04): NAME-range.txt per
+# preset, one report per T. (The timed
 # batches' range, BENCH_PROFILE_RANGE=1, is 85 % idle kernel at Qwen3 T = 64:
 # 30 batches of 125 us, then the 20 ms idle exit; H200 2026-12-04.)
 #
 #   scripts/device-profile.sh wgmma
 # bench/probe/wgmma_probe.cu (the gate_up task with its dequant feeding wgmma,
 # bench/NOTES.md 2026-12-04) built here from the tracked sources: its check
-# (outputs against mma.sync's) at N = 8, 16, 32 on both shapes, then its
-# timing beside tile_probe's 4-tile gate_up at 8 tokens: probes-wgmma.txt.
+# (outputs against mma.sync's) at N = 8, 16, 32 on both shapes, plain,
+# pipelined (pN) and pipelined with 8-tile tasks (qN), then its timing beside tile_probe's 4-tile gate_up at 8
+# tokens: probes-wgmma.txt.
 set -u
 cd "$(dirname "$0")/.."
 LOG=${OUT:-build-var/profile}
@@ -71,10 +76,10 @@ if [ "${1:-}" = wgmma ]; then
     out=$LOG/probes-wgmma.txt
     : > "$out"
     for m in deepseek-v3 qwen3-30b-a3b; do
-        for n in 8 16 32; do
+        for n in 8 16 32 p8 p16 p32 q8 q16 q32; do
             timeout 120 build-var/wgmma_probe check "$n" "$m" >> "$out" 2>&1 || rc=1
         done
-        for n in 8 16 32; do
+        for n in 8 16 32 p8 p16 p32 q8 q16 q32; do
             timeout 120 build-var/wgmma_probe "$n" 20 "$m" >> "$out" 2>&1 || rc=1
         done
         timeout 120 build-var/tile_probe gu 8 20 4 "$m" >> "$out" 2>&1 || rc=1
@@ -90,11 +95,12 @@ if [ "${1:-}" = range ]; then
     for s in ${RANGE_SECTIONS:-SpeedOfLight WarpStateStats SchedulerStats ComputeWorkloadAnalysis MemoryWorkloadAnalysis InstructionStats}; do
         secs+=(--section "$s")
     done
+    [ -n "${RANGE_METRICS:-}" ] && secs=(--metrics "$RANGE_METRICS")
     rc=0
     for spec in "$@"; do
         m=${spec%%:*}
         BENCH_PROFILE_RANGE=busy BENCH_ENERGY_MS=0 timeout "${RANGE_TIMEOUT:-400}" "$NCU" \
-            --replay-mode app-range "${secs[@]}" --log-file "$LOG/$m-range.txt" "$B" \
+            --replay-mode app-range --clock-control none "${secs[@]}" --log-file "$LOG/$m-range.txt" "$B" \
             --preset "$m" --tokens "${spec#*:}" --no-baselines --iters "${RANGE_ITERS:-20}" \
             > "$LOG/$m-range-bench.txt" 2>&1 || rc=1
         grep -E "^# profile-range|==ERROR==" "$LOG/$m-range-bench.txt" | sort -u

@@ -27,6 +27,12 @@
  *     kernels/moe_gpu_pack.c common/moed_err.c common/moed_log.c common/moed_check_cuda.c
  * Run:   wgmma_probe [N: 8|16|32] [reps] [deepseek-v3|qwen3-30b-a3b]
  *        wgmma_probe check [N] [SHAPE]   (exit 0: the outputs agree)
+ * N as pN (p32): the pipelined loop, one wgmma group per 64-row block, each
+ * block decoded while the block before's MMAs run (the plain loop waits for
+ * all 8 of a K unit before the next unit's dequant: 2.8 TB/s at N = 8 where
+ * moed's mma.sync task streams 4.1, H200 2026-12-04); qN: the same with
+ * tasks of 8 tiles (256 rows), the activation rows copied once per 256
+ * weight rows.
  */
 #include "../../kernels/moe_gpu.cu"
 
@@ -91,10 +97,17 @@ __device__ __forceinline__ void wg_fence()
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #endif
 }
-__device__ __forceinline__ void wg_commit_wait0()
+__device__ __forceinline__ void wg_commit()
 {
 #ifndef WG_NONE
-    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;" ::: "memory");
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+/* wait until at most P of this warpgroup's committed groups are pending */
+template <int P> __device__ __forceinline__ void wg_wait()
+{
+#ifndef WG_NONE
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(P) : "memory");
 #endif
 }
 
@@ -116,33 +129,35 @@ __device__ __forceinline__ void sub_frags(const uint8_t *sub, uint32_t (&a)[4][4
     }
 }
 
-template <int N>
-__global__ void __launch_bounds__(THREADS, MINB)
+/* 8-tile tasks: 3 CTAs per SM (168 registers): at moed's 4 (128), ptxas
+ * serializes N = 32's wgmma for want of registers (C7512) */
+template <int N, bool PIPE, int MB>
+__global__ void __launch_bounds__(THREADS, MB == 4 ? 3 : MINB)
     wgmma_probe(const uint8_t *__restrict__ w, unsigned n_exp, unsigned rt, unsigned units,
                 size_t exp_bytes, const uint16_t *__restrict__ xs, unsigned ld, float *sink,
                 float *out, unsigned n_out)
 {
     extern __shared__ __align__(128) uint8_t smem[];
-    constexpr unsigned UB = MOE_GPU_UNIT_BYTES, WB = 4 * UB, XB = N * 128, SB = WB + XB;
+    constexpr unsigned UB = MOE_GPU_UNIT_BYTES, WB = 2 * MB * UB, XB = N * 128, SB = WB + XB;
     constexpr unsigned WS = 4; /* stages */
-    static_assert(WS * SB <= NWARPS * WARP_SMEM, "the stages fit moed's stage buffers");
+    static_assert(MB == 2 ? WS * SB <= NWARPS * WARP_SMEM : PIPE, "the stages fit moed's stage buffers");
     static_assert(NWARPS == 4, "a CTA is one warpgroup");
     const unsigned tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const unsigned TPE = rt / 4;
+    const unsigned TPE = rt / (2 * MB);
     float sum = 0.f;
     for (unsigned t = blockIdx.x; t < n_exp * TPE; t += gridDim.x) {
-        const unsigned e = t / TPE, rt0 = (t - e * TPE) * 4;
+        const unsigned e = t / TPE, rt0 = (t - e * TPE) * 2 * MB;
         const uint8_t *wt = w + e * exp_bytes + (size_t)rt0 * units * UB;
-        float acc[2][N / 2];
+        float acc[MB][N / 2];
 #pragma unroll
-        for (int b = 0; b < 2; b++)
+        for (int b = 0; b < MB; b++)
 #pragma unroll
             for (int i = 0; i < N / 2; i++)
                 acc[b][i] = 0.f;
         auto issue = [&](unsigned v) {
             if (v < units) {
                 uint8_t *st = smem + (v % WS) * SB;
-                for (unsigned c = tid; c < 4 * (UB / 16); c += THREADS) {
+                for (unsigned c = tid; c < 2 * MB * (UB / 16); c += THREADS) {
                     const unsigned j = c / (UB / 16), k = c - j * (UB / 16);
                     cp_async16(st + j * UB + k * 16, wt + ((size_t)j * units + v) * UB + k * 16);
                 }
@@ -158,40 +173,64 @@ __global__ void __launch_bounds__(THREADS, MINB)
 #pragma unroll
         for (unsigned s = 0; s + 1 < WS; s++)
             issue(s);
+        /* two K units per trip: with one, a unit's A registers are the
+         * previous trip's, and ptxas, free to move their decode above the
+         * wait for that trip's group, serializes every wgmma (C7513) */
+#pragma unroll 2
         for (unsigned v = 0; v < units; v++) {
             cp_async_wait<WS - 2>();
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* for wgmma's reads */
-            __syncthreads(); /* stage v in; every warp's wgmma of step v - 1 done */
-            issue(v + WS - 1);
+            __syncthreads(); /* stage v in (and, in order, every warp's wgmma of v - 1 done) */
             const uint8_t *st = smem + (v % WS) * SB;
-            uint32_t a[2][4][4];
+            uint32_t a[2][4][4]; /* PIPE: a ring of two blocks' */
+            if constexpr (!PIPE) {
+                issue(v + WS - 1);
 #pragma unroll
-            for (int b = 0; b < 2; b++) /* rows 64 b + 16 warp: tile 2 b + warp / 2 */
-                sub_frags(st + (2 * b + (warp >> 1)) * UB + (warp & 1) * MOE_GPU_SUB_BYTES, a[b]);
-            wg_fence();
+                for (int b = 0; b < 2; b++) /* rows 64 b + 16 warp: tile 2 b + warp / 2 */
+                    sub_frags(st + (2 * b + (warp >> 1)) * UB + (warp & 1) * MOE_GPU_SUB_BYTES, a[b]);
+                wg_fence();
 #pragma unroll
-            for (int b = 0; b < 2; b++)
+                for (int b = 0; b < 2; b++)
+#pragma unroll
+                    for (int s = 0; s < 4; s++)
+                        wg_mma<N>::run(acc[b], a[b][s], wg_desc(st + WB + s * (N * 32)));
+                wg_commit();
+                wg_wait<0>();
+            } else {
+            /* PIPE: one group per 64-row block, each block's dequant beside
+             * the block before's MMAs: A registers in a ring of two, a slot
+             * rewritten once the group two back (its last user) is done */
+#pragma unroll
+            for (int b = 0; b < MB; b++) {
+                wg_wait<1>(); /* the group before the last: a[b & 1] is free */
+                if (b == 1) /* block MB - 1 of v - 1 done: every warp is past stage v - 1 */
+                    issue(v + WS - 1);
+                sub_frags(st + (2 * b + (warp >> 1)) * UB + (warp & 1) * MOE_GPU_SUB_BYTES, a[b & 1]);
+                wg_fence();
 #pragma unroll
                 for (int s = 0; s < 4; s++)
-                    wg_mma<N>::run(acc[b], a[b][s], wg_desc(st + WB + s * (N * 32)));
-            wg_commit_wait0();
+                    wg_mma<N>::run(acc[b], a[b & 1][s], wg_desc(st + WB + s * (N * 32)));
+                wg_commit();
+            }
+            }
         }
+        wg_wait<0>();
         cp_async_wait<0>();
         __syncthreads();
         if (out && t < n_out) { /* D: row 16 warp + g (+8), column 8 j + 2 q (+1) */
             const unsigned g = lane >> 2, q = lane & 3;
 #pragma unroll
-            for (int b = 0; b < 2; b++)
+            for (int b = 0; b < MB; b++)
 #pragma unroll
                 for (int j = 0; j < N / 8; j++)
 #pragma unroll
                     for (int i = 0; i < 4; i++) {
                         const unsigned row = 64 * b + 16 * warp + g + (i >> 1) * 8;
-                        out[((size_t)t * 128 + row) * N + 8 * j + 2 * q + (i & 1)] = acc[b][4 * j + i];
+                        out[((size_t)t * 64 * MB + row) * N + 8 * j + 2 * q + (i & 1)] = acc[b][4 * j + i];
                     }
         }
 #pragma unroll
-        for (int b = 0; b < 2; b++)
+        for (int b = 0; b < MB; b++)
 #pragma unroll
             for (int i = 0; i < N / 2; i++)
                 sum += acc[b][i];
@@ -203,12 +242,12 @@ __global__ void __launch_bounds__(THREADS, MINB)
 /* The reference: one warp per (task, 16 rows), mma.sync over the rows as
  * stored (not permuted: the B fragments as moed's load_b reads them), K units
  * and steps in the same order as the probe, out[task][row][column]. */
-template <int N>
+template <int N, int MB>
 __global__ void wg_ref(const uint8_t *__restrict__ w, unsigned rt, unsigned units, size_t exp_bytes,
                        const uint16_t *__restrict__ x, unsigned ld, float *out)
 {
-    const unsigned t = blockIdx.x / 8, r16 = blockIdx.x % 8, lane = threadIdx.x;
-    const unsigned TPE = rt / 4, e = t / TPE, rt0 = (t - e * TPE) * 4;
+    const unsigned t = blockIdx.x / (4 * MB), r16 = blockIdx.x % (4 * MB), lane = threadIdx.x;
+    const unsigned TPE = rt / (2 * MB), e = t / TPE, rt0 = (t - e * TPE) * 2 * MB;
     const unsigned g = lane >> 2, q = lane & 3;
     const uint8_t *wt = w + e * exp_bytes + (size_t)(rt0 + r16 / 2) * units * MOE_GPU_UNIT_BYTES +
                         (r16 & 1) * MOE_GPU_SUB_BYTES;
@@ -231,37 +270,44 @@ __global__ void wg_ref(const uint8_t *__restrict__ w, unsigned rt, unsigned unit
     for (int j = 0; j < N / 8; j++)
 #pragma unroll
         for (int i = 0; i < 4; i++)
-            out[((size_t)t * 128 + 16 * r16 + g + (i >> 1) * 8) * N + 8 * j + 2 * q + (i & 1)] = c[j][i];
+            out[((size_t)t * 64 * MB + 16 * r16 + g + (i >> 1) * 8) * N + 8 * j + 2 * q + (i & 1)] = c[j][i];
 }
 
-template <int N>
+/* dynamic shared memory: moed's stage buffers for 4-tile tasks, the 4 stages
+ * themselves for 8-tile ones (which do not fit moed's) */
+template <int N, int MB> static int stage_smem()
+{
+    return MB == 2 ? NWARPS * WARP_SMEM : 4 * (2 * MB * MOE_GPU_UNIT_BYTES + N * 128);
+}
+
+template <int N, bool PIPE, int MB>
 static int run(const uint8_t *w, unsigned n_exp, const struct moe_gpu_dims &d, const uint16_t *xs,
                float *sink, int reps, bool qwen, char *err, size_t errlen)
 {
     int rc = 0, per = 0, sms = 0;
     float ms = 0;
     cudaEvent_t a = nullptr, b = nullptr;
-    const int smem = NWARPS * WARP_SMEM;
+    const int smem = stage_smem<N, MB>();
     const unsigned rt = d.inter / 16 / MR * 2, units = d.hidden / MOE_GPU_UNIT_K;
     const size_t eb = (size_t)moe_gpu_gu_bytes(d.hidden, d.inter) + moe_gpu_dn_bytes(d.hidden, d.inter);
-    MOED_CUDA_TRY(cudaFuncSetAttribute(wgmma_probe<N>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    MOED_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, wgmma_probe<N>, THREADS, smem));
+    MOED_CUDA_TRY(cudaFuncSetAttribute(wgmma_probe<N, PIPE, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    MOED_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, wgmma_probe<N, PIPE, MB>, THREADS, smem));
     MOED_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    wgmma_probe<N><<<per * sms, THREADS, smem>>>(w, n_exp, rt, units, eb, xs, d.hidden, sink,
+    wgmma_probe<N, PIPE, MB><<<per * sms, THREADS, smem>>>(w, n_exp, rt, units, eb, xs, d.hidden, sink,
                                                  nullptr, 0);
     MOED_CUDA_TRY(cudaDeviceSynchronize());
     MOED_CUDA_TRY(cudaEventCreate(&a));
     MOED_CUDA_TRY(cudaEventCreate(&b));
     MOED_CUDA_TRY(cudaEventRecord(a));
     for (int i = 0; i < reps; i++)
-        wgmma_probe<N><<<per * sms, THREADS, smem>>>(w, n_exp, rt, units, eb, xs, d.hidden, sink,
+        wgmma_probe<N, PIPE, MB><<<per * sms, THREADS, smem>>>(w, n_exp, rt, units, eb, xs, d.hidden, sink,
                                                      nullptr, 0);
     MOED_CUDA_TRY(cudaEventRecord(b));
     MOED_CUDA_TRY(cudaEventSynchronize(b));
     MOED_CUDA_TRY(cudaGetLastError());
     MOED_CUDA_TRY(cudaEventElapsedTime(&ms, a, b));
-    printf("wgmma_probe %s gate_up N=%d ntile=4 grid=%d (%d/SM): %.1f us per pass, %.3f TB/s\n",
-           qwen ? "qwen3-30b-a3b" : "deepseek-v3", N, per * sms, per, ms * 1e3 / reps,
+    printf("wgmma_probe %s gate_up N=%d%s ntile=%d grid=%d (%d/SM): %.1f us per pass, %.3f TB/s\n",
+           qwen ? "qwen3-30b-a3b" : "deepseek-v3", N, PIPE ? " pipelined" : "", 2 * MB, per * sms, per, ms * 1e3 / reps,
            (double)n_exp * moe_gpu_gu_bytes(d.hidden, d.inter) * reps / (ms * 1e-3) / 1e12);
 cleanup:
     if (a)
@@ -273,7 +319,7 @@ cleanup:
 
 /* One pass writing the first n_out tasks, the reference on the rows as stored;
  * 0 when every output agrees (bit for bit, or within 1e-5 of the largest) */
-template <int N>
+template <int N, bool PIPE, int MB>
 static int check(const uint8_t *w, unsigned n_exp, const struct moe_gpu_dims &d,
                  const uint16_t *xs_perm, const uint16_t *xs, float *sink, bool qwen, char *err,
                  size_t errlen)
@@ -281,16 +327,16 @@ static int check(const uint8_t *w, unsigned n_exp, const struct moe_gpu_dims &d,
     int rc = 0, bad = 0;
     const unsigned n_out = 64, rt = d.inter / 16 / MR * 2, units = d.hidden / MOE_GPU_UNIT_K;
     const size_t eb = (size_t)moe_gpu_gu_bytes(d.hidden, d.inter) + moe_gpu_dn_bytes(d.hidden, d.inter);
-    const size_t n_f = (size_t)n_out * 128 * N;
+    const size_t n_f = (size_t)n_out * 64 * MB * N;
     float *o = nullptr, *r = nullptr, *ho = nullptr, *hr = nullptr;
-    const int smem = NWARPS * WARP_SMEM;
+    const int smem = stage_smem<N, MB>();
     double worst = 0, big = 0;
     size_t diff = 0;
     MOED_CUDA_TRY(cudaMalloc(&o, n_f * sizeof(float)));
     MOED_CUDA_TRY(cudaMalloc(&r, n_f * sizeof(float)));
-    MOED_CUDA_TRY(cudaFuncSetAttribute(wgmma_probe<N>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    wgmma_probe<N><<<n_out, THREADS, smem>>>(w, n_exp, rt, units, eb, xs_perm, d.hidden, sink, o, n_out);
-    wg_ref<N><<<n_out * 8, 32>>>(w, rt, units, eb, xs, d.hidden, r);
+    MOED_CUDA_TRY(cudaFuncSetAttribute(wgmma_probe<N, PIPE, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    wgmma_probe<N, PIPE, MB><<<n_out, THREADS, smem>>>(w, n_exp, rt, units, eb, xs_perm, d.hidden, sink, o, n_out);
+    wg_ref<N, MB><<<n_out * 4 * MB, 32>>>(w, rt, units, eb, xs, d.hidden, r);
     MOED_CUDA_TRY(cudaDeviceSynchronize());
     MOED_CUDA_TRY(cudaGetLastError());
     ho = (float *)malloc(n_f * sizeof(float));
@@ -307,8 +353,8 @@ static int check(const uint8_t *w, unsigned n_exp, const struct moe_gpu_dims &d,
         diff += ho[i] != hr[i];
     }
     bad = !(worst <= 1e-5 * big) || big == 0;
-    printf("wgmma_probe check %s N=%d: %u tasks, %zu outputs, %zu differ, max |diff| %.3g of max "
-           "|ref| %.3g: %s\n", qwen ? "qwen3-30b-a3b" : "deepseek-v3", N, n_out, n_f, diff, worst,
+    printf("wgmma_probe check %s N=%d%s ntile=%d: %u tasks, %zu outputs, %zu differ, max |diff| %.3g of max "
+           "|ref| %.3g: %s\n", qwen ? "qwen3-30b-a3b" : "deepseek-v3", N, PIPE ? " pipelined" : "", 2 * MB, n_out, n_f, diff, worst,
            big, bad ? "FAIL" : "PASS");
     if (bad)
         rc = moed_seterr(err, errlen, MOED_E_BACKEND, "the wgmma outputs differ from mma.sync's");
@@ -320,6 +366,20 @@ cleanup:
     return rc;
 }
 
+template <bool PIPE, int MB>
+static int dispatch(bool chk, int n, const uint8_t *w, unsigned n_exp, const struct moe_gpu_dims &d,
+                    const uint16_t *xs, const uint16_t *xr, float *sink, int reps, bool qwen,
+                    char *err, size_t errlen)
+{
+    if (chk)
+        return n == 8    ? check<8, PIPE, MB>(w, n_exp, d, xs, xr, sink, qwen, err, errlen)
+               : n == 16 ? check<16, PIPE, MB>(w, n_exp, d, xs, xr, sink, qwen, err, errlen)
+                         : check<32, PIPE, MB>(w, n_exp, d, xs, xr, sink, qwen, err, errlen);
+    return n == 8    ? run<8, PIPE, MB>(w, n_exp, d, xs, sink, reps, qwen, err, errlen)
+           : n == 16 ? run<16, PIPE, MB>(w, n_exp, d, xs, sink, reps, qwen, err, errlen)
+                     : run<32, PIPE, MB>(w, n_exp, d, xs, sink, reps, qwen, err, errlen);
+}
+
 int main(int argc, char **argv)
 {
     int rc = 0;
@@ -329,14 +389,19 @@ int main(int argc, char **argv)
     uint16_t *xs = nullptr;
     float *sink = nullptr;
     const bool chk = argc > 1 && strcmp(argv[1], "check") == 0;
-    const int n = argc > 1 + chk ? atoi(argv[1 + chk]) : 32;
+    /* N, pN: the pipelined loop (one wgmma group per 64-row block), qN: the
+     * same with 8-tile tasks (256 rows: the activation rows copied once per
+     * 256 weight rows instead of 128) */
+    const char *na = argc > 1 + chk ? argv[1 + chk] : "32";
+    const bool pipe = na[0] == 'p' || na[0] == 'q', wide = na[0] == 'q';
+    const int n = atoi(na + pipe);
     const int reps = chk ? 1 : argc > 2 ? atoi(argv[2]) : 20;
     const char *shape = argc > 3 ? argv[3] : nullptr; /* N reps SHAPE, or check N SHAPE */
     const bool qwen = shape && strcmp(shape, "qwen3-30b-a3b") == 0;
     if ((n != 8 && n != 16 && n != 32) || reps < 1 ||
         (shape && !qwen && strcmp(shape, "deepseek-v3") != 0)) {
-        fprintf(stderr, "usage: wgmma_probe [8|16|32] [reps >= 1] [deepseek-v3|qwen3-30b-a3b]\n"
-                        "       wgmma_probe check [8|16|32] [deepseek-v3|qwen3-30b-a3b]\n");
+        fprintf(stderr, "usage: wgmma_probe [[p|q]8|[p|q]16|[p|q]32] [reps >= 1] [deepseek-v3|qwen3-30b-a3b]\n"
+                        "       wgmma_probe check [[p|q]8|[p|q]16|[p|q]32] [deepseek-v3|qwen3-30b-a3b]\n");
         return 2;
     }
     uint16_t *xr = nullptr, *hx = nullptr, *hp = nullptr;
@@ -374,18 +439,9 @@ int main(int argc, char **argv)
         MOED_CUDA_TRY(cudaMemcpy(xs, hp, nx * 2, cudaMemcpyHostToDevice));
         MOED_CUDA_TRY(cudaMemcpy(xr, hx, nx * 2, cudaMemcpyHostToDevice));
         MOED_CUDA_TRY(cudaMalloc(&sink, sizeof(float)));
-        if (chk && n == 8)
-            rc = check<8>(w, n_exp, d, xs, xr, sink, qwen, err, errlen);
-        else if (chk && n == 16)
-            rc = check<16>(w, n_exp, d, xs, xr, sink, qwen, err, errlen);
-        else if (chk)
-            rc = check<32>(w, n_exp, d, xs, xr, sink, qwen, err, errlen);
-        else if (n == 8)
-            rc = run<8>(w, n_exp, d, xs, sink, reps, qwen, err, errlen);
-        else if (n == 16)
-            rc = run<16>(w, n_exp, d, xs, sink, reps, qwen, err, errlen);
-        else
-            rc = run<32>(w, n_exp, d, xs, sink, reps, qwen, err, errlen);
+        rc = wide   ? dispatch<true, 4>(chk, n, w, n_exp, d, xs, xr, sink, reps, qwen, err, errlen)
+             : pipe ? dispatch<true, 2>(chk, n, w, n_exp, d, xs, xr, sink, reps, qwen, err, errlen)
+                    : dispatch<false, 2>(chk, n, w, n_exp, d, xs, xr, sink, reps, qwen, err, errlen);
     }
 cleanup:
     if (rc)
