@@ -22,7 +22,8 @@
  *
  * MATH PER WARP. bf16 mma.sync m16n8k16 with weights as A (16 rows, the large
  * side) and tokens as B (8 per n-tile, the small side: "swap A/B"); NT = 1
- * n-tile; fp32 accumulation. Dequant in
+ * or, a wide chunk, 2 n-tiles (the MMAs of one n-tile never mix columns, so
+ * a token's sums are the same in either); fp32 accumulation. Dequant in
  * registers: an E2M1 code (s e1 e0 m) placed as bf16 bits s|e1e0<<7|m<<6 is
  * exactly value * 2^-126 (E2M1 subnormal 0.5 lands on the bf16 subnormal
  * with the same meaning); one bf16x2 fma with the block scale * 2^118
@@ -33,8 +34,10 @@
  * PARTITIONING AND TASKS. The CTA (NWARPS = 4 warps) is the worker.
  * Per batch, tasks are numbered
  *   [gate_up tasks][down tasks][combine units]
- * A gate_up or down task is (expert, chunk of <= CHUNK_TOKENS = 8 of its
- * (token, slot) pairs, NTILE consecutive 32-row tiles), ordered by expert,
+ * A gate_up or down task is (expert, chunk of its (token, slot) pairs,
+ * NTILE consecutive 32-row tiles); an expert's chunks are CHUNK_TOKENS = 8
+ * pairs (one n-tile) if it has at most 8, else WIDE_TOKENS = 16 (two
+ * n-tiles: each weight unit dequantized once for 16 tokens), ordered by expert,
  * then tile group, then chunk (the chunks of a crowded expert read the same
  * tiles back to back: the second read comes from L2);
  * NTILE is chosen per batch (ntile_for: up to NTILE_MAX = 4 while every

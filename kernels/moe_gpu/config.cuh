@@ -25,10 +25,14 @@ constexpr int NWARPS = 4;
 constexpr int THREADS = NWARPS * 32;
 static_assert(MOE_GPU_ROW_TAIL_BYTES >= NWARPS * MOE_GPU_UNIT_K * 2,
               "a warp may load its first unit past a short row: MOE_GPU_ROW_TAIL_BYTES");
-/* CTAs per SM the register budget must allow (__launch_bounds__: 128
- * registers). H200: 24-32 warps per SM (6-8 CTAs, 80-64 registers) gained
- * nothing on DeepSeek-V3 and lost at T = 1 (v9e) */
-constexpr int MINB = 16 / NWARPS;
+/* CTAs per SM the register budget must allow (__launch_bounds__: 3 gives
+ * 168 registers). H200: 24-32 warps per SM (6-8 CTAs, 80-64 registers) gained
+ * nothing on DeepSeek-V3 and lost at T = 1 (v9e). H100 2026-12-06: 3 (12
+ * warps, no spills) against 4 (128 registers): 2-8 % faster at T <= 64 on
+ * both shapes, 7-18 % slower at T = 256; with the wide chunks (WIDE_NT),
+ * whose accumulators need the registers, faster than 4 without them at
+ * every T but DeepSeek-V3 T = 1 (+1 %) (bench/NOTES.md) */
+constexpr int MINB = 3;
 /* cp.async stages per warp (one weight unit + its activation rows each).
  * H200 2026-11-29: 4 is 1-2% faster than 3 at every point (v15), 5 no better
  * (v9b), 8 no better (v2) */
@@ -37,6 +41,14 @@ constexpr int STAGES = 4;
  * 2026-11-30: 16-pair chunks (two n-tiles) were 11-14% faster at T = 256 and
  * 3-17% slower at T <= 64, Qwen3 slower everywhere (v14, v18); removed */
 constexpr int CHUNK_TOKENS = 8;
+/* an expert with more pairs than CHUNK_TOKENS is cut into chunks of
+ * WIDE_TOKENS (WIDE_NT n-tiles: each weight unit dequantized once for up to
+ * WIDE_TOKENS tokens, chunk_size). H100 2026-12-06: 2 against 8-pair chunks
+ * only, Qwen3 T = 128 / 256 -8 / -17 %, DeepSeek-V3 T = 256 -9 %; 3 (24-pair
+ * chunks) gained 3 % more at Qwen3 T = 256 and lost 2-5 % everywhere else
+ * (its registers spill at 168) (bench/NOTES.md) */
+constexpr int WIDE_NT = 2;
+constexpr int WIDE_TOKENS = WIDE_NT * CHUNK_TOKENS;
 /* row tiles per gate_up / down task, at most (task_mma_full's steady state).
  * H200: 4 against 1, +1-4% (DeepSeek-V3), Qwen3 T = 64 +8%, T = 256 +18% (v9d);
  * 2 at most: worse (v15) */
@@ -74,7 +86,12 @@ constexpr int X_ROW_BYTES = 144; /* 128 + 16: conflict-free 16-byte fragment rea
 /* a stage of the one-n-tile pipeline: one weight unit + 8 activation rows */
 constexpr int STAGE_BYTES = MOE_GPU_UNIT_BYTES + CHUNK_TOKENS * X_ROW_BYTES;
 /* each warp's shared-memory stage region */
-constexpr int WARP_SMEM = STAGES * STAGE_BYTES;
+constexpr int cmax(int a, int b) { return a > b ? a : b; }
+/* (a wide task: NTILE_MAX weight units and two K steps of WIDE_TOKENS
+ * activation rows; its partials, NTILE_MAX x MR x WIDE_NT float4 per lane) */
+constexpr int WARP_SMEM =
+    cmax(STAGES * STAGE_BYTES, cmax(NTILE_MAX * MOE_GPU_UNIT_BYTES + 2 * WIDE_TOKENS * X_ROW_BYTES,
+                                    NTILE_MAX * MR * WIDE_NT * 32 * 16));
 static_assert((size_t)THREADS * 16 >= sizeof(struct moe_gpu_slot), "one load per thread reads a ring slot");
 static_assert(sizeof(struct moe_gpu_desc) / 16 <= THREADS, "one load per thread reads the desc");
 static_assert(sizeof(struct moe_gpu_chan_desc) / 16 + MOE_GPU_CHAN_BUFS + 1 <= THREADS,

@@ -628,9 +628,8 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                 const unsigned nch = r.chs[e + 1] - r.chs[e], loc = tt - r.chs[e] * TPC;
                 const unsigned tg = loc / nch, c = loc - tg * nch, rt0 = tg * NTT;
                 const unsigned ntiles = min(NTT, RT - rt0);
-                const unsigned p0 = r.off[e] + c * CHUNK_TOKENS;
-                const unsigned cnt = min((unsigned)CHUNK_TOKENS,
-                                         r.cnt[e] - c * CHUNK_TOKENS);
+                const unsigned ne = r.cnt[e], ct = chunk_size(ne);
+                const unsigned p0 = r.off[e] + c * ct, cnt = min(ct, ne - c * ct);
 #if MOE_GPU_TASK_LOG
                 asm volatile("" ::"r"(e), "r"(cnt), "r"(p0), "r"(rt0), "r"(ntiles));
                 TLOG_STAMP(1);

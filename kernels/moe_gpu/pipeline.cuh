@@ -334,6 +334,77 @@ __device__ __forceinline__ void task_mma_full(const uint8_t *__restrict__ wtask,
     __syncwarp();
 }
 
+/* A wide chunk's task (9 to WIDE_TOKENS pairs: NT n-tiles) with all
+ * NTILE_MAX tiles: task_mma_full's order and weight ring, each weight unit
+ * dequantized once for every n-tile; the activation rows of two K steps (K step
+ * v + 1's are copied at unit (v, 1), after step v's B fragments were read
+ * at (v, 0)), so the rings fill the warp's region as the narrow ones do.
+ * n-tiles do not mix columns: every column gets the sums of a narrow task
+ * (batch invariance). */
+template <int NT>
+__device__ __forceinline__ void task_mma_wide(const uint8_t *__restrict__ wtask, unsigned w,
+                                              unsigned nuw, unsigned tile_units, const xsrc &xs,
+                                              uint8_t *sw, float (&acc)[NTILE_MAX][MR][NT][4])
+{
+    constexpr unsigned WS = NTILE_MAX, XB = NT * 8 * X_ROW_BYTES;
+    static_assert(WS >= 2 && WS * MOE_GPU_UNIT_BYTES + 2 * XB <= WARP_SMEM, "rings fit");
+    static_assert(UL >= 16, "lanes >= UL repeat a lane below UL");
+    const unsigned lane = threadIdx.x & 31;
+    uint8_t *const xring = sw + WS * MOE_GPU_UNIT_BYTES;
+    zero_acc<NTILE_MAX, NT>(acc);
+    const unsigned lw = (lane < UL ? lane : lane - (32 - UL)) * 16;
+    const uint8_t *wsrc = wtask + (size_t)w * MOE_GPU_UNIT_BYTES + lw; /* unit (v, 0) */
+    const unsigned tstride = tile_units * MOE_GPU_UNIT_BYTES;
+    uint8_t *const wdst = sw + lw;
+    auto copy_w = [&](const uint8_t *src, unsigned slot) {
+#pragma unroll
+        for (unsigned k = 0; k < UC / UL; k++)
+            cp_async16(wdst + slot * MOE_GPU_UNIT_BYTES + k * UL * 16, src + k * UL * 16);
+    };
+    constexpr int XR = NT * 8 * 8 / 32;
+    const uint16_t *xrow[XR];
+    x_rows(xs, (size_t)w * MOE_GPU_UNIT_K, xrow);
+    uint8_t *const xdst = xring + (lane >> 3) * X_ROW_BYTES + (lane & 7) * 16;
+    auto copy_x = [&](unsigned slot, unsigned off) {
+#pragma unroll
+        for (int i = 0; i < XR; i++)
+            if (xrow[i])
+                cp_async16(xdst + slot * XB + 4 * i * X_ROW_BYTES, xrow[i] + off);
+    };
+    copy_x(0, 0);
+#pragma unroll
+    for (unsigned j = 0; j + 1 < WS; j++) {
+        copy_w(wsrc + j * tstride, j);
+        cp_async_commit();
+    }
+    unsigned xoff = 0, xcur = 0;
+    for (unsigned v = 0; v < nuw; v++) {
+        const bool more = v + 1 < nuw;
+        uint4 xb[NT][2];
+#pragma unroll
+        for (unsigned j = 0; j < NTILE_MAX; j++) {
+            cp_async_wait<WS - 2>();
+            __syncwarp();
+            if (j == 0) {
+                copy_w(wsrc + (WS - 1) * tstride, WS - 1);
+            } else if (more) {
+                if (j == 1)
+                    copy_x(xcur ^ 1u, xoff + NWARPS * MOE_GPU_UNIT_K);
+                copy_w(wsrc + NWARPS * MOE_GPU_UNIT_BYTES + (j - 1) * tstride, j - 1);
+            }
+            cp_async_commit();
+            if (j == 0)
+                load_b<NT>(xring + xcur * XB, xs.cnt, xb);
+            unit_mma<NT>(sw + j * MOE_GPU_UNIT_BYTES, xb, acc[j]);
+        }
+        wsrc += NWARPS * MOE_GPU_UNIT_BYTES;
+        xoff += NWARPS * MOE_GPU_UNIT_K;
+        xcur ^= 1u;
+    }
+    cp_async_wait<0>();
+    __syncwarp();
+}
+
 /* The one-tile steady state (small batches: T = 1 takes only these), when
  * the warp's nuw K units are a multiple of STAGES: unit 4g + j (of the warp's
  * units w, w + NWARPS, ...) lives in stage j with its activation rows, so,

@@ -12,6 +12,21 @@ struct route {
     uint16_t *tok;     /* [T*KS] token of pair */
 };
 
+/* Pairs per chunk of an expert with n pairs: CHUNK_TOKENS (one n-tile) for
+ * an expert with at most that many, else WIDE_TOKENS (two n-tiles: the
+ * expert's weights dequantized and streamed once per 16 pairs, not per 8; a
+ * last chunk of at most 8 runs as a narrow one). Per expert, from its count
+ * alone: the task numbering stays one prefix sum (chs). */
+__device__ __forceinline__ unsigned chunk_size(unsigned n)
+{
+    return n > (unsigned)CHUNK_TOKENS ? (unsigned)WIDE_TOKENS : (unsigned)CHUNK_TOKENS;
+}
+__device__ __forceinline__ unsigned chunk_count(unsigned n)
+{
+    const unsigned c = chunk_size(n);
+    return (n + c - 1) / c;
+}
+
 /* An entry routed to no expert: an empty slot (id -1) or, in a routed-only
  * batch, a shared slot. It makes no pair; its pos is the zero row of dout. */
 #define ROUTE_NONE 0xffffffffu
@@ -155,7 +170,7 @@ __device__ void build_route(const struct moe_gpu_dims &d, unsigned T, const int3
         unsigned s1 = 0, s2 = 0;
         for (unsigned i = b; i < e; i++) {
             s1 += r.cnt[i];
-            s2 += (r.cnt[i] + CHUNK_TOKENS - 1) / CHUNK_TOKENS;
+            s2 += chunk_count(r.cnt[i]);
         }
         unsigned i1 = s1, i2 = s2;
         for (int o = 1; o < 32; o <<= 1) {
@@ -170,7 +185,7 @@ __device__ void build_route(const struct moe_gpu_dims &d, unsigned T, const int3
             r.off[i] = x1;
             r.chs[i] = x2;
             x1 += r.cnt[i];
-            x2 += (r.cnt[i] + CHUNK_TOKENS - 1) / CHUNK_TOKENS;
+            x2 += chunk_count(r.cnt[i]);
         }
         if (lane == 31) {
             r.off[NE] = i1;

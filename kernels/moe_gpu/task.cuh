@@ -21,10 +21,13 @@ __device__ __forceinline__ void task_splitk(const uint8_t *wtask, unsigned tile_
                   "partials of a task must fit a warp's stage buffer");
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const unsigned nuw = tile_units > warp ? (tile_units - warp + NWARPS - 1) / NWARPS : 0;
-    static_assert(NT == 1, "one n-tile per task (CHUNK_TOKENS 8)");
-    static_assert(NTILE == 1 || NTILE == NTILE_MAX, "one tile, or a full task's NTILE_MAX");
+    static_assert((NT == 1 && (NTILE == 1 || NTILE == NTILE_MAX)) ||
+                      (NT == WIDE_NT && NTILE == NTILE_MAX),
+                  "narrow: one tile or NTILE_MAX; wide (WIDE_NT n-tiles): NTILE_MAX");
     float acc[NTILE][MR][NT][4];
-    if constexpr (NTILE > 1) { /* tiles interleaved per K unit (v17) */
+    if constexpr (NT > 1) { /* a wide chunk (9 to WIDE_TOKENS pairs) */
+        task_mma_wide<NT>(wtask, warp, nuw, tile_units, xs, sw, acc); /* ntiles == NTILE */
+    } else if constexpr (NTILE > 1) { /* tiles interleaved per K unit (v17) */
         if (ntiles == NTILE) /* constant ring offsets (v19) */
             task_mma_full<NTILE>(wtask, warp, nuw, tile_units, xs, sw, acc);
         else
@@ -37,7 +40,7 @@ __device__ __forceinline__ void task_splitk(const uint8_t *wtask, unsigned tile_
     }
     /* the CTA's next task, claimed as its K loop ends: the claim's round
      * trip runs beside the reduction and the epilogue */
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0 && ctr)
         next = atomicAdd(ctr, 1u);
     /* tile j's partials: float4 (m, n) of lane l at [j][m * NT + n][l] (each
      * 8-lane phase of a 16-byte access one contiguous 128 bytes: no bank
@@ -59,25 +62,30 @@ __device__ __forceinline__ void task_splitk(const uint8_t *wtask, unsigned tile_
     TLOG_STAMP(3); /* every warp's K loop done */
     zero_acc<NT>(out);
     if (warp < ntiles) {
-        float4 part[NWARPS][Q];
+        /* in rounds of R float4 per lane per warp (all of a narrow task's at
+         * once; a wide task's per sub-tile: its registers) */
+        constexpr int R = NT == 1 ? Q : NT;
 #pragma unroll
-        for (unsigned w = 0; w < NWARPS; w++)
+        for (int q0 = 0; q0 < Q; q0 += R) {
+            float4 part[NWARPS][R];
 #pragma unroll
-            for (int q = 0; q < Q; q++)
-                part[w][q] = reinterpret_cast<const float4 *>(sw_cta + w * WARP_SMEM)[
-                    (warp * Q + q) * 32 + lane];
+            for (unsigned w = 0; w < NWARPS; w++)
 #pragma unroll
-        for (unsigned w = 0; w < NWARPS; w++)
+                for (int q = 0; q < R; q++)
+                    part[w][q] = reinterpret_cast<const float4 *>(sw_cta + w * WARP_SMEM)[
+                        (warp * Q + q0 + q) * 32 + lane];
 #pragma unroll
-            for (int m = 0; m < MR; m++)
+            for (unsigned w = 0; w < NWARPS; w++)
 #pragma unroll
-                for (int n = 0; n < NT; n++) {
-                    const float4 v = part[w][m * NT + n];
-                    out[m][n][0] += v.x;
-                    out[m][n][1] += v.y;
-                    out[m][n][2] += v.z;
-                    out[m][n][3] += v.w;
+                for (int q = 0; q < R; q++) {
+                    const float4 v = part[w][q];
+                    float *o = out[(q0 + q) / NT][(q0 + q) % NT];
+                    o[0] += v.x;
+                    o[1] += v.y;
+                    o[2] += v.z;
+                    o[3] += v.w;
                 }
+        }
     }
 }
 
@@ -199,10 +207,30 @@ __device__ __forceinline__ void run_task(const struct moe_gpu_params &p,
                                          unsigned cnt, unsigned rt0, unsigned ntiles, uint8_t *sw,
                                          uint8_t *sw_cta, unsigned *ctr, unsigned &next)
 {
-    if (nt > 1)
-        mm_task<1, NTILE_MAX>(p, L, r, is_gu, e, p0, cnt, rt0, ntiles, sw, sw_cta, ctr, next);
-    else
-        mm_task<1, 1>(p, L, r, is_gu, e, p0, cnt, rt0, ntiles, sw, sw_cta, ctr, next);
+    if (cnt > CHUNK_TOKENS && ntiles == NTILE_MAX) { /* a wide chunk, one pass */
+        mm_task<WIDE_NT, NTILE_MAX>(p, L, r, is_gu, e, p0, cnt, rt0, ntiles, sw, sw_cta, ctr,
+                                    next);
+        return;
+    }
+    /* a narrow chunk; or a wide one in a shorter task (an expert's last tile
+     * group, a batch of one-tile tasks: rare, and the wide rings of fewer
+     * tiles would cost registers everywhere), as narrow passes of up to 8
+     * pairs one after another (the same sums per column), the next task
+     * claimed in the last */
+    for (unsigned c0 = 0;;) {
+        const unsigned n = min(cnt - c0, (unsigned)CHUNK_TOKENS);
+        const bool last = c0 + n == cnt;
+        if (nt > 1)
+            mm_task<1, NTILE_MAX>(p, L, r, is_gu, e, p0 + c0, n, rt0, ntiles, sw, sw_cta,
+                                  last ? ctr : nullptr, next);
+        else
+            mm_task<1, 1>(p, L, r, is_gu, e, p0 + c0, n, rt0, ntiles, sw, sw_cta,
+                          last ? ctr : nullptr, next);
+        if (last)
+            return;
+        c0 += n;
+        __syncthreads(); /* every warp has read the partials: the stages are free */
+    }
 }
 
 /* combine unit: token t, columns [256 blk, 256 blk + 256) (8 per lane).

@@ -18,7 +18,8 @@
  *     mismatching outputs are printed. Shapes the kernel does not serve and
  *     batches over max_tokens must be refused with the case's MOED_E_* code;
  *   - bit-identical output for the same batch twice, and for one token when
- *     its batch companions change (every served shape);
+ *     its batch companions change, also when they crowd its experts so
+ *     that it lands in a wide (16-pair) chunk (every served shape);
  *   - stream: 10,000 consecutive batches with more in flight than the ring
  *     holds: each completes exactly once with the right output;
  *   - idle-exit: the idle exit and relaunch path;
@@ -224,9 +225,25 @@ static void test_shape(const struct moe_shape *p)
         int s3 = run_batch(be, &wt, &b2, 3);
         result(s3 == 0 && memcmp(y1 + (size_t)3 * p->H, b2.y + (size_t)41 * p->H, (size_t)p->H * 2) == 0,
                "%-36s token with other batch companions: bit-identical", p->name);
+        /* token 3 of a at position 13 of a batch of 24 on its own experts:
+         * each of them has 24 pairs, cut into a wide chunk (16 pairs, two
+         * n-tiles; the token in the second) and a narrow one (the kernel's
+         * chunk_size), where in a it was in a narrow chunk */
+        struct io c3;
+        io_alloc(&c3, 24, p->H, p->k);
+        io_fill(&c3, p->E, R_UNIFORM, 79);
+        for (uint32_t t = 0; t < 24; t++) {
+            memcpy(c3.ids + t * p->k, a.ids + 3 * p->k, p->k * 4);
+            memcpy(c3.w + t * p->k, a.w + 3 * p->k, p->k * 4);
+        }
+        memcpy(c3.x + (size_t)13 * p->H, a.x + (size_t)3 * p->H, (size_t)p->H * 2);
+        int s4 = run_batch(be, &wt, &c3, 3);
+        result(s4 == 0 && memcmp(y1 + (size_t)3 * p->H, c3.y + (size_t)13 * p->H, (size_t)p->H * 2) == 0,
+               "%-36s token in a crowded (wide) chunk: bit-identical", p->name);
         free(y1);
         io_free(&a);
         io_free(&b2);
+        io_free(&c3);
     }
     moed_backend_close(be);
 out:
