@@ -27,26 +27,29 @@ static_assert(MOE_GPU_ROW_TAIL_BYTES >= NWARPS * MOE_GPU_UNIT_K * 2,
               "a warp may load its first unit past a short row: MOE_GPU_ROW_TAIL_BYTES");
 /* CTAs per SM the register budget must allow (__launch_bounds__: 3 gives
  * 168 registers). H200: 24-32 warps per SM (6-8 CTAs, 80-64 registers) gained
- * nothing on DeepSeek-V3 and lost at T = 1 (v9e). H100 2026-12-06: 3 (12
- * warps, no spills) against 4 (128 registers): 2-8 % faster at T <= 64 on
- * both shapes, 7-18 % slower at T = 256; with the wide chunks (WIDE_NT),
- * whose accumulators need the registers, faster than 4 without them at
- * every T but DeepSeek-V3 T = 1 (+1 %) (bench/NOTES.md) */
+ * nothing on DeepSeek-V3 and lost at T = 1 (v9e). H100 2026-12-06: the wide
+ * chunks (WIDE_NT) need 3: at 4 (128 registers) they spill 220 bytes, 3.5-9
+ * % slower at T <= 64 and -5 / -13 % at T = 256 (DeepSeek-V3 / Qwen3)
+ * against 4 without them; 3 with them: T = 256 -8 / -15 %, T <= 64 +0.4 to
+ * +7 % on that H100 and -1 to -4 % on another (bench/NOTES.md; not yet
+ * measured on an H200) */
 constexpr int MINB = 3;
 /* cp.async stages per warp (one weight unit + its activation rows each).
  * H200 2026-11-29: 4 is 1-2% faster than 3 at every point (v15), 5 no better
  * (v9b), 8 no better (v2) */
 constexpr int STAGES = 4;
-/* (token, slot) pairs per task chunk: one n-tile of 8 tokens. H200
- * 2026-11-30: 16-pair chunks (two n-tiles) were 11-14% faster at T = 256 and
- * 3-17% slower at T <= 64, Qwen3 slower everywhere (v14, v18); removed */
+/* (token, slot) pairs per task chunk of an expert with at most this many:
+ * one n-tile of 8 tokens. H200 2026-11-30: 16-pair chunks for every expert
+ * (at 128 registers, spilling) were 11-14% faster at T = 256 and 3-17%
+ * slower at T <= 64, Qwen3 slower everywhere (v14, v18) */
 constexpr int CHUNK_TOKENS = 8;
 /* an expert with more pairs than CHUNK_TOKENS is cut into chunks of
  * WIDE_TOKENS (WIDE_NT n-tiles: each weight unit dequantized once for up to
- * WIDE_TOKENS tokens, chunk_size). H100 2026-12-06: 2 against 8-pair chunks
- * only, Qwen3 T = 128 / 256 -8 / -17 %, DeepSeek-V3 T = 256 -9 %; 3 (24-pair
- * chunks) gained 3 % more at Qwen3 T = 256 and lost 2-5 % everywhere else
- * (its registers spill at 168) (bench/NOTES.md) */
+ * WIDE_TOKENS tokens, chunk_size). H100 2026-12-06, both at MINB 3: 2 against
+ * 8-pair chunks only, Qwen3 T = 128 / 256 -8 / -17 %, DeepSeek-V3 T = 256 -9
+ * %, T <= 64 within 4 %; 3 (24-pair chunks) 3 % faster than 2 at Qwen3 T =
+ * 256 and 2-5 % slower everywhere else (its registers spill at 168)
+ * (bench/NOTES.md) */
 constexpr int WIDE_NT = 2;
 constexpr int WIDE_TOKENS = WIDE_NT * CHUNK_TOKENS;
 /* row tiles per gate_up / down task, at most (task_mma_full's steady state).
