@@ -257,25 +257,31 @@ __device__ __forceinline__ void task_mma_il(const uint8_t *__restrict__ wtask, u
     __syncwarp();
 }
 
-/* task_mma_il's steady state for the common case: one n-tile, the task has
- * all NTILE tiles and the weight ring NTILE stages (4 and 4). Unit (v, j)
- * lives in weight slot j and K step v's activation rows in slot v % NTILE,
- * so ring indices and shared-memory offsets are constants; the next K
+/* task_mma_il's steady state for the common case: the task has all NTILE
+ * tiles and the weight ring NTILE stages (4 and 4). Unit (v, j) lives in
+ * weight slot j and K step v's activation rows (NT n-tiles of 8) in slot v %
+ * XS, so ring indices and shared-memory offsets are constants; the next K
  * step's weights are four fixed strides from one running pointer; all 32
  * lanes copy (lanes 24-31 repeat lanes 16-23's chunks: the same bytes to the
  * same place), so no copy needs a branch. Same order, same sums as
- * task_mma_il. */
-template <int NTILE>
+ * task_mma_il. A narrow task (NT 1) keeps XS = NTILE activation slots; a
+ * wide chunk's (NT = WIDE_NT: each weight unit dequantized once for both
+ * n-tiles) keeps 2, which suffice: K step v + 1's rows are copied at unit
+ * (v, 1), after step v - 1's slot was read at (v - 1, 0), and the rings
+ * still fill the warp's 9216 bytes. n-tiles do not mix columns: every column
+ * gets the sums of a narrow task (batch invariance). */
+template <int NTILE, int NT, unsigned XS>
 __device__ __forceinline__ void task_mma_full(const uint8_t *__restrict__ wtask, unsigned w,
                                               unsigned nuw, unsigned tile_units, const xsrc &xs,
-                                              uint8_t *sw, float (&acc)[NTILE][MR][1][4])
+                                              uint8_t *sw, float (&acc)[NTILE][MR][NT][4])
 {
-    constexpr unsigned WS = NTILE, XB = 8 * X_ROW_BYTES;
-    static_assert(WS >= 2 && WS * (MOE_GPU_UNIT_BYTES + XB) <= WARP_SMEM, "rings fit");
+    constexpr unsigned WS = NTILE, XB = NT * 8 * X_ROW_BYTES;
+    static_assert(WS >= 2 && XS >= 2 && WS * MOE_GPU_UNIT_BYTES + XS * XB <= WARP_SMEM,
+                  "rings fit");
     static_assert(UL >= 16, "lanes >= UL repeat a lane below UL");
     const unsigned lane = threadIdx.x & 31;
     uint8_t *const xring = sw + WS * MOE_GPU_UNIT_BYTES;
-    zero_acc<NTILE, 1>(acc);
+    zero_acc<NTILE, NT>(acc);
     /* weights: this lane copies chunks l, l + UL, ... of every unit */
     const unsigned lw = (lane < UL ? lane : lane - (32 - UL)) * 16;
     const uint8_t *wsrc = wtask + (size_t)w * MOE_GPU_UNIT_BYTES + lw; /* unit (v, 0) */
@@ -286,7 +292,7 @@ __device__ __forceinline__ void task_mma_full(const uint8_t *__restrict__ wtask,
         for (unsigned k = 0; k < UC / UL; k++)
             cp_async16(wdst + slot * MOE_GPU_UNIT_BYTES + k * UL * 16, src + k * UL * 16);
     };
-    constexpr int XR = 8 * 8 / 32;
+    constexpr int XR = NT * 8 * 8 / 32;
     const uint16_t *xrow[XR];
     x_rows(xs, (size_t)w * MOE_GPU_UNIT_K, xrow);
     uint8_t *const xdst = xring + (lane >> 3) * X_ROW_BYTES + (lane & 7) * 16;
@@ -307,8 +313,8 @@ __device__ __forceinline__ void task_mma_full(const uint8_t *__restrict__ wtask,
     unsigned xcur = 0;
     for (unsigned v = 0; v < nuw; v++) {
         const bool more = v + 1 < nuw;
-        const unsigned xnext = xcur + 1 == WS ? 0 : xcur + 1;
-        uint4 xb[1][2];
+        const unsigned xnext = XS == 2 ? xcur ^ 1u : xcur + 1 == XS ? 0 : xcur + 1;
+        uint4 xb[NT][2];
 #pragma unroll
         for (unsigned j = 0; j < NTILE; j++) {
             cp_async_wait<WS - 2>();
@@ -323,83 +329,12 @@ __device__ __forceinline__ void task_mma_full(const uint8_t *__restrict__ wtask,
             }
             cp_async_commit();
             if (j == 0)
-                load_b<1>(xring + xcur * XB, xs.cnt, xb);
-            unit_mma<1>(sw + j * MOE_GPU_UNIT_BYTES, xb, acc[j]);
-        }
-        wsrc += NWARPS * MOE_GPU_UNIT_BYTES;
-        xoff += NWARPS * MOE_GPU_UNIT_K;
-        xcur = xnext;
-    }
-    cp_async_wait<0>();
-    __syncwarp();
-}
-
-/* A wide chunk's task (9 to WIDE_TOKENS pairs: NT n-tiles) with all
- * NTILE_MAX tiles: task_mma_full's order and weight ring, each weight unit
- * dequantized once for every n-tile; the activation rows of two K steps (K step
- * v + 1's are copied at unit (v, 1), after step v's B fragments were read
- * at (v, 0)), so the rings fill the warp's region as the narrow ones do.
- * n-tiles do not mix columns: every column gets the sums of a narrow task
- * (batch invariance). */
-template <int NT>
-__device__ __forceinline__ void task_mma_wide(const uint8_t *__restrict__ wtask, unsigned w,
-                                              unsigned nuw, unsigned tile_units, const xsrc &xs,
-                                              uint8_t *sw, float (&acc)[NTILE_MAX][MR][NT][4])
-{
-    constexpr unsigned WS = NTILE_MAX, XB = NT * 8 * X_ROW_BYTES;
-    static_assert(WS >= 2 && WS * MOE_GPU_UNIT_BYTES + 2 * XB <= WARP_SMEM, "rings fit");
-    static_assert(UL >= 16, "lanes >= UL repeat a lane below UL");
-    const unsigned lane = threadIdx.x & 31;
-    uint8_t *const xring = sw + WS * MOE_GPU_UNIT_BYTES;
-    zero_acc<NTILE_MAX, NT>(acc);
-    const unsigned lw = (lane < UL ? lane : lane - (32 - UL)) * 16;
-    const uint8_t *wsrc = wtask + (size_t)w * MOE_GPU_UNIT_BYTES + lw; /* unit (v, 0) */
-    const unsigned tstride = tile_units * MOE_GPU_UNIT_BYTES;
-    uint8_t *const wdst = sw + lw;
-    auto copy_w = [&](const uint8_t *src, unsigned slot) {
-#pragma unroll
-        for (unsigned k = 0; k < UC / UL; k++)
-            cp_async16(wdst + slot * MOE_GPU_UNIT_BYTES + k * UL * 16, src + k * UL * 16);
-    };
-    constexpr int XR = NT * 8 * 8 / 32;
-    const uint16_t *xrow[XR];
-    x_rows(xs, (size_t)w * MOE_GPU_UNIT_K, xrow);
-    uint8_t *const xdst = xring + (lane >> 3) * X_ROW_BYTES + (lane & 7) * 16;
-    auto copy_x = [&](unsigned slot, unsigned off) {
-#pragma unroll
-        for (int i = 0; i < XR; i++)
-            if (xrow[i])
-                cp_async16(xdst + slot * XB + 4 * i * X_ROW_BYTES, xrow[i] + off);
-    };
-    copy_x(0, 0);
-#pragma unroll
-    for (unsigned j = 0; j + 1 < WS; j++) {
-        copy_w(wsrc + j * tstride, j);
-        cp_async_commit();
-    }
-    unsigned xoff = 0, xcur = 0;
-    for (unsigned v = 0; v < nuw; v++) {
-        const bool more = v + 1 < nuw;
-        uint4 xb[NT][2];
-#pragma unroll
-        for (unsigned j = 0; j < NTILE_MAX; j++) {
-            cp_async_wait<WS - 2>();
-            __syncwarp();
-            if (j == 0) {
-                copy_w(wsrc + (WS - 1) * tstride, WS - 1);
-            } else if (more) {
-                if (j == 1)
-                    copy_x(xcur ^ 1u, xoff + NWARPS * MOE_GPU_UNIT_K);
-                copy_w(wsrc + NWARPS * MOE_GPU_UNIT_BYTES + (j - 1) * tstride, j - 1);
-            }
-            cp_async_commit();
-            if (j == 0)
                 load_b<NT>(xring + xcur * XB, xs.cnt, xb);
             unit_mma<NT>(sw + j * MOE_GPU_UNIT_BYTES, xb, acc[j]);
         }
         wsrc += NWARPS * MOE_GPU_UNIT_BYTES;
         xoff += NWARPS * MOE_GPU_UNIT_K;
-        xcur ^= 1u;
+        xcur = xnext;
     }
     cp_async_wait<0>();
     __syncwarp();

@@ -26,10 +26,10 @@ __device__ __forceinline__ void task_splitk(const uint8_t *wtask, unsigned tile_
                   "narrow: one tile or NTILE_MAX; wide (WIDE_NT n-tiles): NTILE_MAX");
     float acc[NTILE][MR][NT][4];
     if constexpr (NT > 1) { /* a wide chunk (9 to WIDE_TOKENS pairs) */
-        task_mma_wide<NT>(wtask, warp, nuw, tile_units, xs, sw, acc); /* ntiles == NTILE */
+        task_mma_full<NTILE, NT, 2>(wtask, warp, nuw, tile_units, xs, sw, acc); /* ntiles == NTILE */
     } else if constexpr (NTILE > 1) { /* tiles interleaved per K unit (v17) */
         if (ntiles == NTILE) /* constant ring offsets (v19) */
-            task_mma_full<NTILE>(wtask, warp, nuw, tile_units, xs, sw, acc);
+            task_mma_full<NTILE, 1, NTILE>(wtask, warp, nuw, tile_units, xs, sw, acc);
         else
             task_mma_il<1, NTILE, STAGES>(wtask, warp, nuw, ntiles, tile_units, xs, sw, acc);
     } else {
