@@ -197,8 +197,9 @@ __device__ __forceinline__ void mm_task(const struct moe_gpu_params &p,
     TLOG_STAMP(5); /* warp 0's epilogue issued */
 }
 
-/* One gate_up or down task (whole CTA), one n-tile: tile by tile when nt =
- * 1, else up to NTILE_MAX tiles interleaved. Inlined: as a function of its
+/* One gate_up or down task (whole CTA): a narrow chunk (one n-tile) tile by
+ * tile when nt = 1, else up to NTILE_MAX tiles interleaved; a wide chunk
+ * (WIDE_NT n-tiles) in a task of NTILE_MAX tiles. Inlined: as a function of its
  * own (own registers, the persistent loop saving its live registers around
  * the call) it was 1-7% slower (H200 2026-11-30, bench/NOTES.md v20). */
 __device__ __forceinline__ void run_task(const struct moe_gpu_params &p,

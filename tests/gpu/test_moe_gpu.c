@@ -227,8 +227,10 @@ static void test_shape(const struct moe_shape *p)
                "%-36s token with other batch companions: bit-identical", p->name);
         /* token 3 of a at position 13 of a batch of 24 on its own experts:
          * each of them has 24 pairs, cut into a wide chunk (16 pairs, two
-         * n-tiles; the token in the second) and a narrow one (the kernel's
-         * chunk_size), where in a it was in a narrow chunk */
+         * n-tiles, the token in the second; run as two narrow passes where
+         * the shape's tasks have fewer than NTILE_MAX tiles) and a narrow one
+         * (the kernel's chunk_size); in a, 16 tokens spread over the
+         * experts, its chunks are narrow but where an expert drew 9 or more */
         struct io c3;
         io_alloc(&c3, 24, p->H, p->k);
         io_fill(&c3, p->E, R_UNIFORM, 79);
