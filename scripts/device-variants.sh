@@ -24,7 +24,11 @@
 #                                                       named) with VAR_DS_ARGS and
 #                                                       VAR_QWEN_ARGS; one log per variant
 #                                                       in $OUT (or build-var/logs) and a
-#                                                       summary table, variants-summary.txt
+#                                                       summary table, variants-summary.txt;
+#                                                       a name given twice runs twice (run
+#                                                       a b a b: alternately), and the
+#                                                       summary ends with each variant's
+#                                                       kernel us per run
 # Carry build-var and .device (and build-cuda if the GPU tests run in the same call).
 #
 # e.g. scripts/device-variants.sh prepare base: ph:-DMOE_GPU_PHASES=1 old:@f5b1759 \
@@ -98,3 +102,11 @@ for n in "${names[@]}"; do
     } >> "$sum"
 done
 cat "$sum"
+# kernel us (bench_moe's kernel_us) of every run of each variant, per model and T
+# (a name given twice runs twice: its rows append)
+echo "== kernel us per run (variant model T: runs)" | tee -a "$sum"
+for n in $(printf '%s\n' "${names[@]}" | awk '!s[$0]++'); do
+    [ -f "$LOGDIR/variant-$n.csv" ] || continue
+    awk -F, -v v="$n" '$1 != "model" { k = $1 " " $2; if (!(k in r)) o[++m] = k; r[k] = r[k] " " $14 }
+        END { for (i = 1; i <= m; i++) print v, o[i] ":" r[o[i]] }' "$LOGDIR/variant-$n.csv"
+done | tee -a "$sum"
