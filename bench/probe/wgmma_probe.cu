@@ -32,7 +32,9 @@
  * all 8 of a K unit before the next unit's dequant: 2.8 TB/s at N = 8 where
  * moed's mma.sync task streams 4.1, H200 2026-12-04); qN: the same with
  * tasks of 8 tiles (256 rows), the activation rows copied once per 256
- * weight rows.
+ * weight rows. mN / nN: pN / qN with the stages' readiness and release by
+ * mbarriers and the weights by cp.async.bulk (wgmma_mbar; written 2026-12-06
+ * without a GPU: run `check m32` first).
  */
 #include "../../kernels/moe_gpu.cu"
 
@@ -239,6 +241,172 @@ __global__ void __launch_bounds__(THREADS, MB == 4 ? 3 : MINB)
         *sink = sum;
 }
 
+/* mbarrier stages (the m and n forms): shared-memory addresses for PTX */
+__device__ __forceinline__ unsigned sa(const void *p)
+{
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void mb_init(uint64_t *b, unsigned count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(sa(b)), "r"(count) : "memory");
+}
+/* one arrival that also expects `bytes` of bulk copies to complete on b */
+__device__ __forceinline__ void mb_arrive_tx(uint64_t *b, unsigned bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(sa(b)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mb_arrive(uint64_t *b)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(sa(b)) : "memory");
+}
+/* an arrival on b once this thread's cp.async copies so far are done */
+__device__ __forceinline__ void mb_arrive_cp(uint64_t *b)
+{
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(sa(b)) : "memory");
+}
+__device__ __forceinline__ void mb_wait(uint64_t *b, unsigned parity)
+{
+    asm volatile("{\n"
+                 ".reg .pred p;\n"
+                 "MB_WAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@!p bra MB_WAIT_%=;\n"
+                 "}\n" ::"r"(sa(b)),
+                 "r"(parity)
+                 : "memory");
+}
+/* bytes (a multiple of 16) from global to shared memory by the copy engine of
+ * the SM (one instruction), completing on b */
+__device__ __forceinline__ void bulk_g2s(void *dst, const void *src, unsigned bytes, uint64_t *b)
+{
+#ifndef WG_NONE
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(sa(dst)), "l"(src), "r"(bytes), "r"(sa(b))
+                 : "memory");
+#endif
+}
+
+/* The m (4-tile) and n (8-tile) forms: the pipelined loop with the stages'
+ * readiness and release by mbarriers instead of a CTA barrier per K unit
+ * (the plain and p forms' __syncthreads and cp.async group counts; stop 34:
+ * the p form streamed at 0.66-0.75 of moed's mma.sync task at N = 8).
+ * Thread 0 copies a unit's weights with one cp.async.bulk per tile (1152
+ * contiguous bytes each) that completes on the stage's full barrier with its
+ * byte count; every thread copies its share of the activation rows'
+ * 16-byte pieces (wgmma's B layout scatters a row over 8 core matrices, so
+ * a row is not one bulk copy) and arrives on the same barrier once they are
+ * in (cp.async.mbarrier.arrive.noinc). The warps wait on it, fence the async
+ * proxy (wgmma reads B through it), dequantize and issue one wgmma group per
+ * 64-row block; once a unit's groups are done each warp arrives on its
+ * stage's empty barrier, which every thread waits on before refilling the
+ * stage. A CTA's units are numbered across its tasks (it): stage it % WS,
+ * barrier phase (it / WS) & 1. */
+template <int N, int MB>
+__global__ void __launch_bounds__(THREADS, MB == 4 ? 3 : MINB)
+    wgmma_mbar(const uint8_t *__restrict__ w, unsigned n_exp, unsigned rt, unsigned units,
+               size_t exp_bytes, const uint16_t *__restrict__ xs, unsigned ld, float *sink,
+               float *out, unsigned n_out)
+{
+    extern __shared__ __align__(128) uint8_t smem[];
+    constexpr unsigned UB = MOE_GPU_UNIT_BYTES, WB = 2 * MB * UB, XB = N * 128, SB = WB + XB;
+    constexpr unsigned WS = 4; /* stages */
+    static_assert(SB % 128 == 0 && MB >= 2, "stages 128-byte aligned; a unit's release at block 1");
+    __shared__ __align__(8) uint64_t full[WS], empty[WS];
+    const unsigned tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    if (tid == 0) {
+        for (unsigned s = 0; s < WS; s++) {
+            mb_init(&full[s], THREADS + 1); /* every thread's rows + thread 0's bytes */
+            mb_init(&empty[s], NWARPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    const unsigned TPE = rt / (2 * MB);
+    float sum = 0.f;
+    unsigned it0 = 0;
+    for (unsigned t = blockIdx.x; t < n_exp * TPE; t += gridDim.x) {
+        const unsigned e = t / TPE, rt0 = (t - e * TPE) * 2 * MB;
+        const uint8_t *wt = w + e * exp_bytes + (size_t)rt0 * units * UB;
+        float acc[MB][N / 2];
+#pragma unroll
+        for (int b = 0; b < MB; b++)
+#pragma unroll
+            for (int i = 0; i < N / 2; i++)
+                acc[b][i] = 0.f;
+        auto issue = [&](unsigned v) { /* unit v of this task */
+            if (v >= units)
+                return;
+            const unsigned it = it0 + v, s = it % WS;
+            if (it >= WS) /* its last user released it */
+                mb_wait(&empty[s], (it / WS - 1) & 1);
+            uint8_t *st = smem + s * SB;
+            if (tid == 0) {
+                mb_arrive_tx(&full[s], WB);
+#pragma unroll
+                for (unsigned j = 0; j < 2 * MB; j++)
+                    bulk_g2s(st + j * UB, wt + ((size_t)j * units + v) * UB, UB, &full[s]);
+            }
+            for (unsigned c = tid; c < 8 * N; c += THREADS) {
+                const unsigned n = c >> 3, q = c & 7; /* 16-byte part q: K step q / 2 */
+                cp_async16(st + WB + (q >> 1) * (N * 32) + ((n >> 3) * 2 + (q & 1)) * 128 +
+                               (n & 7) * 16,
+                           xs + (size_t)n * ld + v * MOE_GPU_UNIT_K + q * 8);
+            }
+            mb_arrive_cp(&full[s]);
+        };
+#pragma unroll
+        for (unsigned v = 0; v + 1 < WS; v++)
+            issue(v);
+#pragma unroll 2
+        for (unsigned v = 0; v < units; v++) {
+            const unsigned it = it0 + v, s = it % WS;
+            mb_wait(&full[s], (it / WS) & 1);
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* for wgmma's reads */
+            const uint8_t *st = smem + s * SB;
+            uint32_t a[2][4][4];
+#pragma unroll
+            for (int b = 0; b < MB; b++) {
+                wg_wait<1>(); /* the group before the last: a[b & 1] is free */
+                if (b == 1) { /* unit v - 1's groups are done: release its stage, refill it */
+                    if (v > 0 && lane == 0)
+                        mb_arrive(&empty[(it - 1) % WS]);
+                    issue(v + WS - 1);
+                }
+                sub_frags(st + (2 * b + (warp >> 1)) * UB + (warp & 1) * MOE_GPU_SUB_BYTES, a[b & 1]);
+                wg_fence();
+#pragma unroll
+                for (int k = 0; k < 4; k++)
+                    wg_mma<N>::run(acc[b], a[b & 1][k], wg_desc(st + WB + k * (N * 32)));
+                wg_commit();
+            }
+        }
+        wg_wait<0>();
+        if (lane == 0) /* the task's last unit */
+            mb_arrive(&empty[(it0 + units - 1) % WS]);
+        it0 += units;
+        if (out && t < n_out) { /* D: row 16 warp + g (+8), column 8 j + 2 q (+1) */
+            const unsigned g = lane >> 2, q = lane & 3;
+#pragma unroll
+            for (int b = 0; b < MB; b++)
+#pragma unroll
+                for (int j = 0; j < N / 8; j++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const unsigned row = 64 * b + 16 * warp + g + (i >> 1) * 8;
+                        out[((size_t)t * 64 * MB + row) * N + 8 * j + 2 * q + (i & 1)] = acc[b][4 * j + i];
+                    }
+        }
+#pragma unroll
+        for (int b = 0; b < MB; b++)
+#pragma unroll
+            for (int i = 0; i < N / 2; i++)
+                sum += acc[b][i];
+    }
+    if (sum == 1234.5f) /* never: keeps the sums live */
+        *sink = sum;
+}
+
 /* The reference: one warp per (task, 16 rows), mma.sync over the rows as
  * stored (not permuted: the B fragments as moed's load_b reads them), K units
  * and steps in the same order as the probe, out[task][row][column]. */
@@ -280,34 +448,46 @@ template <int N, int MB> static int stage_smem()
     return MB == 2 ? NWARPS * WARP_SMEM : 4 * (2 * MB * MOE_GPU_UNIT_BYTES + N * 128);
 }
 
-template <int N, bool PIPE, int MB>
+/* the form's kernel: plain / p / q (wgmma_probe), m / n (wgmma_mbar) */
+template <int N, bool PIPE, int MB, bool MBAR> static constexpr auto probe_kernel()
+{
+    if constexpr (MBAR)
+        return wgmma_mbar<N, MB>;
+    else
+        return wgmma_probe<N, PIPE, MB>;
+}
+static const char *form_name(bool pipe, bool mbar)
+{
+    return mbar ? " mbarrier" : pipe ? " pipelined" : "";
+}
+
+template <int N, bool PIPE, int MB, bool MBAR>
 static int run(const uint8_t *w, unsigned n_exp, const struct moe_gpu_dims &d, const uint16_t *xs,
                float *sink, int reps, bool qwen, char *err, size_t errlen)
 {
+    constexpr auto kern = probe_kernel<N, PIPE, MB, MBAR>();
     int rc = 0, per = 0, sms = 0;
     float ms = 0;
     cudaEvent_t a = nullptr, b = nullptr;
     const int smem = stage_smem<N, MB>();
     const unsigned rt = d.inter / 16 / MR * 2, units = d.hidden / MOE_GPU_UNIT_K;
     const size_t eb = (size_t)moe_gpu_gu_bytes(d.hidden, d.inter) + moe_gpu_dn_bytes(d.hidden, d.inter);
-    MOED_CUDA_TRY(cudaFuncSetAttribute(wgmma_probe<N, PIPE, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    MOED_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, wgmma_probe<N, PIPE, MB>, THREADS, smem));
+    MOED_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    MOED_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kern, THREADS, smem));
     MOED_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    wgmma_probe<N, PIPE, MB><<<per * sms, THREADS, smem>>>(w, n_exp, rt, units, eb, xs, d.hidden, sink,
-                                                 nullptr, 0);
+    kern<<<per * sms, THREADS, smem>>>(w, n_exp, rt, units, eb, xs, d.hidden, sink, nullptr, 0);
     MOED_CUDA_TRY(cudaDeviceSynchronize());
     MOED_CUDA_TRY(cudaEventCreate(&a));
     MOED_CUDA_TRY(cudaEventCreate(&b));
     MOED_CUDA_TRY(cudaEventRecord(a));
     for (int i = 0; i < reps; i++)
-        wgmma_probe<N, PIPE, MB><<<per * sms, THREADS, smem>>>(w, n_exp, rt, units, eb, xs, d.hidden, sink,
-                                                     nullptr, 0);
+        kern<<<per * sms, THREADS, smem>>>(w, n_exp, rt, units, eb, xs, d.hidden, sink, nullptr, 0);
     MOED_CUDA_TRY(cudaEventRecord(b));
     MOED_CUDA_TRY(cudaEventSynchronize(b));
     MOED_CUDA_TRY(cudaGetLastError());
     MOED_CUDA_TRY(cudaEventElapsedTime(&ms, a, b));
     printf("wgmma_probe %s gate_up N=%d%s ntile=%d grid=%d (%d/SM): %.1f us per pass, %.3f TB/s\n",
-           qwen ? "qwen3-30b-a3b" : "deepseek-v3", N, PIPE ? " pipelined" : "", 2 * MB, per * sms, per, ms * 1e3 / reps,
+           qwen ? "qwen3-30b-a3b" : "deepseek-v3", N, form_name(PIPE, MBAR), 2 * MB, per * sms, per, ms * 1e3 / reps,
            (double)n_exp * moe_gpu_gu_bytes(d.hidden, d.inter) * reps / (ms * 1e-3) / 1e12);
 cleanup:
     if (a)
@@ -319,11 +499,12 @@ cleanup:
 
 /* One pass writing the first n_out tasks, the reference on the rows as stored;
  * 0 when every output agrees (bit for bit, or within 1e-5 of the largest) */
-template <int N, bool PIPE, int MB>
+template <int N, bool PIPE, int MB, bool MBAR>
 static int check(const uint8_t *w, unsigned n_exp, const struct moe_gpu_dims &d,
                  const uint16_t *xs_perm, const uint16_t *xs, float *sink, bool qwen, char *err,
                  size_t errlen)
 {
+    constexpr auto kern = probe_kernel<N, PIPE, MB, MBAR>();
     int rc = 0, bad = 0;
     const unsigned n_out = 64, rt = d.inter / 16 / MR * 2, units = d.hidden / MOE_GPU_UNIT_K;
     const size_t eb = (size_t)moe_gpu_gu_bytes(d.hidden, d.inter) + moe_gpu_dn_bytes(d.hidden, d.inter);
@@ -334,8 +515,8 @@ static int check(const uint8_t *w, unsigned n_exp, const struct moe_gpu_dims &d,
     size_t diff = 0;
     MOED_CUDA_TRY(cudaMalloc(&o, n_f * sizeof(float)));
     MOED_CUDA_TRY(cudaMalloc(&r, n_f * sizeof(float)));
-    MOED_CUDA_TRY(cudaFuncSetAttribute(wgmma_probe<N, PIPE, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    wgmma_probe<N, PIPE, MB><<<n_out, THREADS, smem>>>(w, n_exp, rt, units, eb, xs_perm, d.hidden, sink, o, n_out);
+    MOED_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kern<<<n_out, THREADS, smem>>>(w, n_exp, rt, units, eb, xs_perm, d.hidden, sink, o, n_out);
     wg_ref<N, MB><<<n_out * 4 * MB, 32>>>(w, rt, units, eb, xs, d.hidden, r);
     MOED_CUDA_TRY(cudaDeviceSynchronize());
     MOED_CUDA_TRY(cudaGetLastError());
@@ -354,7 +535,7 @@ static int check(const uint8_t *w, unsigned n_exp, const struct moe_gpu_dims &d,
     }
     bad = !(worst <= 1e-5 * big) || big == 0;
     printf("wgmma_probe check %s N=%d%s ntile=%d: %u tasks, %zu outputs, %zu differ, max |diff| %.3g of max "
-           "|ref| %.3g: %s\n", qwen ? "qwen3-30b-a3b" : "deepseek-v3", N, PIPE ? " pipelined" : "", 2 * MB, n_out, n_f, diff, worst,
+           "|ref| %.3g: %s\n", qwen ? "qwen3-30b-a3b" : "deepseek-v3", N, form_name(PIPE, MBAR), 2 * MB, n_out, n_f, diff, worst,
            big, bad ? "FAIL" : "PASS");
     if (bad)
         rc = moed_seterr(err, errlen, MOED_E_BACKEND, "the wgmma outputs differ from mma.sync's");
@@ -366,18 +547,18 @@ cleanup:
     return rc;
 }
 
-template <bool PIPE, int MB>
+template <bool PIPE, int MB, bool MBAR>
 static int dispatch(bool chk, int n, const uint8_t *w, unsigned n_exp, const struct moe_gpu_dims &d,
                     const uint16_t *xs, const uint16_t *xr, float *sink, int reps, bool qwen,
                     char *err, size_t errlen)
 {
     if (chk)
-        return n == 8    ? check<8, PIPE, MB>(w, n_exp, d, xs, xr, sink, qwen, err, errlen)
-               : n == 16 ? check<16, PIPE, MB>(w, n_exp, d, xs, xr, sink, qwen, err, errlen)
-                         : check<32, PIPE, MB>(w, n_exp, d, xs, xr, sink, qwen, err, errlen);
-    return n == 8    ? run<8, PIPE, MB>(w, n_exp, d, xs, sink, reps, qwen, err, errlen)
-           : n == 16 ? run<16, PIPE, MB>(w, n_exp, d, xs, sink, reps, qwen, err, errlen)
-                     : run<32, PIPE, MB>(w, n_exp, d, xs, sink, reps, qwen, err, errlen);
+        return n == 8    ? check<8, PIPE, MB, MBAR>(w, n_exp, d, xs, xr, sink, qwen, err, errlen)
+               : n == 16 ? check<16, PIPE, MB, MBAR>(w, n_exp, d, xs, xr, sink, qwen, err, errlen)
+                         : check<32, PIPE, MB, MBAR>(w, n_exp, d, xs, xr, sink, qwen, err, errlen);
+    return n == 8    ? run<8, PIPE, MB, MBAR>(w, n_exp, d, xs, sink, reps, qwen, err, errlen)
+           : n == 16 ? run<16, PIPE, MB, MBAR>(w, n_exp, d, xs, sink, reps, qwen, err, errlen)
+                     : run<32, PIPE, MB, MBAR>(w, n_exp, d, xs, sink, reps, qwen, err, errlen);
 }
 
 int main(int argc, char **argv)
@@ -391,17 +572,21 @@ int main(int argc, char **argv)
     const bool chk = argc > 1 && strcmp(argv[1], "check") == 0;
     /* N, pN: the pipelined loop (one wgmma group per 64-row block), qN: the
      * same with 8-tile tasks (256 rows: the activation rows copied once per
-     * 256 weight rows instead of 128) */
+     * 256 weight rows instead of 128); mN / nN: pN / qN with mbarrier stages
+     * (wgmma_mbar) */
     const char *na = argc > 1 + chk ? argv[1 + chk] : "32";
-    const bool pipe = na[0] == 'p' || na[0] == 'q', wide = na[0] == 'q';
+    const bool mbar = na[0] == 'm' || na[0] == 'n';
+    const bool pipe = na[0] == 'p' || na[0] == 'q' || mbar, wide = na[0] == 'q' || na[0] == 'n';
     const int n = atoi(na + pipe);
     const int reps = chk ? 1 : argc > 2 ? atoi(argv[2]) : 20;
     const char *shape = argc > 3 ? argv[3] : nullptr; /* N reps SHAPE, or check N SHAPE */
     const bool qwen = shape && strcmp(shape, "qwen3-30b-a3b") == 0;
     if ((n != 8 && n != 16 && n != 32) || reps < 1 ||
         (shape && !qwen && strcmp(shape, "deepseek-v3") != 0)) {
-        fprintf(stderr, "usage: wgmma_probe [[p|q]8|[p|q]16|[p|q]32] [reps >= 1] [deepseek-v3|qwen3-30b-a3b]\n"
-                        "       wgmma_probe check [[p|q]8|[p|q]16|[p|q]32] [deepseek-v3|qwen3-30b-a3b]\n");
+        fprintf(stderr, "usage: wgmma_probe [[p|q|m|n]8|[p|q|m|n]16|[p|q|m|n]32] [reps >= 1] "
+                        "[deepseek-v3|qwen3-30b-a3b]\n"
+                        "       wgmma_probe check [[p|q|m|n]8|[p|q|m|n]16|[p|q|m|n]32] "
+                        "[deepseek-v3|qwen3-30b-a3b]\n");
         return 2;
     }
     uint16_t *xr = nullptr, *hx = nullptr, *hp = nullptr;
@@ -439,9 +624,11 @@ int main(int argc, char **argv)
         MOED_CUDA_TRY(cudaMemcpy(xs, hp, nx * 2, cudaMemcpyHostToDevice));
         MOED_CUDA_TRY(cudaMemcpy(xr, hx, nx * 2, cudaMemcpyHostToDevice));
         MOED_CUDA_TRY(cudaMalloc(&sink, sizeof(float)));
-        rc = wide   ? dispatch<true, 4>(chk, n, w, n_exp, d, xs, xr, sink, reps, qwen, err, errlen)
-             : pipe ? dispatch<true, 2>(chk, n, w, n_exp, d, xs, xr, sink, reps, qwen, err, errlen)
-                    : dispatch<false, 2>(chk, n, w, n_exp, d, xs, xr, sink, reps, qwen, err, errlen);
+        rc = mbar && wide ? dispatch<true, 4, true>(chk, n, w, n_exp, d, xs, xr, sink, reps, qwen, err, errlen)
+             : mbar       ? dispatch<true, 2, true>(chk, n, w, n_exp, d, xs, xr, sink, reps, qwen, err, errlen)
+             : wide       ? dispatch<true, 4, false>(chk, n, w, n_exp, d, xs, xr, sink, reps, qwen, err, errlen)
+             : pipe       ? dispatch<true, 2, false>(chk, n, w, n_exp, d, xs, xr, sink, reps, qwen, err, errlen)
+                          : dispatch<false, 2, false>(chk, n, w, n_exp, d, xs, xr, sink, reps, qwen, err, errlen);
     }
 cleanup:
     if (rc)
