@@ -131,6 +131,66 @@ __device__ __forceinline__ void sub_frags(const uint8_t *sub, uint32_t (&a)[4][4
     }
 }
 
+/* Helpers of both kernels (wgmma_probe, wgmma_mbar). */
+template <int N, int MB> __device__ __forceinline__ void acc_zero(float (&acc)[MB][N / 2])
+{
+#pragma unroll
+    for (int b = 0; b < MB; b++)
+#pragma unroll
+        for (int i = 0; i < N / 2; i++)
+            acc[b][i] = 0.f;
+}
+/* K unit v's N activation rows into a stage's B part xst, this thread's
+ * 16-byte pieces: part q of row n is K step q / 2's core matrix (n / 8, q & 1) */
+template <int N>
+__device__ __forceinline__ void copy_rows(uint8_t *xst, const uint16_t *xs, unsigned ld, unsigned v)
+{
+    for (unsigned c = threadIdx.x; c < 8 * N; c += THREADS) {
+        const unsigned n = c >> 3, q = c & 7;
+        cp_async16(xst + (q >> 1) * (N * 32) + ((n >> 3) * 2 + (q & 1)) * 128 + (n & 7) * 16,
+                   xs + (size_t)n * ld + v * MOE_GPU_UNIT_K + q * 8);
+    }
+}
+/* 64-row block b of a stage st (weights, then the rows at st + wb) as one
+ * wgmma group: this warp's 16 rows dequantized into a, the 4 K steps issued */
+template <int N>
+__device__ __forceinline__ void block_mma(const uint8_t *st, unsigned wb, int b, float (&acc)[N / 2],
+                                          uint32_t (&a)[4][4])
+{
+    const unsigned warp = threadIdx.x >> 5; /* rows 64 b + 16 warp: tile 2 b + warp / 2 */
+    sub_frags(st + (2 * b + (warp >> 1)) * MOE_GPU_UNIT_BYTES + (warp & 1) * MOE_GPU_SUB_BYTES, a);
+    wg_fence();
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+        wg_mma<N>::run(acc, a[k], wg_desc(st + wb + k * (N * 32)));
+    wg_commit();
+}
+/* A task's D: task t < n_out to out (row 16 warp + g (+8), column 8 j + 2 q
+ * (+1)), and every sum into sum (kept live) */
+template <int N, int MB>
+__device__ __forceinline__ void task_out(const float (&acc)[MB][N / 2], unsigned t, float *out,
+                                         unsigned n_out, float &sum)
+{
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (out && t < n_out) {
+        const unsigned g = lane >> 2, q = lane & 3;
+#pragma unroll
+        for (int b = 0; b < MB; b++)
+#pragma unroll
+            for (int j = 0; j < N / 8; j++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const unsigned row = 64 * b + 16 * warp + g + (i >> 1) * 8;
+                    out[((size_t)t * 64 * MB + row) * N + 8 * j + 2 * q + (i & 1)] = acc[b][4 * j + i];
+                }
+    }
+#pragma unroll
+    for (int b = 0; b < MB; b++)
+#pragma unroll
+        for (int i = 0; i < N / 2; i++)
+            sum += acc[b][i];
+}
+
 /* 8-tile tasks: 3 CTAs per SM (168 registers): at moed's 4 (128), ptxas
  * serializes N = 32's wgmma for want of registers (C7512) */
 template <int N, bool PIPE, int MB>
@@ -144,18 +204,14 @@ __global__ void __launch_bounds__(THREADS, MB == 4 ? 3 : MINB)
     constexpr unsigned WS = 4; /* stages */
     static_assert(MB == 2 ? WS * SB <= NWARPS * WARP_SMEM : PIPE, "the stages fit moed's stage buffers");
     static_assert(NWARPS == 4, "a CTA is one warpgroup");
-    const unsigned tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const unsigned tid = threadIdx.x, warp = tid >> 5;
     const unsigned TPE = rt / (2 * MB);
     float sum = 0.f;
     for (unsigned t = blockIdx.x; t < n_exp * TPE; t += gridDim.x) {
         const unsigned e = t / TPE, rt0 = (t - e * TPE) * 2 * MB;
         const uint8_t *wt = w + e * exp_bytes + (size_t)rt0 * units * UB;
         float acc[MB][N / 2];
-#pragma unroll
-        for (int b = 0; b < MB; b++)
-#pragma unroll
-            for (int i = 0; i < N / 2; i++)
-                acc[b][i] = 0.f;
+        acc_zero<N, MB>(acc);
         auto issue = [&](unsigned v) {
             if (v < units) {
                 uint8_t *st = smem + (v % WS) * SB;
@@ -163,12 +219,7 @@ __global__ void __launch_bounds__(THREADS, MB == 4 ? 3 : MINB)
                     const unsigned j = c / (UB / 16), k = c - j * (UB / 16);
                     cp_async16(st + j * UB + k * 16, wt + ((size_t)j * units + v) * UB + k * 16);
                 }
-                for (unsigned c = tid; c < 8 * N; c += THREADS) {
-                    const unsigned n = c >> 3, q = c & 7; /* 16-byte part q: K step q / 2 */
-                    cp_async16(st + WB + (q >> 1) * (N * 32) + ((n >> 3) * 2 + (q & 1)) * 128 +
-                                   (n & 7) * 16,
-                               xs + (size_t)n * ld + v * MOE_GPU_UNIT_K + q * 8);
-                }
+                copy_rows<N>(st + WB, xs, ld, v);
             }
             cp_async_commit();
         };
@@ -207,35 +258,14 @@ __global__ void __launch_bounds__(THREADS, MB == 4 ? 3 : MINB)
                 wg_wait<1>(); /* the group before the last: a[b & 1] is free */
                 if (b == 1) /* block MB - 1 of v - 1 done: every warp is past stage v - 1 */
                     issue(v + WS - 1);
-                sub_frags(st + (2 * b + (warp >> 1)) * UB + (warp & 1) * MOE_GPU_SUB_BYTES, a[b & 1]);
-                wg_fence();
-#pragma unroll
-                for (int s = 0; s < 4; s++)
-                    wg_mma<N>::run(acc[b], a[b & 1][s], wg_desc(st + WB + s * (N * 32)));
-                wg_commit();
+                block_mma<N>(st, WB, b, acc[b], a[b & 1]);
             }
             }
         }
         wg_wait<0>();
         cp_async_wait<0>();
         __syncthreads();
-        if (out && t < n_out) { /* D: row 16 warp + g (+8), column 8 j + 2 q (+1) */
-            const unsigned g = lane >> 2, q = lane & 3;
-#pragma unroll
-            for (int b = 0; b < MB; b++)
-#pragma unroll
-                for (int j = 0; j < N / 8; j++)
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        const unsigned row = 64 * b + 16 * warp + g + (i >> 1) * 8;
-                        out[((size_t)t * 64 * MB + row) * N + 8 * j + 2 * q + (i & 1)] = acc[b][4 * j + i];
-                    }
-        }
-#pragma unroll
-        for (int b = 0; b < MB; b++)
-#pragma unroll
-            for (int i = 0; i < N / 2; i++)
-                sum += acc[b][i];
+        task_out<N, MB>(acc, t, out, n_out, sum);
     }
     if (sum == 1234.5f) /* never: keeps the sums live */
         *sink = sum;
@@ -313,7 +343,7 @@ __global__ void __launch_bounds__(THREADS, MB == 4 ? 3 : MINB)
     constexpr unsigned WS = 4; /* stages */
     static_assert(SB % 128 == 0 && MB >= 2, "stages 128-byte aligned; a unit's release at block 1");
     __shared__ __align__(8) uint64_t full[WS], empty[WS];
-    const unsigned tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const unsigned tid = threadIdx.x, lane = tid & 31;
     if (tid == 0) {
         for (unsigned s = 0; s < WS; s++) {
             mb_init(&full[s], THREADS + 1); /* every thread's rows + thread 0's bytes */
@@ -329,11 +359,7 @@ __global__ void __launch_bounds__(THREADS, MB == 4 ? 3 : MINB)
         const unsigned e = t / TPE, rt0 = (t - e * TPE) * 2 * MB;
         const uint8_t *wt = w + e * exp_bytes + (size_t)rt0 * units * UB;
         float acc[MB][N / 2];
-#pragma unroll
-        for (int b = 0; b < MB; b++)
-#pragma unroll
-            for (int i = 0; i < N / 2; i++)
-                acc[b][i] = 0.f;
+        acc_zero<N, MB>(acc);
         auto issue = [&](unsigned v) { /* unit v of this task */
             if (v >= units)
                 return;
@@ -347,12 +373,7 @@ __global__ void __launch_bounds__(THREADS, MB == 4 ? 3 : MINB)
                 for (unsigned j = 0; j < 2 * MB; j++)
                     bulk_g2s(st + j * UB, wt + ((size_t)j * units + v) * UB, UB, &full[s]);
             }
-            for (unsigned c = tid; c < 8 * N; c += THREADS) {
-                const unsigned n = c >> 3, q = c & 7; /* 16-byte part q: K step q / 2 */
-                cp_async16(st + WB + (q >> 1) * (N * 32) + ((n >> 3) * 2 + (q & 1)) * 128 +
-                               (n & 7) * 16,
-                           xs + (size_t)n * ld + v * MOE_GPU_UNIT_K + q * 8);
-            }
+            copy_rows<N>(st + WB, xs, ld, v);
             mb_arrive_cp(&full[s]);
         };
 #pragma unroll
@@ -373,35 +394,14 @@ __global__ void __launch_bounds__(THREADS, MB == 4 ? 3 : MINB)
                         mb_arrive(&empty[(it - 1) % WS]);
                     issue(v + WS - 1);
                 }
-                sub_frags(st + (2 * b + (warp >> 1)) * UB + (warp & 1) * MOE_GPU_SUB_BYTES, a[b & 1]);
-                wg_fence();
-#pragma unroll
-                for (int k = 0; k < 4; k++)
-                    wg_mma<N>::run(acc[b], a[b & 1][k], wg_desc(st + WB + k * (N * 32)));
-                wg_commit();
+                block_mma<N>(st, WB, b, acc[b], a[b & 1]);
             }
         }
         wg_wait<0>();
         if (lane == 0) /* the task's last unit */
             mb_arrive(&empty[(it0 + units - 1) % WS]);
         it0 += units;
-        if (out && t < n_out) { /* D: row 16 warp + g (+8), column 8 j + 2 q (+1) */
-            const unsigned g = lane >> 2, q = lane & 3;
-#pragma unroll
-            for (int b = 0; b < MB; b++)
-#pragma unroll
-                for (int j = 0; j < N / 8; j++)
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        const unsigned row = 64 * b + 16 * warp + g + (i >> 1) * 8;
-                        out[((size_t)t * 64 * MB + row) * N + 8 * j + 2 * q + (i & 1)] = acc[b][4 * j + i];
-                    }
-        }
-#pragma unroll
-        for (int b = 0; b < MB; b++)
-#pragma unroll
-            for (int i = 0; i < N / 2; i++)
-                sum += acc[b][i];
+        task_out<N, MB>(acc, t, out, n_out, sum);
     }
     if (sum == 1234.5f) /* never: keeps the sums live */
         *sink = sum;
