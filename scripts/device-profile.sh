@@ -44,8 +44,10 @@
 # bench/probe/wgmma_probe.cu (the gate_up task with its dequant feeding wgmma,
 # bench/NOTES.md 2026-12-04) built here from the tracked sources: its check
 # (outputs against mma.sync's) at N = 8, 16, 32 on both shapes, plain,
-# pipelined (pN) and pipelined with 8-tile tasks (qN), then its timing beside tile_probe's 4-tile gate_up at 8
-# tokens: probes-wgmma.txt.
+# pipelined (pN), pipelined with 8-tile tasks (qN), and pN / qN with mbarrier
+# stages (mN / nN), then their timings beside tile_probe's 4-tile gate_up at 8
+# and 16 tokens: probes-wgmma.txt. WG_SHAPES, WG_CHECKS, WG_FORMS, WG_TILE
+# (space lists) narrow it down.
 set -u
 cd "$(dirname "$0")/.."
 LOG=${OUT:-build-var/profile}
@@ -75,14 +77,17 @@ if [ "${1:-}" = wgmma ]; then
     done
     out=$LOG/probes-wgmma.txt
     : > "$out"
-    for m in deepseek-v3 qwen3-30b-a3b; do
-        for n in 8 16 32 p8 p16 p32 q8 q16 q32; do
-            timeout 120 build-var/wgmma_probe check "$n" "$m" >> "$out" 2>&1 || rc=1
+    for m in ${WG_SHAPES:-deepseek-v3 qwen3-30b-a3b}; do
+        for n in ${WG_CHECKS:-8 16 32 p8 p16 p32 q8 q16 q32 m8 m16 m32 n8 n16 n32}; do
+            echo "== check $n $m" >> "$out"
+            timeout 120 build-var/wgmma_probe check "$n" "$m" >> "$out" 2>&1 || { rc=1; echo "FAIL check $n $m" >> "$out"; }
         done
-        for n in 8 16 32 p8 p16 p32 q8 q16 q32; do
+        for n in ${WG_FORMS:-8 16 32 p8 p16 p32 q8 q16 q32 m8 m16 m32 n8 n16 n32}; do
             timeout 120 build-var/wgmma_probe "$n" 20 "$m" >> "$out" 2>&1 || rc=1
         done
-        timeout 120 build-var/tile_probe gu 8 20 4 "$m" >> "$out" 2>&1 || rc=1
+        for n in ${WG_TILE:-8 16}; do
+            timeout 120 build-var/tile_probe gu "$n" 20 4 "$m" >> "$out" 2>&1 || rc=1
+        done
     done
     cat "$out"
     exit $rc

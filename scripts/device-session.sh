@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# One GPU call that runs several of issue 12's steps in order, each timed,
+# and prints their short results last (the device tool returns the end of
+# the output). On the GPU machine, after `scripts/device-gpu.sh prepare` and,
+# for `variants`, `scripts/device-variants.sh prepare ...` here (carry
+# build-cuda, .device and build-var):
+#
+#   scripts/device-session.sh STEP ...
+#     gpu            the card, its clocks and power limit (nvidia-smi)
+#     wgmma          scripts/device-profile.sh wgmma (WG_* narrow it down)
+#     variants=A,B   scripts/device-variants.sh run A B (a name twice runs twice)
+#     tasklog=A,B    task logs of variants built with -DMOE_GPU_TASK_LOG=1
+#                    (BENCH_TASKLOG; scripts/tasklog.py's parts per T)
+#     test           make test-gpu (BUILD=build-cuda scripts/device-gpu.sh test)
+#     bench          make bench (scripts/device-gpu.sh bench, BENCH_* as set)
+#                    of BENCH_BUILD (default build-cuda; build-var/NAME: a
+#                    variant's bench_moe)
+#     dram[=A,B]     scripts/device-profile.sh dram (DRAM bytes per batch) of
+#                    build-cuda's bench_moe, or of variants A, B; DRAM_SPECS
+#                    (PRESET:T,T,... list) narrows the points
+#     h200:STEP      STEP only if the card is an H200 (issue 12's lines are
+#                    H200 fractions; the nvidia-h200 kind may give an H100)
+# Every step's whole log is kept in /tmp/session and packed into
+# $OUT/session.tgz; the summaries are printed at the end.
+set -u
+cd "$(dirname "$0")/.." || exit 2
+S=/tmp/session
+rm -rf "$S" && mkdir -p "$S"
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+t0=$(date +%s)
+rc=0
+for step in "$@"; do
+    case "$step" in
+        h200:*)
+            case "$gpu" in *H200*) step=${step#h200:} ;; *) echo "== $step: skipped ($gpu)" >> "$S/summary"; continue ;; esac ;;
+    esac
+    ts=$(date +%s)
+    name=${step%%=*}
+    log=$S/$name.txt
+    mkdir -p "$S/$name"
+    case "$step" in
+        gpu)
+            nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm,memory.total \
+                --format=csv > "$log" 2>&1
+            cp "$log" "$S/gpu.sum" ;;
+        wgmma)
+            OUT=$S/wgmma scripts/device-profile.sh wgmma > "$log" 2>&1 || rc=1
+            grep -E '^wgmma_probe|^tile_probe|FAIL|error' "$log" > "$S/wgmma.sum" ;;
+        variants=*)
+            read -r -a names <<< "$(echo "${step#variants=}" | tr ',' ' ')"
+            OUT=$S/variants scripts/device-variants.sh run "${names[@]}" > "$log" 2>&1 || rc=1
+            sed -n '/== kernel us per run/,$p' "$log" > "$S/variants.sum" ;;
+        tasklog=*)
+            for v in $(echo "${step#tasklog=}" | tr ',' ' '); do
+                mkdir -p "$S/tasklog/$v"
+                BENCH_TASKLOG=$S/tasklog/$v OUT=$S/tasklog/$v-run scripts/device-variants.sh run "$v" \
+                    >> "$log" 2>&1 || rc=1
+                for f in "$S/tasklog/$v"/*.bin; do
+                    [ -f "$f" ] || continue
+                    echo "== $v $(basename "$f" .bin)"
+                    python3 scripts/tasklog.py "$f" 2>&1 | grep -E '^==|CTA time|tiles:|span'
+                done >> "$S/tasklog.sum"
+            done ;;
+        test)
+            OUT=$S/test BUILD=build-cuda scripts/device-gpu.sh test > "$log" 2>&1 || rc=1
+            tail -22 "$log" > "$S/test.sum" ;;
+        bench)
+            OUT=$S/bench BUILD=${BENCH_BUILD:-build-cuda} scripts/device-gpu.sh bench > "$log" 2>&1 || rc=1
+            grep -E '^\|' "$log" | tail -24 > "$S/bench.sum"
+            grep -iE 'stream|sweep' "$log" | tail -6 >> "$S/bench.sum"
+            for f in bench.csv sweep.csv bench.png sweep.png; do
+                [ -f "$S/bench/$f" ] && [ -n "${OUT:-}" ] && cp "$S/bench/$f" "$OUT/"
+            done ;;
+        dram|dram=*)
+            vs=${step#dram}
+            for v in $(echo "${vs#=}" | tr ',' ' ') ""; do
+                [ -z "$v" ] && [ -n "$vs" ] && continue
+                b=build-cuda/bench/bench_moe
+                [ -n "$v" ] && b=build-var/$v/bench/bench_moe
+                mkdir -p "$S/dram/${v:-cuda}"
+                OUT=$S/dram/${v:-cuda} BENCH_BIN=$b scripts/device-profile.sh dram ${DRAM_SPECS:-} \
+                    >> "$log" 2>&1 || rc=1
+                { echo "== dram ${v:-build-cuda}"; cat "$S/dram/${v:-cuda}"/*-dram.txt; } \
+                    >> "$S/dram.sum" 2>/dev/null
+                [ -z "$vs" ] && break
+            done ;;
+        *)
+            echo "device-session: unknown step $step" >&2
+            exit 2 ;;
+    esac
+    echo "== $step: $(( $(date +%s) - ts )) s" >> "$S/summary"
+done
+if [ -n "${OUT:-}" ]; then
+    tar czf "$OUT/session.tgz" -C /tmp session 2>/dev/null
+fi
+echo "== $gpu, $(( $(date +%s) - t0 )) s in all"
+cat "$S/summary"
+for f in "$S"/*.sum; do
+    [ -f "$f" ] || continue
+    echo "== $(basename "$f" .sum)"
+    cat "$f"
+done
+exit $rc
