@@ -11,6 +11,7 @@
 #     variants=A,B   scripts/device-variants.sh run A B (a name twice runs twice)
 #     tasklog=A,B    task logs of variants built with -DMOE_GPU_TASK_LOG=1
 #                    (BENCH_TASKLOG; scripts/tasklog.py's parts per T)
+#     check=A,B      the GPU checks (gpu_test_moe_gpu) of variants A, B
 #     test           make test-gpu (BUILD=build-cuda scripts/device-gpu.sh test)
 #     bench          make bench (scripts/device-gpu.sh bench, BENCH_* as set)
 #                    of BENCH_BUILD (default build-cuda; build-var/NAME: a
@@ -29,47 +30,56 @@ rm -rf "$S" && mkdir -p "$S"
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 t0=$(date +%s)
 rc=0
+i=0
 for step in "$@"; do
     case "$step" in
         h200:*)
             case "$gpu" in *H200*) step=${step#h200:} ;; *) echo "== $step: skipped ($gpu)" >> "$S/summary"; continue ;; esac ;;
     esac
     ts=$(date +%s)
-    name=${step%%=*}
+    i=$((i + 1))
+    name=$i-${step%%=*} # (a step may come twice: variants=a,b ... variants=c,d)
     log=$S/$name.txt
     mkdir -p "$S/$name"
     case "$step" in
         gpu)
             nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm,memory.total \
                 --format=csv > "$log" 2>&1
-            cp "$log" "$S/gpu.sum" ;;
+            cp "$log" "$S/$name.sum" ;;
         wgmma)
-            OUT=$S/wgmma scripts/device-profile.sh wgmma > "$log" 2>&1 || rc=1
-            grep -E '^wgmma_probe|^tile_probe|FAIL|error' "$log" > "$S/wgmma.sum" ;;
+            OUT=$S/$name scripts/device-profile.sh wgmma > "$log" 2>&1 || rc=1
+            grep -E '^wgmma_probe|^tile_probe|FAIL|error' "$log" > "$S/$name.sum" ;;
         variants=*)
             read -r -a names <<< "$(echo "${step#variants=}" | tr ',' ' ')"
-            OUT=$S/variants scripts/device-variants.sh run "${names[@]}" > "$log" 2>&1 || rc=1
-            sed -n '/== kernel us per run/,$p' "$log" > "$S/variants.sum" ;;
+            OUT=$S/$name scripts/device-variants.sh run "${names[@]}" > "$log" 2>&1 || rc=1
+            sed -n '/== kernel us per run/,$p' "$log" > "$S/$name.sum" ;;
         tasklog=*)
             for v in $(echo "${step#tasklog=}" | tr ',' ' '); do
-                mkdir -p "$S/tasklog/$v"
-                BENCH_TASKLOG=$S/tasklog/$v OUT=$S/tasklog/$v-run scripts/device-variants.sh run "$v" \
+                mkdir -p "$S/$name/$v"
+                BENCH_TASKLOG=$S/$name/$v OUT=$S/$name/$v-run scripts/device-variants.sh run "$v" \
                     >> "$log" 2>&1 || rc=1
-                for f in "$S/tasklog/$v"/*.bin; do
+                for f in "$S/$name/$v"/*.bin; do
                     [ -f "$f" ] || continue
                     echo "== $v $(basename "$f" .bin)"
                     python3 scripts/tasklog.py "$f" 2>&1 | grep -E '^==|CTA time|tiles:|span'
-                done >> "$S/tasklog.sum"
+                done >> "$S/$name.sum"
+            done ;;
+        check=*)
+            for v in $(echo "${step#check=}" | tr ',' ' '); do
+                LD_LIBRARY_PATH="$PWD/.device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+                    timeout 600 "build-var/$v/gpu_test_moe_gpu" > "$S/$name/$v.txt" 2>&1 || rc=1
+                { echo "== $v"; grep -E '^FAIL' "$S/$name/$v.txt" | head -5; tail -1 "$S/$name/$v.txt"; } \
+                    >> "$S/$name.sum"
             done ;;
         test)
-            OUT=$S/test BUILD=build-cuda scripts/device-gpu.sh test > "$log" 2>&1 || rc=1
-            tail -22 "$log" > "$S/test.sum" ;;
+            OUT=$S/$name BUILD=build-cuda scripts/device-gpu.sh test > "$log" 2>&1 || rc=1
+            tail -22 "$log" > "$S/$name.sum" ;;
         bench)
-            OUT=$S/bench BUILD=${BENCH_BUILD:-build-cuda} scripts/device-gpu.sh bench > "$log" 2>&1 || rc=1
-            grep -E '^\|' "$log" | tail -24 > "$S/bench.sum"
-            grep -iE 'stream|sweep' "$log" | tail -6 >> "$S/bench.sum"
+            OUT=$S/$name BUILD=${BENCH_BUILD:-build-cuda} scripts/device-gpu.sh bench > "$log" 2>&1 || rc=1
+            grep -E '^\|' "$log" | tail -24 > "$S/$name.sum"
+            grep -iE 'stream|sweep' "$log" | tail -6 >> "$S/$name.sum"
             for f in bench.csv sweep.csv bench.png sweep.png; do
-                [ -f "$S/bench/$f" ] && [ -n "${OUT:-}" ] && cp "$S/bench/$f" "$OUT/"
+                [ -f "$S/$name/$f" ] && [ -n "${OUT:-}" ] && cp "$S/$name/$f" "$OUT/"
             done ;;
         dram|dram=*)
             vs=${step#dram}
@@ -77,11 +87,11 @@ for step in "$@"; do
                 [ -z "$v" ] && [ -n "$vs" ] && continue
                 b=build-cuda/bench/bench_moe
                 [ -n "$v" ] && b=build-var/$v/bench/bench_moe
-                mkdir -p "$S/dram/${v:-cuda}"
-                OUT=$S/dram/${v:-cuda} BENCH_BIN=$b scripts/device-profile.sh dram ${DRAM_SPECS:-} \
+                mkdir -p "$S/$name/${v:-cuda}"
+                OUT=$S/$name/${v:-cuda} BENCH_BIN=$b scripts/device-profile.sh dram ${DRAM_SPECS:-} \
                     >> "$log" 2>&1 || rc=1
-                { echo "== dram ${v:-build-cuda}"; cat "$S/dram/${v:-cuda}"/*-dram.txt; } \
-                    >> "$S/dram.sum" 2>/dev/null
+                { echo "== dram ${v:-build-cuda}"; cat "$S/$name/${v:-cuda}"/*-dram.txt; } \
+                    >> "$S/$name.sum" 2>/dev/null
                 [ -z "$vs" ] && break
             done ;;
         *)

@@ -18,7 +18,9 @@
 #                                                       the tree, a branch does not
 #                                                       outlive its session's checkout);
 #                                                       builds build-var/NAME/bench/bench_moe
-#                                                       (sm_90a only); needs .device/lib
+#                                                       and its GPU checks, build-var/NAME/
+#                                                       gpu_test_moe_gpu (sm_90a only);
+#                                                       needs .device/lib
 #                                                       from scripts/device-gpu.sh prepare
 #   scripts/device-variants.sh run [NAME ...]          there: every built variant (or those
 #                                                       named) with VAR_DS_ARGS and
@@ -63,10 +65,12 @@ if [ "$mode" = prepare ]; then
                 defs=$pdefs ;;
         esac
         (cd "$src" && NVCCFLAGS="$defs" CFLAGS="$defs" make -s BUILD="$src/build-var-$name" CUDA=1 \
-            CUDA_ARCHS=90a "$src/build-var-$name/bench/bench_moe") > "/tmp/variant-$name.log" 2>&1 ||
+            CUDA_ARCHS=90a "$src/build-var-$name/bench/bench_moe" \
+            "$src/build-var-$name/tests/gpu_test_moe_gpu") > "/tmp/variant-$name.log" 2>&1 ||
             { tail -20 "/tmp/variant-$name.log"; exit 1; }
         mkdir -p "build-var/$name/bench"
         mv "$src/build-var-$name/bench/bench_moe" "build-var/$name/bench/bench_moe"
+        mv "$src/build-var-$name/tests/gpu_test_moe_gpu" "build-var/$name/gpu_test_moe_gpu"
         rm -rf "$src/build-var-$name"
         [ "$src" = "$PWD" ] || git worktree remove --force "$src"
         [ "$name" = "$v" ] || case "${v#*:}" in @*|+*) defs="${v#*:}" ;; esac
