@@ -48,6 +48,13 @@
 # stages (mN / nN), then their timings beside tile_probe's 4-tile gate_up at 8
 # and 16 tokens: probes-wgmma.txt. WG_SHAPES, WG_CHECKS, WG_FORMS, WG_TILE
 # (space lists) narrow it down.
+#
+#   scripts/device-profile.sh splitm
+# bench/probe/splitm_probe.cu (split-M tasks: each warp one tile over the
+# whole K, the rows in a CTA-shared ring; bench/NOTES.md 2026-12-06 stop 37):
+# its check against the same chains without a pipeline, gate_up and down, N =
+# 8, 16, 32, on both shapes (SM_SHAPES), then its timing beside tile_probe's
+# 4-tile tasks at 8 and 16 tokens: probes-splitm.txt.
 set -u
 cd "$(dirname "$0")/.."
 LOG=${OUT:-build-var/profile}
@@ -87,6 +94,30 @@ if [ "${1:-}" = wgmma ]; then
         done
         for n in ${WG_TILE:-8 16}; do
             timeout 120 build-var/tile_probe gu "$n" 20 4 "$m" >> "$out" 2>&1 || rc=1
+        done
+    done
+    cat "$out"
+    exit $rc
+fi
+if [ "${1:-}" = splitm ]; then
+    mkdir -p build-var
+    rc=0
+    for p in splitm_probe tile_probe; do
+        build_probe "$p" "build-var/$p" "$p" || exit 1
+    done
+    out=$LOG/probes-splitm.txt
+    : > "$out"
+    for m in ${SM_SHAPES:-deepseek-v3 qwen3-30b-a3b}; do
+        for ph in gu dn; do
+            for n in 8 16 32; do
+                timeout 120 build-var/splitm_probe check "$ph" "$n" "$m" >> "$out" 2>&1 || rc=1
+            done
+            for n in 8 16 32; do
+                timeout 120 build-var/splitm_probe "$ph" "$n" 20 "$m" >> "$out" 2>&1 || rc=1
+            done
+            for n in 8 16; do
+                timeout 120 build-var/tile_probe "$ph" "$n" 20 4 "$m" >> "$out" 2>&1 || rc=1
+            done
         done
     done
     cat "$out"

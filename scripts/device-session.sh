@@ -8,6 +8,7 @@
 #   scripts/device-session.sh STEP ...
 #     gpu            the card, its clocks and power limit (nvidia-smi)
 #     wgmma          scripts/device-profile.sh wgmma (WG_* narrow it down)
+#     splitm         scripts/device-profile.sh splitm (SM_SHAPES narrows it)
 #     variants=A,B   scripts/device-variants.sh run A B (a name twice runs twice)
 #     tasklog=A,B    task logs of variants built with -DMOE_GPU_TASK_LOG=1
 #                    (BENCH_TASKLOG; scripts/tasklog.py's parts per T)
@@ -49,6 +50,9 @@ for step in "$@"; do
         wgmma)
             OUT=$S/$name scripts/device-profile.sh wgmma > "$log" 2>&1 || rc=1
             grep -E '^wgmma_probe|^tile_probe|FAIL|error' "$log" > "$S/$name.sum" ;;
+        splitm)
+            OUT=$S/$name scripts/device-profile.sh splitm > "$log" 2>&1 || rc=1
+            grep -E '^splitm_probe|^tile_probe|FAIL|error' "$log" > "$S/$name.sum" ;;
         variants=*)
             read -r -a names <<< "$(echo "${step#variants=}" | tr ',' ' ')"
             OUT=$S/$name scripts/device-variants.sh run "${names[@]}" > "$log" 2>&1 || rc=1
