@@ -53,8 +53,9 @@
 # bench/probe/splitm_probe.cu (split-M tasks: each warp one tile over the
 # whole K, the rows in a CTA-shared ring; bench/NOTES.md 2026-12-06 stop 37):
 # its check against the same chains without a pipeline, gate_up and down, N =
-# 8, 16, 32, on both shapes (SM_SHAPES), then its timing beside tile_probe's
-# 4-tile tasks at 8 and 16 tokens: probes-splitm.txt.
+# 8, 16, 32 and in split-K's order of sums (r8, r16, r32), on both shapes,
+# then its timing beside tile_probe's 4-tile tasks at 8 and 16 tokens:
+# probes-splitm.txt (SM_SHAPES, SM_FORMS, SM_TILE narrow it down).
 set -u
 cd "$(dirname "$0")/.."
 LOG=${OUT:-build-var/profile}
@@ -109,13 +110,13 @@ if [ "${1:-}" = splitm ]; then
     : > "$out"
     for m in ${SM_SHAPES:-deepseek-v3 qwen3-30b-a3b}; do
         for ph in gu dn; do
-            for n in 8 16 32; do
+            for n in ${SM_FORMS:-8 16 32 r8 r16 r32}; do
                 timeout 120 build-var/splitm_probe check "$ph" "$n" "$m" >> "$out" 2>&1 || rc=1
             done
-            for n in 8 16 32; do
+            for n in ${SM_FORMS:-8 16 32 r8 r16 r32}; do
                 timeout 120 build-var/splitm_probe "$ph" "$n" 20 "$m" >> "$out" 2>&1 || rc=1
             done
-            for n in 8 16; do
+            for n in ${SM_TILE:-8 16}; do
                 timeout 120 build-var/tile_probe "$ph" "$n" 20 4 "$m" >> "$out" 2>&1 || rc=1
             done
         done

@@ -26,6 +26,12 @@
  *     kernels/moe_gpu_pack.c common/moed_err.c common/moed_log.c common/moed_check_cuda.c
  * Run:   splitm_probe [gu|dn] [N: 8|16|32] [reps] [deepseek-v3|qwen3-30b-a3b]
  *        splitm_probe check [gu|dn] [N] [SHAPE]   (exit 0: the outputs agree)
+ * N as rN (r32): the same sums as moed's split-K task (warp r's chain over
+ * units r, r + 4, ..., the four chains added in task_splitk's order), so a
+ * split-M task could serve a crowded expert beside split-K tasks without
+ * changing any token's result: each warp streams its tile residue by
+ * residue (units 0, 4, 8, ..., then 1, 5, 9, ...) and adds each residue's
+ * chain to its sums as the reduction does.
  */
 #include "../../kernels/moe_gpu.cu"
 
@@ -50,7 +56,7 @@ __device__ __forceinline__ void sm_out(const float (&acc)[MR][NT][4], size_t row
                     acc[m][n][c];
 }
 
-template <int NT>
+template <int NT, bool RES>
 __global__ void __launch_bounds__(THREADS, MINB)
     splitm_probe(const uint8_t *__restrict__ w, unsigned n_exp, unsigned rt, unsigned units,
                  size_t exp_bytes, const uint16_t *__restrict__ x, unsigned ld, float *sink,
@@ -68,17 +74,22 @@ __global__ void __launch_bounds__(THREADS, MINB)
     for (unsigned t = blockIdx.x; t < n_exp * TPE; t += gridDim.x) {
         const unsigned e = t / TPE, tile = (t - e * TPE) * NWARPS + warp;
         const uint8_t *wt = w + e * exp_bytes + (size_t)tile * units * UB + lw;
-        float acc[MR][NT][4];
+        float acc[MR][NT][4], cur[MR][NT][4];
         zero_acc<NT>(acc);
+        zero_acc<NT>(cur);
+        /* the v-th unit streamed: v itself, or (RES) split-K's order, residue
+         * r = v / (units / 4) first: units r, r + 4, ... (units % 4 == 0) */
+        const unsigned q4 = units / NWARPS;
+        auto unit_of = [&](unsigned v) { return RES ? (v % q4) * NWARPS + v / q4 : v; };
         auto issue = [&](unsigned v) {
             if (v < units) {
-                const unsigned s = v % WS;
+                const unsigned s = v % WS, u = unit_of(v);
 #pragma unroll
                 for (unsigned k = 0; k < UC / UL; k++)
-                    cp_async16(wring + s * UB + lw + k * UL * 16, wt + (size_t)v * UB + k * UL * 16);
+                    cp_async16(wring + s * UB + lw + k * UL * 16, wt + (size_t)u * UB + k * UL * 16);
                 for (unsigned c = tid; c < N * 8; c += THREADS)
                     cp_async16(xring + s * XB + (c >> 3) * X_ROW_BYTES + (c & 7) * 16,
-                               x + (size_t)(c >> 3) * ld + v * MOE_GPU_UNIT_K + (c & 7) * 8);
+                               x + (size_t)(c >> 3) * ld + u * MOE_GPU_UNIT_K + (c & 7) * 8);
             }
             cp_async_commit();
         };
@@ -92,7 +103,22 @@ __global__ void __launch_bounds__(THREADS, MINB)
             const unsigned s = v % WS;
             uint4 xb[NT][2];
             load_b<NT>(xring + s * XB, N, xb);
-            unit_mma<NT>(wring + s * UB, xb, acc);
+            if (RES) {
+                unit_mma<NT>(wring + s * UB, xb, cur);
+                if (v % q4 == q4 - 1) { /* residue done: acc += its chain, as the reduction */
+#pragma unroll
+                    for (int m = 0; m < MR; m++)
+#pragma unroll
+                        for (int n = 0; n < NT; n++)
+#pragma unroll
+                            for (int c = 0; c < 4; c++) {
+                                acc[m][n][c] += cur[m][n][c];
+                                cur[m][n][c] = 0.f;
+                            }
+                }
+            } else {
+                unit_mma<NT>(wring + s * UB, xb, acc);
+            }
         }
         cp_async_wait<0>();
         __syncthreads(); /* the next task's prologue rewrites both rings */
@@ -112,7 +138,7 @@ __global__ void __launch_bounds__(THREADS, MINB)
 
 /* The reference: one warp per (task, tile), one unit at a time through its
  * own shared memory, the same chain (unit_mma over K units 0, 1, ...). */
-template <int NT>
+template <int NT, bool RES>
 __global__ void splitm_ref(const uint8_t *__restrict__ w, unsigned rt, unsigned units,
                            size_t exp_bytes, const uint16_t *__restrict__ x, unsigned ld,
                            float *out)
@@ -124,24 +150,37 @@ __global__ void splitm_ref(const uint8_t *__restrict__ w, unsigned rt, unsigned 
     const uint8_t *wt = w + e * exp_bytes + (size_t)tile * units * MOE_GPU_UNIT_BYTES;
     float acc[MR][NT][4];
     zero_acc<NT>(acc);
-    for (unsigned v = 0; v < units; v++) {
-        for (unsigned c = lane; c < UC; c += 32)
-            cp_async16(st + c * 16, wt + (size_t)v * MOE_GPU_UNIT_BYTES + c * 16);
-        for (unsigned c = lane; c < N * 8; c += 32)
-            cp_async16(st + MOE_GPU_UNIT_BYTES + (c >> 3) * X_ROW_BYTES + (c & 7) * 16,
-                       x + (size_t)(c >> 3) * ld + v * MOE_GPU_UNIT_K + (c & 7) * 8);
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncwarp();
-        uint4 xb[NT][2];
-        load_b<NT>(st + MOE_GPU_UNIT_BYTES, N, xb);
-        unit_mma<NT>(st, xb, acc);
-        __syncwarp();
+    /* RES: split-K's sums, warp r's chain over units r, r + 4, ... added in
+     * the order r = 0, 1, 2, 3 (task_splitk's reduction) */
+    for (unsigned r = 0; r < (RES ? NWARPS : 1u); r++) {
+        float cur[MR][NT][4];
+        zero_acc<NT>(cur);
+        for (unsigned u = r; u < units; u += RES ? NWARPS : 1u) {
+            for (unsigned c = lane; c < UC; c += 32)
+                cp_async16(st + c * 16, wt + (size_t)u * MOE_GPU_UNIT_BYTES + c * 16);
+            for (unsigned c = lane; c < N * 8; c += 32)
+                cp_async16(st + MOE_GPU_UNIT_BYTES + (c >> 3) * X_ROW_BYTES + (c & 7) * 16,
+                           x + (size_t)(c >> 3) * ld + u * MOE_GPU_UNIT_K + (c & 7) * 8);
+            cp_async_commit();
+            cp_async_wait<0>();
+            __syncwarp();
+            uint4 xb[NT][2];
+            load_b<NT>(st + MOE_GPU_UNIT_BYTES, N, xb);
+            unit_mma<NT>(st, xb, cur);
+            __syncwarp();
+        }
+#pragma unroll
+        for (int m = 0; m < MR; m++)
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int c = 0; c < 4; c++)
+                    acc[m][n][c] += cur[m][n][c];
     }
     sm_out<NT>(acc, ((size_t)t * NWARPS + wt_) * 32, out);
 }
 
-template <int NT>
+template <int NT, bool RES>
 static int run(bool chk, const uint8_t *w, unsigned n_exp, unsigned rt, unsigned units, size_t eb,
                const uint16_t *x, unsigned ld, float *sink, int reps, double bytes,
                const char *name, char *err, size_t errlen)
@@ -154,15 +193,15 @@ static int run(bool chk, const uint8_t *w, unsigned n_exp, unsigned rt, unsigned
     int per = 0, sms = 0;
     const unsigned n_out = 64; /* tasks checked */
     const size_t no = (size_t)n_out * NWARPS * 32 * N;
-    MOED_CUDA_TRY(cudaFuncSetAttribute(splitm_probe<NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    MOED_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, splitm_probe<NT>, THREADS, smem));
+    MOED_CUDA_TRY(cudaFuncSetAttribute(splitm_probe<NT, RES>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    MOED_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, splitm_probe<NT, RES>, THREADS, smem));
     MOED_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     if (chk) {
         MOED_CUDA_TRY(cudaMalloc(&out, no * 4));
         MOED_CUDA_TRY(cudaMalloc(&ref, no * 4));
         MOED_CUDA_TRY(cudaMemset(out, 0xff, no * 4)); /* NaN: an unwritten output fails */
-        splitm_probe<NT><<<per * sms, THREADS, smem>>>(w, n_exp, rt, units, eb, x, ld, sink, out, n_out);
-        splitm_ref<NT><<<n_out * NWARPS, 32>>>(w, rt, units, eb, x, ld, ref);
+        splitm_probe<NT, RES><<<per * sms, THREADS, smem>>>(w, n_exp, rt, units, eb, x, ld, sink, out, n_out);
+        splitm_ref<NT, RES><<<n_out * NWARPS, 32>>>(w, rt, units, eb, x, ld, ref);
         MOED_CUDA_TRY(cudaDeviceSynchronize());
         ho = (float *)malloc(no * 4);
         hr = (float *)malloc(no * 4);
@@ -179,26 +218,26 @@ static int run(bool chk, const uint8_t *w, unsigned n_exp, unsigned rt, unsigned
                 differ++;
             mref = fmaxf(mref, fabsf(hr[i]));
         }
-        printf("splitm_probe check %s N=%u: %u tasks, %zu outputs, %zu differ, max |ref| %.3g: %s\n",
-               name, N, n_out, no, differ, mref, differ ? "FAIL" : "PASS");
+        printf("splitm_probe check %s N=%u%s: %u tasks, %zu outputs, %zu differ, max |ref| %.3g: %s\n",
+               name, N, RES ? " split-K order" : "", n_out, no, differ, mref, differ ? "FAIL" : "PASS");
         if (differ)
             rc = moed_seterr(err, errlen, MOED_E_BACKEND, "%zu outputs differ", differ);
         goto cleanup;
     }
-    splitm_probe<NT><<<per * sms, THREADS, smem>>>(w, n_exp, rt, units, eb, x, ld, sink, nullptr, 0);
+    splitm_probe<NT, RES><<<per * sms, THREADS, smem>>>(w, n_exp, rt, units, eb, x, ld, sink, nullptr, 0);
     MOED_CUDA_TRY(cudaDeviceSynchronize());
     MOED_CUDA_TRY(cudaEventCreate(&a));
     MOED_CUDA_TRY(cudaEventCreate(&b));
     MOED_CUDA_TRY(cudaEventRecord(a));
     for (int i = 0; i < reps; i++)
-        splitm_probe<NT><<<per * sms, THREADS, smem>>>(w, n_exp, rt, units, eb, x, ld, sink, nullptr, 0);
+        splitm_probe<NT, RES><<<per * sms, THREADS, smem>>>(w, n_exp, rt, units, eb, x, ld, sink, nullptr, 0);
     MOED_CUDA_TRY(cudaEventRecord(b));
     MOED_CUDA_TRY(cudaEventSynchronize(b));
     {
         float ms;
         MOED_CUDA_TRY(cudaEventElapsedTime(&ms, a, b));
-        printf("splitm_probe %s N=%u grid=%d (%d/SM): %.1f us per pass, %.3f TB/s\n", name, N,
-               per * sms, per, ms * 1e3 / reps, bytes * reps / (ms * 1e-3) / 1e12);
+        printf("splitm_probe %s N=%u%s grid=%d (%d/SM): %.1f us per pass, %.3f TB/s\n", name, N,
+               RES ? " split-K order" : "", per * sms, per, ms * 1e3 / reps, bytes * reps / (ms * 1e-3) / 1e12);
     }
 cleanup:
     if (a)
@@ -222,14 +261,16 @@ int main(int argc, char **argv)
     float *sink = nullptr;
     const bool chk = argc > 1 && strcmp(argv[1], "check") == 0;
     const char *ph = argc > 1 + chk ? argv[1 + chk] : "gu";
-    const int n = argc > 2 + chk ? atoi(argv[2 + chk]) : 32;
+    const char *na = argc > 2 + chk ? argv[2 + chk] : "32";
+    const bool res = na[0] == 'r'; /* rN: split-K's order of sums */
+    const int n = atoi(na + res);
     const int reps = chk ? 1 : argc > 3 ? atoi(argv[3]) : 20;
     const char *shape = argc > 4 ? argv[4] : nullptr; /* PHASE N REPS SHAPE, check PHASE N SHAPE */
     const bool gu = strcmp(ph, "gu") == 0, qwen = shape && strcmp(shape, "qwen3-30b-a3b") == 0;
     if ((!gu && strcmp(ph, "dn") != 0) || (n != 8 && n != 16 && n != 32) || reps < 1 ||
         (shape && !qwen && strcmp(shape, "deepseek-v3") != 0)) {
-        fprintf(stderr, "usage: splitm_probe [gu|dn] [8|16|32] [reps >= 1] [deepseek-v3|qwen3-30b-a3b]\n"
-                        "       splitm_probe check [gu|dn] [8|16|32] [deepseek-v3|qwen3-30b-a3b]\n");
+        fprintf(stderr, "usage: splitm_probe [gu|dn] [[r]8|[r]16|[r]32] [reps >= 1] [deepseek-v3|qwen3-30b-a3b]\n"
+                        "       splitm_probe check [gu|dn] [[r]8|[r]16|[r]32] [deepseek-v3|qwen3-30b-a3b]\n");
         return 2;
     }
     struct moe_gpu_dims d = {7168, 2048, 256, 1, 8, 512};
@@ -263,9 +304,10 @@ int main(int argc, char **argv)
         MOED_CUDA_TRY(cudaMalloc(&sink, sizeof(float)));
         const uint8_t *wp = gu ? w : w + gub; /* an expert's down weights follow its gate_up */
         const double bytes = (double)n_exp * (gu ? gub : eb - gub);
-        rc = n == 8    ? run<1>(chk, wp, n_exp, rt, units, eb, x, ld, sink, reps, bytes, name, err, errlen)
-             : n == 16 ? run<2>(chk, wp, n_exp, rt, units, eb, x, ld, sink, reps, bytes, name, err, errlen)
-                       : run<4>(chk, wp, n_exp, rt, units, eb, x, ld, sink, reps, bytes, name, err, errlen);
+#define SM_RUN(NT, R) run<NT, R>(chk, wp, n_exp, rt, units, eb, x, ld, sink, reps, bytes, name, err, errlen)
+        rc = res ? (n == 8 ? SM_RUN(1, true) : n == 16 ? SM_RUN(2, true) : SM_RUN(4, true))
+                 : (n == 8 ? SM_RUN(1, false) : n == 16 ? SM_RUN(2, false) : SM_RUN(4, false));
+#undef SM_RUN
     }
 cleanup:
     if (rc)
