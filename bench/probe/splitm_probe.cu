@@ -39,6 +39,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "probe_rows.h"
+
 constexpr int SM_WS = STAGES; /* stages of both rings */
 
 /* This warp's tile of task t: the out rows of tile `tile` (32), N columns */
@@ -54,6 +56,22 @@ __device__ __forceinline__ void sm_out(const float (&acc)[MR][NT][4], size_t row
             for (int c = 0; c < 4; c++)
                 out[(row0 + m * 16 + g + (c >> 1) * 8) * (NT * 8) + n * 8 + 2 * q + (c & 1)] =
                     acc[m][n][c];
+}
+
+/* to += from, from = 0: a residue's chain added to the sums in the order
+ * task_splitk's reduction adds the warps' partials */
+template <int NT>
+__device__ __forceinline__ void acc_fold(float (&to)[MR][NT][4], float (&from)[MR][NT][4])
+{
+#pragma unroll
+    for (int m = 0; m < MR; m++)
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                to[m][n][c] += from[m][n][c];
+                from[m][n][c] = 0.f;
+            }
 }
 
 template <int NT, bool RES>
@@ -105,17 +123,8 @@ __global__ void __launch_bounds__(THREADS, MINB)
             load_b<NT>(xring + s * XB, N, xb);
             if (RES) {
                 unit_mma<NT>(wring + s * UB, xb, cur);
-                if (v % q4 == q4 - 1) { /* residue done: acc += its chain, as the reduction */
-#pragma unroll
-                    for (int m = 0; m < MR; m++)
-#pragma unroll
-                        for (int n = 0; n < NT; n++)
-#pragma unroll
-                            for (int c = 0; c < 4; c++) {
-                                acc[m][n][c] += cur[m][n][c];
-                                cur[m][n][c] = 0.f;
-                            }
-                }
+                if (v % q4 == q4 - 1) /* residue done: acc += its chain, as the reduction */
+                    acc_fold<NT>(acc, cur);
             } else {
                 unit_mma<NT>(wring + s * UB, xb, acc);
             }
@@ -169,13 +178,7 @@ __global__ void splitm_ref(const uint8_t *__restrict__ w, unsigned rt, unsigned 
             unit_mma<NT>(st, xb, cur);
             __syncwarp();
         }
-#pragma unroll
-        for (int m = 0; m < MR; m++)
-#pragma unroll
-            for (int n = 0; n < NT; n++)
-#pragma unroll
-                for (int c = 0; c < 4; c++)
-                    acc[m][n][c] += cur[m][n][c];
+        acc_fold<NT>(acc, cur);
     }
     sm_out<NT>(acc, ((size_t)t * NWARPS + wt_) * 32, out);
 }
@@ -293,12 +296,7 @@ int main(int argc, char **argv)
             rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
             goto cleanup;
         }
-        for (size_t i = 0; i < nx; i++) {
-            const float f = (float)((int)((uint32_t)(i * 2654435761u) % 129u) - 64) / 64.0f;
-            uint32_t u;
-            memcpy(&u, &f, 4);
-            hx[i] = (uint16_t)(u >> 16);
-        }
+        probe_exact_rows(hx, nx);
         MOED_CUDA_TRY(cudaMalloc(&x, nx * 2));
         MOED_CUDA_TRY(cudaMemcpy(x, hx, nx * 2, cudaMemcpyHostToDevice));
         MOED_CUDA_TRY(cudaMalloc(&sink, sizeof(float)));

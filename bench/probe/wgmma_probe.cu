@@ -42,6 +42,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "probe_rows.h"
+
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ != 900 || !defined(__CUDA_ARCH_FEAT_SM90_ALL))
 #define WG_NONE 1 /* wgmma is sm_90a's: other targets compile an empty probe */
 #endif
@@ -607,12 +609,7 @@ int main(int argc, char **argv)
             rc = moed_seterr(err, errlen, MOED_E_NOMEM, "out of memory");
             goto cleanup;
         }
-        for (size_t i = 0; i < nx; i++) {
-            const float f = (float)((int)((uint32_t)(i * 2654435761u) % 129u) - 64) / 64.0f;
-            uint32_t u;
-            memcpy(&u, &f, 4);
-            hx[i] = (uint16_t)(u >> 16); /* exact: 7 bits of mantissa are enough */
-        }
+        probe_exact_rows(hx, nx);
         for (size_t u0 = 0; u0 < nx; u0 += MOE_GPU_UNIT_K) /* part 2 s + kk, pair q */
             for (unsigned s = 0; s < 4; s++)
                 for (unsigned kk = 0; kk < 2; kk++)
