@@ -154,7 +154,7 @@ int moe_gpu_take_stamps(uint64_t (*out)[4], char *err, size_t errlen);
  * scripts/tasklog.py reads it): each CTA's timeline of the last batch it ran.
  * hdr[MOE_GPU_TLOG_CTAS][8] per CTA: %globaltimer at go, clock64 at go, clock64
  * routed, clock64 at the task loop's end, %globaltimer there, entries, clock64
- * after the batch end, the batch's seq. ents[MOE_GPU_TLOG_CTAS][MOE_GPU_TLOG_N][8]
+ * once its slice of x is staged, the batch's seq. ents[MOE_GPU_TLOG_CTAS][MOE_GPU_TLOG_N][8]
  * per task, clock64: claim seen, decoded, ready (the last task's tiles
  * released, then x staged / the expert's gate_up tiles done / every down
  * tile done), every warp's K loop done,

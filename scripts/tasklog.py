@@ -9,7 +9,7 @@ Per file:
 - the batch's span (the first CTA's go to the last CTA's task loop end) and the
   SM clock (clock64 over %globaltimer, median over the CTAs);
 - the CTAs' time split into: pre-go (waiting for the batch's release),
-  stage+route (its slice of x, then the routing), to-first (-> its first task's
+  stage (its slice of x), route (the routing), to-first (-> its first task's
   claim seen), decode, ready (x staged / the expert's gate_up tiles / every down
   tile; thread 0 first releases the last task's tiles' counter), stream (->
   every warp's K loop done), reduce (split-K sums), epilogue, release (the
@@ -76,7 +76,7 @@ def summarize(path):
     def ns(c, clk):
         return hdr[c * 8] - t0 + (clk - hdr[c * 8 + 1]) / f
 
-    cat = dict.fromkeys(["pre-go", "stage+route", "to-first"] + PARTS +
+    cat = dict.fromkeys(["pre-go", "stage", "route", "to-first"] + PARTS +
                         ["between", "combine", "after-last"], 0.0)
     kinds = {}
     ev = []
@@ -84,7 +84,9 @@ def summarize(path):
     for c in ctas:
         go, routed = ns(c, hdr[c * 8 + 1]), ns(c, hdr[c * 8 + 2])
         cat["pre-go"] += go
-        cat["stage+route"] += routed - go
+        staged = ns(c, hdr[c * 8 + 6]) if hdr[c * 8 + 6] else go  # (older logs: all in route)
+        cat["stage"] += staged - go
+        cat["route"] += routed - staged
         prev = routed
         for i in range(min(hdr[c * 8 + 5], N)):
             b = (c * N + i) * W

@@ -556,6 +556,10 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
             __syncthreads();
             if (tid == 0 && atomicAdd(&st->x_done, 1u) == gridDim.x - 1)
                 st_relaxed_sys(&ctrl->phase_ns[2], globaltimer_ns());
+#if MOE_GPU_TASK_LOG
+            if (tid == 0 && blockIdx.x < MOE_GPU_TLOG_CTAS)
+                moe_tlog_hdr[blockIdx.x][6] = clock64(); /* this CTA's slice staged */
+#endif
         }
 
         /* ---- route (a COMBINE batch: no pairs, its rows into dout) ---- */
@@ -719,10 +723,6 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
 #endif
         /* ---- batch end: the last CTA resets the counters and publishes ---- */
         batch_end(p, NE, st, n, s_last);
-#if MOE_GPU_TASK_LOG
-        if (tid == 0 && blockIdx.x < MOE_GPU_TLOG_CTAS)
-            moe_tlog_hdr[blockIdx.x][6] = clock64();
-#endif
         if (blockIdx.x == 0 && tid == 0) {
             st_relaxed_sys(&ctrl->heartbeat, ++s_hb);
             s_hb_last = globaltimer_ns();

@@ -18,13 +18,14 @@ CPN = 2  # SM cycles per ns in these logs (2 GHz)
 
 
 def write_log(path, ctas):
-    """ctas: {cta: (go_ns, seq, routed_ns, [(kind, ntiles, cnt, [7 stamps in ns after go])], end_ns)}"""
+    """ctas: {cta: (go_ns, seq, staged_ns, routed_ns, [(kind, ntiles, cnt, [7 stamps in ns after
+    go])], end_ns)}"""
     hdr = [0] * (CTAS * 8)
     ents = [0] * (CTAS * N * W)
-    for c, (go, seq, routed, tasks, end) in ctas.items():
+    for c, (go, seq, staged, routed, tasks, end) in ctas.items():
         clk0 = 1_000_000 + 777 * c  # each SM's clock64 has its own origin
         hdr[c * 8:c * 8 + 8] = [go, clk0, clk0 + CPN * routed, clk0 + CPN * end, go + end,
-                                len(tasks), clk0 + CPN * (end + 5), seq]
+                                len(tasks), clk0 + CPN * staged, seq]
         for i, (kind, nt, cnt, st) in enumerate(tasks):
             b = (c * N + i) * W
             ents[b:b + 7] = [clk0 + CPN * x for x in st]
@@ -38,15 +39,15 @@ def test_parts_clock_and_older_batches(tmp_path):
     p = tmp_path / "qwen3-30b-a3b-T4.bin"
     write_log(p, {
         # CTA 0: go at 10000 ns; a gate_up task of 4 tiles, a down task, a combine task
-        0: (10_000, 7, 300, [
+        0: (10_000, 7, 120, 300, [
             (0, 4, 3, [400, 500, 600, 5600, 5700, 5800, 5900]),
             (1, 4, 3, [6000, 6100, 6300, 8300, 8400, 8500, 8600]),
             (2, 0, 0, [8700, 8700, 9700, 0, 0, 0, 10_200]),
         ], 10_500),
         # CTA 1: go 200 ns later, one gate_up task, ends first
-        1: (10_200, 7, 100, [(0, 4, 1, [200, 300, 350, 4350, 4400, 4450, 4500])], 4_600),
+        1: (10_200, 7, 90, 100, [(0, 4, 1, [200, 300, 350, 4350, 4400, 4450, 4500])], 4_600),
         # CTA 2 ran an older batch (seq 6): not this batch's
-        2: (1_000, 6, 50, [(0, 4, 1, [60, 70, 80, 90, 100, 110, 120])], 200),
+        2: (1_000, 6, 20, 50, [(0, 4, 1, [60, 70, 80, 90, 100, 110, 120])], 200),
     })
     s = tasklog.summarize(str(p))
     assert (s["model"], s["T"], s["grid"]) == ("qwen3-30b-a3b", 4, 2)
@@ -54,7 +55,8 @@ def test_parts_clock_and_older_batches(tmp_path):
     assert s["span_ns"] == pytest.approx(10_500)  # CTA 0's loop end, from the first go
     cat = s["cat"]
     assert cat["pre-go"] == pytest.approx(200)  # CTA 1 went 200 ns after CTA 0
-    assert cat["stage+route"] == pytest.approx(300 + 100)
+    assert cat["stage"] == pytest.approx(120 + 90)  # go -> its slice of x staged
+    assert cat["route"] == pytest.approx(180 + 10)  # -> routed
     assert cat["to-first"] == pytest.approx(100 + 100)
     assert cat["decode"] == pytest.approx(100 + 100 + 100)
     # the combine task's ready wait counts as ready; its run as combine
