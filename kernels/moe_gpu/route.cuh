@@ -31,13 +31,13 @@ __device__ __forceinline__ unsigned chunk_count(unsigned n)
  * batch, a shared slot. It makes no pair; its pos is the zero row of dout. */
 #define ROUTE_NONE 0xffffffffu
 
-__device__ __forceinline__ unsigned expert_of(const int32_t *ids, unsigned i, unsigned k,
-                                              unsigned ks, unsigned E, unsigned flags,
-                                              unsigned ep_n, unsigned ep_shard)
+/* The expert of entry (t, j) whose id slot holds v (j < k; v unread for a
+ * shared slot j >= k) */
+__device__ __forceinline__ unsigned expert_of_v(int v, unsigned t, unsigned j, unsigned k,
+                                                unsigned E, unsigned flags, unsigned ep_n,
+                                                unsigned ep_shard)
 {
-    unsigned t = i / ks, j = i - t * ks;
     if (j < k) {
-        int v = __ldcg(ids + (size_t)t * k + j);
         /* socket requests: validated on the host (-1 only with EMPTY_SLOTS);
          * FORWARD_DESC ids come from client GPU memory: any negative id is
          * an empty slot and one of E or more reads expert 0 (PROTOCOL.md 9) */
@@ -50,6 +50,14 @@ __device__ __forceinline__ unsigned expert_of(const int32_t *ids, unsigned i, un
         return ROUTE_NONE;
     return E + (j - k);
 }
+__device__ __forceinline__ unsigned expert_of(const int32_t *ids, unsigned i, unsigned k,
+                                              unsigned ks, unsigned E, unsigned flags,
+                                              unsigned ep_n, unsigned ep_shard)
+{
+    const unsigned t = i / ks, j = i - t * ks;
+    return expert_of_v(j < k ? __ldcg(ids + (size_t)t * k + j) : 0, t, j, k, E, flags, ep_n,
+                       ep_shard);
+}
 
 /* The routing's scratch in the CTA's stage buffers (free between batches):
  * run [NE] u32, wc [NWARPS][NE] u16, then a window of er u32 (expert | rank
@@ -58,6 +66,11 @@ __device__ __forceinline__ unsigned expert_of(const int32_t *ids, unsigned i, un
 constexpr unsigned ROUTE_CAP =
     (NWARPS * WARP_SMEM - 1024 * (4 + 2 * NWARPS)) / 4 / (NWARPS * 32) * (NWARPS * 32);
 static_assert(ROUTE_CAP >= NWARPS * 32, "a routing window of one round per warp at least");
+/* entries of a batch routed as one window with its ids in shared memory
+ * beside it (at most one id per entry: 4 bytes each, 16-byte aligned) */
+constexpr unsigned ROUTE_ONE =
+    (NWARPS * WARP_SMEM - 1024 * (4 + 2 * NWARPS) - 16) / 8 / (NWARPS * 32) * (NWARPS * 32);
+static_assert(ROUTE_ONE <= ROUTE_CAP, "one window");
 /* entries an expert_of pass keeps in flight per thread (independent loads) */
 constexpr int ROUTE_LD = 4;
 /* a batch of at most 32 ROUTE_SMALL entries is routed by warp 0 alone (its
@@ -132,8 +145,15 @@ __device__ void build_route(const struct moe_gpu_dims &d, unsigned T, const int3
     __syncthreads();
     /* (1) pairs per expert (the counts do not depend on the order); a batch
      * of at most 32 ROUTE_SMALL entries: warp 0's rounds count and rank
-     * them, every id loaded at once */
+     * them, every id loaded at once; a batch of one window whose ids fit
+     * beside it (ROUTE_ONE): every id copied into shared memory at once
+     * (16-byte cp.async, one round trip) and each entry's expert put in its
+     * window slot here, where two passes of ROUTE_LD loads per thread at a
+     * time took 2 x 4 round trips (H100 2026-12-06: 11 of Qwen3 T = 256's 20
+     * us of routing, bench/NOTES.md stop 38) */
     const bool small = n_ent <= 32 * ROUTE_SMALL;
+    const unsigned n_id = T * d.top_k;
+    const bool one = !small && n_ent <= ROUTE_ONE && (reinterpret_cast<uintptr_t>(ids) & 15) == 0;
     unsigned exs[ROUTE_SMALL], rks[ROUTE_SMALL];
     if (small) {
         if (warp == 0) {
@@ -157,6 +177,24 @@ __device__ void build_route(const struct moe_gpu_dims &d, unsigned T, const int3
                 __syncwarp();
             }
         }
+    } else if (one) {
+        int32_t *const raw = reinterpret_cast<int32_t *>(er + (n_ent + 3) / 4 * 4);
+        for (unsigned c = tid; c < n_id / 4; c += THREADS)
+            cp_async16(raw + 4 * c, ids + 4 * c);
+        cp_async_commit();
+        for (unsigned i = n_id / 4 * 4 + tid; i < n_id; i += THREADS)
+            raw[i] = __ldcg(ids + i);
+        cp_async_wait<0>();
+        __syncthreads();
+        for (unsigned i = tid; i < n_ent; i += THREADS) {
+            const unsigned t = i / KS, j = i - t * KS;
+            const unsigned ex = expert_of_v(j < d.top_k ? raw[t * d.top_k + j] : 0, t, j, d.top_k,
+                                            d.n_experts, flags, ep_n, ep_shard);
+            er[i] = ex;
+            if (ex != ROUTE_NONE)
+                atomicAdd(&r.cnt[ex], 1u);
+        }
+        __syncthreads();
     } else {
         experts(0, n_ent, [&](unsigned, unsigned ex) {
             if (ex != ROUTE_NONE)
@@ -216,7 +254,8 @@ __device__ void build_route(const struct moe_gpu_dims &d, unsigned T, const int3
         const unsigned q = ((w1 - w0 + NWARPS * 32 - 1) / (NWARPS * 32)) * 32;
         for (unsigned i = tid; i < NWARPS * NE; i += THREADS)
             wc[(i / NE) * 1024 + i % NE] = 0;
-        experts(w0, w1, [&](unsigned i, unsigned ex) { er[i - w0] = ex; });
+        if (!one) /* (one: every entry's expert is in er) */
+            experts(w0, w1, [&](unsigned i, unsigned ex) { er[i - w0] = ex; });
         __syncthreads();
         /* rank of each entry among the earlier entries of its expert in this
          * warp's quarter */
