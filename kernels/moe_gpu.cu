@@ -36,8 +36,8 @@
  *   [gate_up tasks][down tasks][combine units]
  * A gate_up or down task is (expert, chunk of its (token, slot) pairs,
  * NTILE consecutive 32-row tiles); an expert's chunks are CHUNK_TOKENS = 8
- * pairs (one n-tile) if it has at most 8, else WIDE_TOKENS = 16 (two
- * n-tiles: each weight unit dequantized once for 16 tokens), ordered by expert,
+ * pairs (one n-tile) if it has at most 8, else SPLITM_TOKENS = 32 (a crowded
+ * chunk: a split-M task, below), ordered by expert,
  * then tile group, then chunk (the chunks of a crowded expert read the same
  * tiles back to back: the second read comes from L2);
  * NTILE is chosen per batch (ntile_for: up to NTILE_MAX = 4 while every

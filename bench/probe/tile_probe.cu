@@ -18,7 +18,8 @@
  *     -DMOED_HAVE_CUDA=1 -o build-var/tile_probe bench/probe/tile_probe.cu \
  *     kernels/moe_gpu_pack.c common/moed_err.c common/moed_log.c common/moed_check_cuda.c
  * Run:   tile_probe [gu|dn] [cnt] [reps] [ntile] [deepseek-v3|qwen3-30b-a3b]
- *        (cnt 1-8: a narrow chunk; 9-16, with ntile 4: a wide one, two n-tiles)
+ *        (cnt 1-8: a narrow chunk; 9-32 with ntile 4: a crowded one, a split-M task;
+ *        the task the persistent kernel's run_task picks)
  *        (the shape: DeepSeek-V3's by default; Qwen3's down tiles have 12 K units)
  *        ncu --clock-control none --launch-skip 1 --launch-count 1 \
  *            --section ComputeWorkloadAnalysis tile_probe gu 1 1 1
@@ -44,14 +45,7 @@ __global__ void __launch_bounds__(THREADS, MINB)
     for (unsigned t = blockIdx.x; t < n_tasks; t += gridDim.x) {
         const unsigned e = t / TPE, rt0 = (t - e * TPE) * ntile, nt = min(ntile, RT - rt0);
         unsigned next; /* the task's claim, as in the persistent kernel (unused here) */
-        if (cnt > CHUNK_TOKENS && nt == NTILE_MAX) /* a wide chunk (run_task's choice) */
-            mm_task<WIDE_NT, NTILE_MAX>(p, L, r, is_gu, e, 0, cnt, rt0, nt, sw, sw_cta,
-                                        &probe_claims, next);
-        else if (ntile > 1)
-            mm_task<1, NTILE_MAX>(p, L, r, is_gu, e, 0, cnt, rt0, nt, sw, sw_cta, &probe_claims,
-                                  next);
-        else
-            mm_task<1, 1>(p, L, r, is_gu, e, 0, cnt, rt0, nt, sw, sw_cta, &probe_claims, next);
+        run_task(p, L, r, is_gu, ntile, e, 0, cnt, rt0, nt, sw, sw_cta, &probe_claims, next);
         __syncthreads();
     }
 }
@@ -70,9 +64,9 @@ int main(int argc, char **argv)
     const int reps = argc > 3 ? atoi(argv[3]) : 5;
     const unsigned ntile = argc > 4 ? (unsigned)atoi(argv[4]) : 1;
     const bool qwen = argc > 5 && strcmp(argv[5], "qwen3-30b-a3b") == 0;
-    if (cnt < 1 || cnt > WIDE_TOKENS || (cnt > CHUNK_TOKENS && ntile != NTILE_MAX)) {
-        fprintf(stderr, "tile_probe: cnt %u: 1 to %d tokens, more than %d (a wide chunk) only "
-                        "with ntile %d\n", cnt, WIDE_TOKENS, CHUNK_TOKENS, NTILE_MAX);
+    if (cnt < 1 || cnt > SPLITM_TOKENS || (cnt > CHUNK_TOKENS && ntile != NTILE_MAX)) {
+        fprintf(stderr, "tile_probe: cnt %u: 1 to %d tokens, more than %d (a crowded chunk) "
+                        "only with ntile %d\n", cnt, SPLITM_TOKENS, CHUNK_TOKENS, NTILE_MAX);
         return 2;
     }
     if (argc > 5 && !qwen && strcmp(argv[5], "deepseek-v3") != 0) {
@@ -94,15 +88,15 @@ int main(int argc, char **argv)
             h[i] = 1e-3f;
         MOED_CUDA_TRY(cudaMemcpy(s2, h, sizeof h, cudaMemcpyHostToDevice));
     }
-    MOED_CUDA_TRY(cudaMalloc(&xs, 16 * d.hidden * 2));
-    MOED_CUDA_TRY(cudaMemset(xs, 0x3c, 16 * d.hidden * 2));
-    MOED_CUDA_TRY(cudaMalloc(&hbuf, 16 * d.inter * 2));
-    MOED_CUDA_TRY(cudaMemset(hbuf, 0x3c, 16 * d.inter * 2));
-    MOED_CUDA_TRY(cudaMalloc(&dout, 16 * (size_t)d.hidden * 4));
-    MOED_CUDA_TRY(cudaMalloc(&tok, 16 * 2));
+    MOED_CUDA_TRY(cudaMalloc(&xs, SPLITM_TOKENS * d.hidden * 2));
+    MOED_CUDA_TRY(cudaMemset(xs, 0x3c, SPLITM_TOKENS * d.hidden * 2));
+    MOED_CUDA_TRY(cudaMalloc(&hbuf, SPLITM_TOKENS * d.inter * 2));
+    MOED_CUDA_TRY(cudaMemset(hbuf, 0x3c, SPLITM_TOKENS * d.inter * 2));
+    MOED_CUDA_TRY(cudaMalloc(&dout, SPLITM_TOKENS * (size_t)d.hidden * 4));
+    MOED_CUDA_TRY(cudaMalloc(&tok, SPLITM_TOKENS * 2));
     {
-        uint16_t h[16];
-        for (int i = 0; i < 16; i++)
+        uint16_t h[SPLITM_TOKENS];
+        for (int i = 0; i < SPLITM_TOKENS; i++)
             h[i] = (uint16_t)i;
         MOED_CUDA_TRY(cudaMemcpy(tok, h, sizeof h, cudaMemcpyHostToDevice));
     }

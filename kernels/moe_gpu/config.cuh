@@ -28,7 +28,8 @@ static_assert(MOE_GPU_ROW_TAIL_BYTES >= NWARPS * MOE_GPU_UNIT_K * 2,
 /* CTAs per SM the register budget must allow (__launch_bounds__: 3 gives
  * 168 registers). H200: 24-32 warps per SM (6-8 CTAs, 80-64 registers) gained
  * nothing on DeepSeek-V3 and lost at T = 1 (v9e). H100 2026-12-06: the wide
- * chunks (WIDE_NT) need 3: at 4 (128 registers) they spill 220 bytes, 3.5-9
+ * split-K chunks of 16 pairs (before split-M tasks) needed 3: at 4 (128
+ * registers) they spilled 220 bytes, 3.5-9
  * % slower at T <= 64 and -5 / -13 % at T = 256 (DeepSeek-V3 / Qwen3)
  * against 4 without them; 3 with them: T = 256 -8 / -15 %, T <= 64 +0.4 to
  * +7 % on that H100 and -1 to -4 % on another (bench/NOTES.md; not yet
@@ -43,15 +44,15 @@ constexpr int STAGES = 4;
  * (at 128 registers, spilling) were 11-14% faster at T = 256 and 3-17%
  * slower at T <= 64, Qwen3 slower everywhere (v14, v18) */
 constexpr int CHUNK_TOKENS = 8;
-/* an expert with more pairs than CHUNK_TOKENS is cut into chunks of
- * WIDE_TOKENS (WIDE_NT n-tiles: each weight unit dequantized once for up to
- * WIDE_TOKENS tokens, chunk_size). H100 2026-12-06, both at MINB 3: 2 against
- * 8-pair chunks only, Qwen3 T = 128 / 256 -8 / -17 %, DeepSeek-V3 T = 256 -9
- * %, T <= 64 within 4 %; 3 (24-pair chunks) 3 % faster than 2 at Qwen3 T =
- * 256 and 2-5 % slower everywhere else (its registers spill at 168)
- * (bench/NOTES.md) */
-constexpr int WIDE_NT = 2;
-constexpr int WIDE_TOKENS = WIDE_NT * CHUNK_TOKENS;
+/* an expert with more pairs than CHUNK_TOKENS is cut into chunks of up to
+ * SPLITM_TOKENS, each a split-M task per tile group (task_splitm: every warp
+ * one tile over the whole K, split-K's sums; each weight unit dequantized
+ * once for all the chunk's pairs) where its tile group has all NTILE_MAX
+ * tiles and its K units divide among the warps. H100 2026-12-06 against the
+ * wide split-K chunks of 16 pairs before it: Qwen3 T = 256 -6 %, DeepSeek-V3
+ * and T <= 128 within 1 % (bench/NOTES.md stop 38) */
+constexpr int SPLITM_NT = 4;
+constexpr int SPLITM_TOKENS = SPLITM_NT * CHUNK_TOKENS;
 /* row tiles per gate_up / down task, at most (task_mma_full's steady state).
  * H200: 4 against 1, +1-4% (DeepSeek-V3), Qwen3 T = 64 +8%, T = 256 +18% (v9d);
  * 2 at most: worse (v15) */
@@ -90,11 +91,11 @@ constexpr int X_ROW_BYTES = 144; /* 128 + 16: conflict-free 16-byte fragment rea
 constexpr int STAGE_BYTES = MOE_GPU_UNIT_BYTES + CHUNK_TOKENS * X_ROW_BYTES;
 /* each warp's shared-memory stage region */
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
-/* (a wide task: NTILE_MAX weight units and two K steps of WIDE_TOKENS
- * activation rows; its partials, NTILE_MAX x MR x WIDE_NT float4 per lane) */
+/* (a split-M task: the CTA's STAGES stages of NWARPS weight units and
+ * SPLITM_TOKENS activation rows, over its warps' regions) */
 constexpr int WARP_SMEM =
-    cmax(STAGES * STAGE_BYTES, cmax(NTILE_MAX * MOE_GPU_UNIT_BYTES + 2 * WIDE_TOKENS * X_ROW_BYTES,
-                                    NTILE_MAX * MR * WIDE_NT * 32 * 16));
+    cmax(STAGES * STAGE_BYTES,
+         STAGES * (NWARPS * MOE_GPU_UNIT_BYTES + SPLITM_TOKENS * X_ROW_BYTES) / NWARPS);
 static_assert((size_t)THREADS * 16 >= sizeof(struct moe_gpu_slot), "one load per thread reads a ring slot");
 static_assert(sizeof(struct moe_gpu_desc) / 16 <= THREADS, "one load per thread reads the desc");
 static_assert(sizeof(struct moe_gpu_chan_desc) / 16 + MOE_GPU_CHAN_BUFS + 1 <= THREADS,

@@ -264,12 +264,12 @@ __device__ __forceinline__ void task_mma_il(const uint8_t *__restrict__ wtask, u
  * step's weights are four fixed strides from one running pointer; all 32
  * lanes copy (lanes 24-31 repeat lanes 16-23's chunks: the same bytes to the
  * same place), so no copy needs a branch. Same order, same sums as
- * task_mma_il. A narrow task (NT 1) keeps XS = NTILE activation slots; a
- * wide chunk's (NT = WIDE_NT: each weight unit dequantized once for both
- * n-tiles) keeps 2, which suffice: K step v + 1's rows are copied at unit
- * (v, 1), after step v - 1's slot was read at (v - 1, 0), and the rings
- * still fill the warp's 9216 bytes. n-tiles do not mix columns: every column
- * gets the sums of a narrow task (batch invariance). */
+ * task_mma_il. A narrow task (NT 1) keeps XS = NTILE activation slots; XS = 2
+ * would suffice for NT n-tiles (K step v + 1's rows are copied at unit (v, 1),
+ * after step v - 1's slot was read at (v - 1, 0)): the wide split-K tasks of
+ * 99d2ba3 .. 4ba5c87 (16 pairs, NT 2) ran so, before split-M tasks took the
+ * crowded chunks. n-tiles do not mix columns: every column gets the sums of a
+ * narrow task (batch invariance). */
 template <int NTILE, int NT, unsigned XS>
 __device__ __forceinline__ void task_mma_full(const uint8_t *__restrict__ wtask, unsigned w,
                                               unsigned nuw, unsigned tile_units, const xsrc &xs,

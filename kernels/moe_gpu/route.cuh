@@ -13,13 +13,13 @@ struct route {
 };
 
 /* Pairs per chunk of an expert with n pairs: CHUNK_TOKENS (one n-tile) for
- * an expert with at most that many, else WIDE_TOKENS (two n-tiles: the
- * expert's weights dequantized and streamed once per 16 pairs, not per 8; a
- * last chunk of at most 8 runs as a narrow one). Per expert, from its count
- * alone: the task numbering stays one prefix sum (chs). */
+ * an expert with at most that many, else SPLITM_TOKENS (a crowded chunk: a
+ * split-M task streams the expert's weights once for up to 32 pairs,
+ * run_task). Per expert, from its count alone: the task numbering stays one
+ * prefix sum (chs). */
 __device__ __forceinline__ unsigned chunk_size(unsigned n)
 {
-    return n > (unsigned)CHUNK_TOKENS ? (unsigned)WIDE_TOKENS : (unsigned)CHUNK_TOKENS;
+    return n > (unsigned)CHUNK_TOKENS ? (unsigned)SPLITM_TOKENS : (unsigned)CHUNK_TOKENS;
 }
 __device__ __forceinline__ unsigned chunk_count(unsigned n)
 {

@@ -21,13 +21,10 @@ __device__ __forceinline__ void task_splitk(const uint8_t *wtask, unsigned tile_
                   "partials of a task must fit a warp's stage buffer");
     const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const unsigned nuw = tile_units > warp ? (tile_units - warp + NWARPS - 1) / NWARPS : 0;
-    static_assert((NT == 1 && (NTILE == 1 || NTILE == NTILE_MAX)) ||
-                      (NT == WIDE_NT && NTILE == NTILE_MAX),
-                  "narrow: one tile or NTILE_MAX; wide (WIDE_NT n-tiles): NTILE_MAX");
+    static_assert(NT == 1 && (NTILE == 1 || NTILE == NTILE_MAX),
+                  "a narrow chunk: one tile or NTILE_MAX");
     float acc[NTILE][MR][NT][4];
-    if constexpr (NT > 1) { /* a wide chunk (9 to WIDE_TOKENS pairs) */
-        task_mma_full<NTILE, NT, 2>(wtask, warp, nuw, tile_units, xs, sw, acc); /* ntiles == NTILE */
-    } else if constexpr (NTILE > 1) { /* tiles interleaved per K unit (v17) */
+    if constexpr (NTILE > 1) { /* tiles interleaved per K unit (v17) */
         if (ntiles == NTILE) /* constant ring offsets (v19) */
             task_mma_full<NTILE, 1, NTILE>(wtask, warp, nuw, tile_units, xs, sw, acc);
         else
@@ -87,6 +84,103 @@ __device__ __forceinline__ void task_splitk(const uint8_t *wtask, unsigned tile_
                 }
         }
     }
+}
+
+/* Split-M of a crowded chunk's task (9 to SPLITM_TOKENS pairs, NTILE_MAX
+ * tiles, tile_units % NWARPS == 0): warp w owns tile w over the whole K,
+ * its weights through its own STAGES-deep cp.async ring; the task's rows of
+ * a K unit are copied once by the CTA into a shared ring of as many stages
+ * (the CTA's stage buffers hold both), one CTA barrier per K unit. The units
+ * are streamed in split-K's residue order (0, 4, 8, ..., then 1, 5, 9, ...),
+ * each residue's chain from zero and added to out at its end, in the order
+ * task_splitk's reduction adds the warps' partials: the same floats in the
+ * same order as the split-K task, so a token's result does not depend on
+ * which kind its chunk took (batch invariance). The dequant is done once
+ * per weight unit for all the chunk's pairs (bench/NOTES.md stop 37,
+ * splitm_probe). Thread 0 claims the CTA's next task into next as the K loop
+ * ends. Every thread of the CTA calls this. */
+template <int NT>
+__device__ __forceinline__ void task_splitm(const uint8_t *wtask, unsigned tile_units,
+                                            const xsrc &xs, uint8_t *sw_cta,
+                                            float (&out)[MR][NT][4], unsigned *ctr,
+                                            unsigned &next)
+{
+    constexpr unsigned UB = MOE_GPU_UNIT_BYTES, N = NT * 8, XB = N * X_ROW_BYTES, WS = STAGES;
+    static_assert(WS * (NWARPS * UB + XB) <= NWARPS * WARP_SMEM, "rings fit the stage buffers");
+    static_assert(N * 8 % THREADS == 0, "every thread copies as many row chunks");
+    constexpr int XR = N * 8 / THREADS;
+    const unsigned tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    uint8_t *const xring = sw_cta;                            /* WS x XB */
+    uint8_t *const wring = sw_cta + WS * XB + warp * WS * UB; /* this warp's WS x UB */
+    const unsigned lw = (lane < UL ? lane : lane - (32 - UL)) * 16; /* lanes >= UL repeat */
+    const uint8_t *const wt = wtask + (size_t)warp * tile_units * UB + lw;
+    const uint16_t *xrow[XR]; /* chunk tid + THREADS i: row c / 8, 16-byte part c % 8 */
+#pragma unroll
+    for (int i = 0; i < XR; i++) {
+        const unsigned c = tid + THREADS * i, row = c >> 3;
+        xrow[i] = row < xs.cnt ? xs.base + (size_t)(xs.tok ? xs.tok[xs.p0 + row] : xs.p0 + row) * xs.ld +
+                                     (c & 7) * 8
+                               : nullptr;
+    }
+    const unsigned q4 = tile_units / NWARPS; /* units per residue */
+    float cur[MR][NT][4];
+    zero_acc<NT>(out);
+    zero_acc<NT>(cur);
+    /* the next unit to issue: unit iu (residue iu % NWARPS), into slot is;
+     * ni issued so far (no division per unit: tracked as it advances) */
+    unsigned iu = 0, is = 0, ni = 0;
+    auto issue = [&]() {
+        if (ni < tile_units) {
+#pragma unroll
+            for (unsigned k = 0; k < UC / UL; k++)
+                cp_async16(wring + is * UB + lw + k * UL * 16, wt + (size_t)iu * UB + k * UL * 16);
+#pragma unroll
+            for (int i = 0; i < XR; i++)
+                if (xrow[i]) {
+                    const unsigned c = tid + THREADS * i;
+                    cp_async16(xring + is * XB + (c >> 3) * X_ROW_BYTES + (c & 7) * 16,
+                               xrow[i] + (size_t)iu * MOE_GPU_UNIT_K);
+                }
+            iu += NWARPS;
+            if (iu >= tile_units)
+                iu -= tile_units - 1; /* the next residue's first unit */
+            ni++;
+        }
+        is = is + 1 == WS ? 0 : is + 1;
+        cp_async_commit();
+    };
+#pragma unroll
+    for (unsigned s = 0; s + 1 < WS; s++)
+        issue();
+    unsigned s = 0; /* the slot of the unit consumed */
+#pragma unroll 1
+    for (unsigned r = 0; r < NWARPS; r++) {
+#pragma unroll 1
+        for (unsigned i = 0; i < q4; i++) {
+            cp_async_wait<WS - 2>();
+            __syncthreads(); /* this unit in, for every warp; every warp past the last */
+            issue();
+            uint4 xb[NT][2];
+            load_b<NT>(xring + s * XB, xs.cnt, xb);
+            unit_mma<NT>(wring + s * UB, xb, cur);
+            s = s + 1 == WS ? 0 : s + 1;
+        }
+        /* residue r's chain done: added as warp r's partial */
+#pragma unroll
+        for (int m = 0; m < MR; m++)
+#pragma unroll
+            for (int n = 0; n < NT; n++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    out[m][n][c] += cur[m][n][c];
+                    cur[m][n][c] = 0.f;
+                }
+    }
+    if (tid == 0 && ctr)
+        next = atomicAdd(ctr, 1u);
+    cp_async_wait<0>();
+    __syncthreads(); /* the rings are the next task's */
+    TLOG_STAMP(3); /* (no partials: the K loop's end) */
 }
 
 /* Where a task's weights and activation rows are: gate_up tiles of expert
@@ -197,9 +291,31 @@ __device__ __forceinline__ void mm_task(const struct moe_gpu_params &p,
     TLOG_STAMP(5); /* warp 0's epilogue issued */
 }
 
+/* A crowded chunk's task (whole CTA, task_splitm): warp w's tile rt0 + w,
+ * its epilogue. */
+template <int NT>
+__device__ __forceinline__ void mm_task_splitm(const struct moe_gpu_params &p,
+                                               const struct moe_gpu_layer &L, const route &r,
+                                               bool is_gu, unsigned e, unsigned p0, unsigned cnt,
+                                               unsigned rt0, uint8_t *sw_cta, unsigned *ctr,
+                                               unsigned &next)
+{
+    const unsigned warp = threadIdx.x >> 5;
+    const task_src ts = is_gu ? gu_src(p, L, r, e, p0, cnt, rt0) : dn_src(p, L, e, p0, cnt, rt0);
+    float acc[MR][NT][4];
+    task_splitm<NT>(ts.wt, ts.units, ts.xs, sw_cta, acc, ctr, next);
+    TLOG_STAMP(4);
+    if (is_gu)
+        gu_epilogue<NT>(p, L, e, p0, cnt, rt0 + warp, acc);
+    else
+        dn_epilogue<NT>(p, L, e, p0, cnt, rt0 + warp, acc);
+    TLOG_STAMP(5);
+}
+
 /* One gate_up or down task (whole CTA): a narrow chunk (one n-tile) tile by
- * tile when nt = 1, else up to NTILE_MAX tiles interleaved; a wide chunk
- * (WIDE_NT n-tiles) in a task of NTILE_MAX tiles. Inlined: as a function of its
+ * tile when nt = 1, else up to NTILE_MAX tiles interleaved (split-K); a
+ * crowded chunk (9 to SPLITM_TOKENS pairs) in a task of NTILE_MAX tiles as a
+ * split-M task. Inlined: as a function of its
  * own (own registers, the persistent loop saving its live registers around
  * the call) it was 1-7% slower (H200 2026-11-30, bench/NOTES.md v20). */
 __device__ __forceinline__ void run_task(const struct moe_gpu_params &p,
@@ -208,9 +324,12 @@ __device__ __forceinline__ void run_task(const struct moe_gpu_params &p,
                                          unsigned cnt, unsigned rt0, unsigned ntiles, uint8_t *sw,
                                          uint8_t *sw_cta, unsigned *ctr, unsigned &next)
 {
-    if (cnt > CHUNK_TOKENS && ntiles == NTILE_MAX) { /* a wide chunk, one pass */
-        mm_task<WIDE_NT, NTILE_MAX>(p, L, r, is_gu, e, p0, cnt, rt0, ntiles, sw, sw_cta, ctr,
-                                    next);
+    const unsigned units = (is_gu ? p.d.hidden : p.d.inter) / MOE_GPU_UNIT_K;
+    if (cnt > CHUNK_TOKENS && ntiles == NTILE_MAX && units % NWARPS == 0) { /* crowded: split-M */
+        if (cnt <= 2 * CHUNK_TOKENS)
+            mm_task_splitm<2>(p, L, r, is_gu, e, p0, cnt, rt0, sw_cta, ctr, next);
+        else
+            mm_task_splitm<SPLITM_NT>(p, L, r, is_gu, e, p0, cnt, rt0, sw_cta, ctr, next);
         return;
     }
     /* a narrow chunk; or a wide one in a shorter task (an expert's last tile

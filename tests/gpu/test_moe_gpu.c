@@ -226,11 +226,10 @@ static void test_shape(const struct moe_shape *p)
         result(s3 == 0 && memcmp(y1 + (size_t)3 * p->H, b2.y + (size_t)41 * p->H, (size_t)p->H * 2) == 0,
                "%-36s token with other batch companions: bit-identical", p->name);
         /* token 3 of a at position 13 of a batch of 24 on its own experts:
-         * each of them has 24 pairs, cut into a wide chunk (16 pairs, two
-         * n-tiles, the token in the second; run as two narrow passes where
-         * the shape's tasks have fewer than NTILE_MAX tiles) and a narrow one
-         * (the kernel's chunk_size); in a, 16 tokens spread over the
-         * experts, its chunks are narrow but where an expert drew 9 or more */
+         * each of them has 24 pairs, one crowded chunk (the kernel's
+         * chunk_size), run as narrow passes of 8 (a batch this small has
+         * one-tile tasks); in a, 16 tokens spread over the experts, its
+         * chunks are narrow but where an expert drew 9 or more */
         struct io c3;
         io_alloc(&c3, 24, p->H, p->k);
         io_fill(&c3, p->E, R_UNIFORM, 79);
@@ -241,7 +240,43 @@ static void test_shape(const struct moe_shape *p)
         memcpy(c3.x + (size_t)13 * p->H, a.x + (size_t)3 * p->H, (size_t)p->H * 2);
         int s4 = run_batch(be, &wt, &c3, 3);
         result(s4 == 0 && memcmp(y1 + (size_t)3 * p->H, c3.y + (size_t)13 * p->H, (size_t)p->H * 2) == 0,
-               "%-36s token in a crowded (wide) chunk: bit-identical", p->name);
+               "%-36s token in a crowded chunk, narrow passes: bit-identical", p->name);
+        /* token 3 of a among `crowd` tokens on its own experts (12: a chunk
+         * of 9-16 pairs, task_splitm<2>; 24: of 17-32, <4>) in a batch of QT,
+         * the rest on the other experts, evenly (at most 8 pairs each where E
+         * allows), so the batch has the chunks for tasks of NTILE_MAX tiles
+         * on a 132-SM GPU (Qwen3: ~128 chunks x 48 gate_up tiles over 2 x 396
+         * CTAs): token 3's experts then run as split-M tasks, whose sums must
+         * be the split-K tasks' */
+        const uint32_t QT = cf.max_tokens < 128 ? cf.max_tokens : 128, no = p->E - p->k;
+        int32_t *others = malloc(sizeof(int32_t) * (no ? no : 1));
+        for (uint32_t e = 0, n = 0; e < p->E; e++) {
+            uint32_t j = 0;
+            while (j < p->k && a.ids[3 * p->k + j] != (int32_t)e)
+                j++;
+            if (j == p->k && n < no)
+                others[n++] = (int32_t)e;
+        }
+        for (uint32_t crowd = 12; crowd <= 24; crowd += 12) {
+            const uint32_t pos = crowd / 2 + 1;
+            struct io c4;
+            io_alloc(&c4, QT, p->H, p->k);
+            io_fill(&c4, p->E, R_UNIFORM, 80 + crowd);
+            for (uint32_t t = 0; t < QT; t++)
+                for (uint32_t j = 0; j < p->k; j++)
+                    c4.ids[t * p->k + j] = t < crowd || no < p->k
+                                               ? a.ids[3 * p->k + j]
+                                               : others[((t - crowd) * p->k + j) % no];
+            memcpy(c4.x + (size_t)pos * p->H, a.x + (size_t)3 * p->H, (size_t)p->H * 2);
+            memcpy(c4.w + pos * p->k, a.w + 3 * p->k, p->k * 4);
+            int s5 = run_batch(be, &wt, &c4, 3);
+            result(s5 == 0 &&
+                       memcmp(y1 + (size_t)3 * p->H, c4.y + (size_t)pos * p->H, (size_t)p->H * 2) == 0,
+                   "%-36s token in a split-M chunk (%u of %u tokens): bit-identical", p->name, crowd,
+                   QT);
+            io_free(&c4);
+        }
+        free(others);
         free(y1);
         io_free(&a);
         io_free(&b2);
