@@ -332,11 +332,11 @@ __device__ __forceinline__ void run_task(const struct moe_gpu_params &p,
             mm_task_splitm<SPLITM_NT>(p, L, r, is_gu, e, p0, cnt, rt0, sw_cta, ctr, next);
         return;
     }
-    /* a narrow chunk; or a wide one in a shorter task (an expert's last tile
-     * group, a batch of one-tile tasks: rare, and the wide rings of fewer
-     * tiles would cost registers everywhere), as narrow passes of up to 8
-     * pairs one after another (the same sums per column), the next task
-     * claimed in the last */
+    /* a narrow chunk; or a crowded one in a shorter task (an expert's last
+     * tile group, a batch of one-tile tasks) or of a shape whose K units do
+     * not divide among the warps, as narrow passes of up to 8 pairs one
+     * after another (the same sums per column), the next task claimed in
+     * the last */
     for (unsigned c0 = 0;;) {
         const unsigned n = min(cnt - c0, (unsigned)CHUNK_TOKENS);
         const bool last = c0 + n == cnt;
