@@ -58,22 +58,6 @@ __device__ __forceinline__ void sm_out(const float (&acc)[MR][NT][4], size_t row
                     acc[m][n][c];
 }
 
-/* to += from, from = 0: a residue's chain added to the sums in the order
- * task_splitk's reduction adds the warps' partials */
-template <int NT>
-__device__ __forceinline__ void acc_fold(float (&to)[MR][NT][4], float (&from)[MR][NT][4])
-{
-#pragma unroll
-    for (int m = 0; m < MR; m++)
-#pragma unroll
-        for (int n = 0; n < NT; n++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                to[m][n][c] += from[m][n][c];
-                from[m][n][c] = 0.f;
-            }
-}
-
 template <int NT, bool RES>
 __global__ void __launch_bounds__(THREADS, MINB)
     splitm_probe(const uint8_t *__restrict__ w, unsigned n_exp, unsigned rt, unsigned units,

@@ -13,19 +13,21 @@ struct xsrc {
     unsigned p0, ld, cnt;
 };
 
-/* The activation chunks this lane copies into a stage: chunk c = lane + 32 i
- * is row c / 8 of the task's rows, 16-byte part c % 8; xrow[i] points at it
- * plus off elements, or is null for a row at or past cnt. */
+/* The activation chunks thread th of nth copies into a stage: chunk c = th
+ * + nth i is row c / 8 of the task's rows, 16-byte part c % 8; xrow[i]
+ * points at it plus off elements, or is null for a row at or past cnt. A
+ * warp's own stages: th = lane, nth = 32 (the default); the CTA's shared
+ * ring (task_splitm): th = threadIdx.x, nth = THREADS. */
 template <int XR>
-__device__ __forceinline__ void x_rows(const xsrc &xs, size_t off, const uint16_t *(&xrow)[XR])
+__device__ __forceinline__ void x_rows(const xsrc &xs, size_t off, const uint16_t *(&xrow)[XR],
+                                       unsigned th = threadIdx.x & 31, unsigned nth = 32)
 {
-    const unsigned lane = threadIdx.x & 31;
 #pragma unroll
     for (int i = 0; i < XR; i++) {
-        const unsigned row = (lane + 32 * i) >> 3;
+        const unsigned c = th + nth * i, row = c >> 3;
         xrow[i] = row < xs.cnt
                       ? xs.base + (size_t)(xs.tok ? xs.tok[xs.p0 + row] : xs.p0 + row) * xs.ld +
-                            (lane & 7) * 8 + off
+                            (c & 7) * 8 + off
                       : nullptr;
     }
 }
@@ -49,6 +51,22 @@ __device__ __forceinline__ void zero_acc(float (&a)[NTILE][MR][NT][4])
 #pragma unroll
     for (int j = 0; j < NTILE; j++)
         zero_acc<NT>(a[j]);
+}
+
+/* to += from, from = 0: a residue's chain added to the sums in the order
+ * task_splitk's reduction adds the warps' partials (task_splitm) */
+template <int NT>
+__device__ __forceinline__ void acc_fold(float (&to)[MR][NT][4], float (&from)[MR][NT][4])
+{
+#pragma unroll
+    for (int m = 0; m < MR; m++)
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                to[m][n][c] += from[m][n][c];
+                from[m][n][c] = 0.f;
+            }
 }
 
 /* acc[j] = src when j == i (i uniform across the warp; unrolled, so the

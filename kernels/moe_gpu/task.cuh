@@ -115,13 +115,7 @@ __device__ __forceinline__ void task_splitm(const uint8_t *wtask, unsigned tile_
     const unsigned lw = (lane < UL ? lane : lane - (32 - UL)) * 16; /* lanes >= UL repeat */
     const uint8_t *const wt = wtask + (size_t)warp * tile_units * UB + lw;
     const uint16_t *xrow[XR]; /* chunk tid + THREADS i: row c / 8, 16-byte part c % 8 */
-#pragma unroll
-    for (int i = 0; i < XR; i++) {
-        const unsigned c = tid + THREADS * i, row = c >> 3;
-        xrow[i] = row < xs.cnt ? xs.base + (size_t)(xs.tok ? xs.tok[xs.p0 + row] : xs.p0 + row) * xs.ld +
-                                     (c & 7) * 8
-                               : nullptr;
-    }
+    x_rows(xs, 0, xrow, tid, THREADS);
     const unsigned q4 = tile_units / NWARPS; /* units per residue */
     float cur[MR][NT][4];
     zero_acc<NT>(out);
@@ -165,16 +159,7 @@ __device__ __forceinline__ void task_splitm(const uint8_t *wtask, unsigned tile_
             unit_mma<NT>(wring + s * UB, xb, cur);
             s = s + 1 == WS ? 0 : s + 1;
         }
-        /* residue r's chain done: added as warp r's partial */
-#pragma unroll
-        for (int m = 0; m < MR; m++)
-#pragma unroll
-            for (int n = 0; n < NT; n++)
-#pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    out[m][n][c] += cur[m][n][c];
-                    cur[m][n][c] = 0.f;
-                }
+        acc_fold<NT>(out, cur); /* residue r's chain done: added as warp r's partial */
     }
     if (tid == 0 && ctr)
         next = atomicAdd(ctr, 1u);
