@@ -191,21 +191,20 @@ extern "C" size_t moe_gpu_state_bytes(const struct moe_gpu_dims *d)
     return sizeof(struct moe_state) + sizeof(unsigned) * (d->n_experts + d->n_shared);
 }
 
-/* The routing tables pos and tok (2 bytes per (token, slot) entry each) live
- * in a per-CTA region of device memory, leaving shared memory to the stages
- * (H200 2026-11-29: neutral by itself, v9a; it is what lets 4 stages and 4
- * CTAs per SM fit, v15). */
+/* The routing's region of device memory per CTA (kernel.cuh,
+ * moe_route_region): the CTA's pos and tok (2 bytes per (token, slot) entry
+ * each; in device memory, not shared, which leaves shared memory to the
+ * stages: H200 2026-11-29, v9a, v15), then room for a copy of its tables
+ * (counts, offsets, chunk starts, the chunk table: moe_gpu_smem_route_bytes),
+ * which CTA 0 fills when a batch shares its routing. */
 extern "C" uint32_t moe_gpu_route_gmem_bytes(const struct moe_gpu_dims *d)
 {
-    size_t ks = d->top_k + d->n_shared;
-    return (uint32_t)(2 * sizeof(uint16_t) * d->max_tokens * ks);
+    return (uint32_t)moe_route_region(*d);
 }
 
 extern "C" uint32_t moe_gpu_smem_route_bytes(const struct moe_gpu_dims *d)
 {
-    size_t ne = d->n_experts + d->n_shared;
-    size_t b = sizeof(unsigned) * (ne + 2 * (ne + 1)) + sizeof(uint16_t) * CTAB;
-    return (uint32_t)((b + 127) & ~(size_t)127); /* stages 128-byte aligned */
+    return (uint32_t)moe_route_smem(*d);
 }
 
 static int smem_total(const struct moe_gpu_dims *d)

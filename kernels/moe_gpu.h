@@ -120,7 +120,7 @@ void moe_gpu_repack_expert(const struct moe_expert *ex, uint32_t hidden, uint32_
 size_t moe_gpu_state_bytes(const struct moe_gpu_dims *d);
 /* Dynamic shared memory: routing tables + per-warp stages. */
 uint32_t moe_gpu_smem_route_bytes(const struct moe_gpu_dims *d);
-/* Device memory for the routing tables of one CTA. */
+/* Device memory for the routing of one CTA (the grid: this many each). */
 uint32_t moe_gpu_route_gmem_bytes(const struct moe_gpu_dims *d);
 /* Total dynamic shared memory per CTA (routing + stages). */
 uint32_t moe_gpu_smem_bytes(const struct moe_gpu_dims *d);

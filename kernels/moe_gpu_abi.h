@@ -169,7 +169,7 @@ struct moe_gpu_params {
                            zeros (what an empty slot adds) */
     uint64_t start_seq; /* first seq this launch processes */
     uint32_t smem_route;/* bytes of the routing part of dynamic smem */
-    uint16_t *route_g;  /* device: per-CTA pos/tok tables, moe_gpu_route_gmem_bytes each */
+    uint16_t *route_g;  /* device: per-CTA routing regions, moe_gpu_route_gmem_bytes each */
     /* doorbell channels (n_chans 0: none; the kernel then polls the host ring only) */
     struct moe_gpu_chan_ent *chans;     /* device: [n_chans] */
     struct moe_gpu_chanctl *chanctl;    /* device pointer of the mapped block */

@@ -9,7 +9,8 @@ Per file:
 - the batch's span (the first CTA's go to the last CTA's task loop end) and the
   SM clock (clock64 over %globaltimer, median over the CTAs);
 - the CTAs' time split into: pre-go (waiting for the batch's release),
-  stage (its slice of x), route (the routing), to-first (-> its first task's
+  stage (its slice of x), route (the routing: built, or, in a batch whose
+  routing CTA 0 builds alone, waited for and its tables copied), to-first (-> its first task's
   claim seen), decode, ready (x staged / the expert's gate_up tiles / every down
   tile; thread 0 first releases the last task's tiles' counter), stream (->
   every warp's K loop done), reduce (split-K sums), epilogue, release (the

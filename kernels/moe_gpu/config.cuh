@@ -53,6 +53,16 @@ constexpr int CHUNK_TOKENS = 8;
  * and T <= 128 within 1 % (bench/NOTES.md stop 38) */
 constexpr int SPLITM_NT = 4;
 constexpr int SPLITM_TOKENS = SPLITM_NT * CHUNK_TOKENS;
+/* a batch of at least SPLIT_T tokens has its routing built once, by CTA 0
+ * while the others stage x, and runs its down tasks in two parts, the first
+ * of at most SPLIT_EIGHTHS eighths of the tile groups, the combine of its
+ * columns beside the second (sched). H200 2026-12-06: Qwen3 T = 256 -5.5 %,
+ * T = 128 -2.8 % (routing and parts for every T: +1 to +3 % at T <= 64, so
+ * smaller batches keep the per-CTA routing and one part); H100: Qwen3 T = 256
+ * -4.9 %, T <= 64 within 1 %; first part 5 / 8 against 4 / 8 a further -0.8
+ * % at T = 128 and 256, 6 / 8 +1 % (bench/NOTES.md stop 39) */
+constexpr unsigned SPLIT_T = 128;
+constexpr unsigned SPLIT_EIGHTHS = 5;
 /* row tiles per gate_up / down task, at most (task_mma_full's steady state).
  * H200: 4 against 1, +1-4% (DeepSeek-V3), Qwen3 T = 64 +8%, T = 256 +18% (v9d);
  * 2 at most: worse (v15) */
@@ -114,9 +124,10 @@ struct moe_state {
     unsigned int stop_dev;
     unsigned int task_ctr;
     unsigned int cta_done;
-    unsigned int dn_done;
+    unsigned int dn_part[2]; /* down tiles done, of each part (sched) */
     unsigned int exit_ctr;
     unsigned int x_done; /* CTAs that finished their slice of the x staging */
+    unsigned int route_done; /* 1: CTA 0 has published the batch's routing */
     unsigned int gu_all, dn_all; /* tiles done in this batch (phase timestamps) */
     unsigned long long src_seq;  /* the current batch's seq in its source */
     unsigned long long t0;       /* %globaltimer when the dispatcher took it */

@@ -47,8 +47,9 @@ __device__ __forceinline__ void batch_end(const struct moe_gpu_params &p, unsign
             st->gu_done[i] = 0;
         if (tid == 0) {
             st->task_ctr = 0;
-            st->dn_done = 0;
+            st->dn_part[0] = st->dn_part[1] = 0;
             st->x_done = 0;
+            st->route_done = 0;
             st->gu_all = 0;
             st->dn_all = 0;
             st->cta_done = 0;
@@ -312,7 +313,10 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
      * is live across the K loops, and at 128 registers it spilled (sm_90a:
      * 20 bytes, stored and reloaded once per task). */
     __shared__ bool s_x_ready; /* tid 0 has seen every CTA's x staged */
-    __shared__ unsigned s_cb0; /* the first combine task this CTA took, ~0u: none yet */
+    __shared__ unsigned s_cb0; /* the first combine task this CTA took (its index among
+                                  them), ~0u: none yet */
+    __shared__ unsigned s_cbw; /* tid 0 has seen part 0's down tiles (1), every one (2) */
+    __shared__ sched s_sc;     /* the batch's task order */
 #if MOE_GPU_TASK_LOG
     __shared__ unsigned s_tl; /* tasks logged this batch */
 #endif
@@ -334,8 +338,11 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
     r.off = r.cnt + NE;
     r.chs = r.off + NE + 1;
     r.ctab = reinterpret_cast<uint16_t *>(r.chs + NE + 1);
-    r.pos = p.route_g + (size_t)blockIdx.x * (2 * (size_t)p.d.max_tokens * KS);
-    r.tok = r.pos + (size_t)p.d.max_tokens * KS;
+    /* the routing's region of device memory per CTA (moe_gpu_route_gmem_bytes):
+     * this CTA's pos and tok, and CTA 0's tables where a batch shares them */
+    const size_t rreg = moe_route_region(p.d);
+    uint4 *const rtab = reinterpret_cast<uint4 *>(reinterpret_cast<uint8_t *>(p.route_g) +
+                                                  moe_route_tables_off(p.d));
     uint8_t *sw = smem + p.smem_route + warp * WARP_SMEM;
     /* Every thread of the CTA here before any starts the batch loop. Nothing
      * needs it since the bulk-copy pipeline and its mbarriers are gone (they
@@ -540,19 +547,26 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
         }
 #endif
 
-        /* ---- stage this CTA's slice of x into device memory: x may be
-         * mapped host memory, and PCIe needs many SMs' loads in flight.
-         * A COMBINE batch reads no x: its rows [T * KS, H] go to dout the
-         * same way (entry t * KS + j to dout row t * KS + j) ---- */
+        /* ---- this CTA's slice of x into device memory: x may be mapped
+         * host memory, and PCIe needs many SMs' loads in flight. A batch of
+         * SPLIT_T tokens or more shares one routing, which CTA 0 builds
+         * meanwhile: it stages no x (unless it is the grid). A COMBINE batch
+         * reads no x: its rows [T * KS, H] go to dout the same way (entry t
+         * * KS + j to dout row t * KS + j) ---- */
         const unsigned T = sd.n_tokens;
+        const bool one_route = T >= SPLIT_T && gridDim.x > 1;
         {
-            const bool comb = sd.flags & MOE_GPU_COMBINE;
-            const uint4 *xsrc = (const uint4 *)(comb ? sd.rows : sd.x);
-            uint4 *xd = comb ? (uint4 *)p.dout : (uint4 *)p.xs;
-            const unsigned nx = comb ? T * KS * p.d.hidden / 4 : T * p.d.hidden / 8;
-            for (unsigned i = blockIdx.x * THREADS + tid; i < nx; i += gridDim.x * THREADS)
-                xd[i] = __ldcv(xsrc + i);
-            __threadfence();
+            const unsigned nst = gridDim.x - one_route; /* CTAs that stage */
+            if (blockIdx.x > 0 || !one_route) {
+                const bool comb = sd.flags & MOE_GPU_COMBINE;
+                const uint4 *xsrc = (const uint4 *)(comb ? sd.rows : sd.x);
+                uint4 *xd = comb ? (uint4 *)p.dout : (uint4 *)p.xs;
+                const unsigned nx = comb ? T * KS * p.d.hidden / 4 : T * p.d.hidden / 8;
+                for (unsigned i = (blockIdx.x - one_route) * THREADS + tid; i < nx;
+                     i += nst * THREADS)
+                    xd[i] = __ldcv(xsrc + i);
+                __threadfence();
+            }
             __syncthreads();
             if (tid == 0 && atomicAdd(&st->x_done, 1u) == gridDim.x - 1)
                 st_relaxed_sys(&ctrl->phase_ns[2], globaltimer_ns());
@@ -562,10 +576,39 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
 #endif
         }
 
-        /* ---- route (a COMBINE batch: no pairs, its rows into dout) ---- */
+        /* ---- the routing (a COMBINE batch: no pairs, its rows into dout).
+         * A batch of fewer than SPLIT_T tokens: built by every CTA for
+         * itself, its pos and tok in the CTA's own region. A larger one: built
+         * once, by CTA 0, while the other CTAs stage x (pos and tok in CTA
+         * 0's region, its tables copied there), the other CTAs copying its
+         * tables into their own shared memory: built by every CTA after its
+         * slice of x, it held the first tasks back by 8-17 us at T = 256, and
+         * CTA 0's alone cost T <= 64 up to 1 % (H100 and H200 2026-12-06,
+         * bench/NOTES.md stop 39) ---- */
         const struct moe_gpu_layer L = p.layers[sd.layer];
-        build_route(p.d, T, p.ids_s, r, sd.flags, sd.ep_n, sd.ep_shard, &st->x_done,
-                    smem + p.smem_route);
+        r.pos = reinterpret_cast<uint16_t *>(reinterpret_cast<uint8_t *>(p.route_g) +
+                                             (one_route ? 0 : blockIdx.x) * rreg);
+        r.tok = r.pos + (size_t)p.d.max_tokens * KS;
+        if (!one_route || blockIdx.x == 0) {
+            build_route(p.d, T, p.ids_s, r, sd.flags, sd.ep_n, sd.ep_shard, &st->x_done,
+                        smem + p.smem_route);
+            if (one_route) {
+                for (unsigned i = tid; i < p.smem_route / 16; i += THREADS)
+                    rtab[i] = reinterpret_cast<const uint4 *>(smem)[i];
+                __threadfence();
+                __syncthreads();
+                if (tid == 0)
+                    st_release_gpu32(&st->route_done, 1);
+            }
+        } else {
+            if (tid == 0)
+                while (!ld_acquire_gpu32(&st->route_done))
+                    __nanosleep(32);
+            __syncthreads();
+            for (unsigned i = tid; i < p.smem_route / 16; i += THREADS)
+                reinterpret_cast<uint4 *>(smem)[i] = __ldcg(rtab + i);
+            __syncthreads();
+        }
         const unsigned n_ch = r.chs[NE];
 #if MOE_GPU_TASK_LOG
         if (tid == 0 && blockIdx.x < MOE_GPU_TLOG_CTAS)
@@ -590,11 +633,14 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
         const unsigned n_cblk = (p.d.hidden + 255) / 256;
         const unsigned n_cu = T * n_cblk, n_cb = (n_cu + NWARPS - 1) / NWARPS;
         /* a ROWS batch has no combine units: its rows are copied after the loop */
-        const unsigned total = n_gu + n_dn + ((sd.flags & MOE_GPU_ROWS) ? 0u : n_cb);
+        const bool combine = !(sd.flags & MOE_GPU_ROWS);
+        const unsigned total = n_gu + n_dn + (combine ? n_cb : 0u);
         uint8_t *sw_cta = smem + p.smem_route;
         if (tid == 0) {
+            s_sc = make_sched(n_ch, TPC_GU, TPC_DN, NTD, T, n_cblk, combine);
             s_x_ready = false;
             s_cb0 = ~0u;
+            s_cbw = 0;
             s_rel = nullptr;
             s_task = atomicAdd(&st->task_ctr, 1u);
         }
@@ -607,7 +653,7 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                 if (s_rel) {
                     red_release_gpu(s_rel, s_reln);
 #if MOE_GPU_PHASES
-                    const bool g = s_rel != &st->dn_done;
+                    const bool g = s_rel != &st->dn_part[0] && s_rel != &st->dn_part[1];
                     if (atomicAdd(g ? &st->gu_all : &st->dn_all, s_reln) + s_reln ==
                         (g ? gu_tiles : dn_tiles))
                         st_relaxed_sys(&ctrl->phase_ns[g ? 3 : 4], globaltimer_ns());
@@ -621,16 +667,20 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                 break;
             }
             TLOG_STAMP(0);
-            if (t < n_gu + n_dn) {
-                const bool is_gu = t < n_gu;
-                const unsigned tt = is_gu ? t : t - n_gu, TPC = is_gu ? TPC_GU : TPC_DN;
+            const pick pk = pick_task(s_sc, t);
+            if (pk.kind < 3) {
+                const bool is_gu = pk.kind == 0;
+                /* part 1's down tasks: tile groups [dp0, TPC_DN) of each chunk */
+                const unsigned tg0 = pk.kind == 2 ? s_sc.dp0 : 0u;
+                const unsigned TPC = is_gu ? TPC_GU : pk.kind == 1 ? s_sc.dp0 : TPC_DN - tg0;
                 const unsigned RT = is_gu ? RT_GU : RT_DN, NTT = is_gu ? NTG : NTD;
-                /* an expert's tasks are [chs[e] TPC, chs[e+1] TPC), tile group
-                 * major: the chunks of one tile group run back to back, so a
-                 * crowded expert's weights are re-read from L2, not HBM */
-                const unsigned e = chunk_expert(r, NE, tt / TPC);
-                const unsigned nch = r.chs[e + 1] - r.chs[e], loc = tt - r.chs[e] * TPC;
-                const unsigned tg = loc / nch, c = loc - tg * nch, rt0 = tg * NTT;
+                /* a part's tasks of an expert are [chs[e] TPC, chs[e+1] TPC),
+                 * tile group major: the chunks of one tile group run back to
+                 * back, so a crowded expert's weights are re-read from L2, not
+                 * HBM */
+                const unsigned e = chunk_expert(r, NE, pk.i / TPC);
+                const unsigned nch = r.chs[e + 1] - r.chs[e], loc = pk.i - r.chs[e] * TPC;
+                const unsigned tg = loc / nch, c = loc - tg * nch, rt0 = (tg0 + tg) * NTT;
                 const unsigned ntiles = min(NTT, RT - rt0);
                 const unsigned ne = r.cnt[e], ct = chunk_size(ne);
                 const unsigned p0 = r.off[e] + c * ct, cnt = min(ct, ne - c * ct);
@@ -654,7 +704,7 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                 TLOG_STAMP(2);
                 __syncthreads(); /* also: every thread has read s_task */
                 unsigned next = 0; /* tid 0: the next task, claimed in the task */
-                run_task(p, L, r, is_gu, is_gu ? NTG : NTD, e, p0, cnt, rt0, ntiles, sw, sw_cta,
+                run_task(p, L, r, is_gu, NTT, e, p0, cnt, rt0, ntiles, sw, sw_cta,
                          &st->task_ctr, next);
                 /* warps < ntiles wrote tiles rt0 ..: released by tid 0 after the
                  * barrier (which orders their stores before its release) */
@@ -664,7 +714,7 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                                     (unsigned long long)t << 32);
 #endif
                 if (tid == 0) {
-                    s_rel = is_gu ? &st->gu_done[e] : &st->dn_done;
+                    s_rel = is_gu ? &st->gu_done[e] : &st->dn_part[pk.kind - 1];
                     s_reln = ntiles;
                     s_task = next;
                 }
@@ -672,14 +722,21 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
             } else {
                 if (tid == 0) {
                     release_last();
-                    /* the first: every down tile first. A volatile read, by
-                     * tid 0 only: a plain one was loaded by every thread
-                     * while tid 0 stored it (racecheck) */
-                    if (*(volatile unsigned *)&s_cb0 == ~0u) {
-                        while (ld_acquire_gpu32(&st->dn_done) < dn_tiles)
+                    /* the down tiles of its columns: part 0's (its first
+                     * n_c0 tasks), or every one. Volatile reads, by tid 0
+                     * only: a plain one was loaded by every thread while tid
+                     * 0 stored it (racecheck) */
+                    const unsigned need = pk.i < s_sc.n_c0 ? 1u : 2u;
+                    if ((*(volatile unsigned *)&s_cbw & need) == 0) {
+                        while (ld_acquire_gpu32(&st->dn_part[0]) < s_sc.tiles0)
                             __nanosleep(64);
-                        s_cb0 = t;
+                        if (need == 2)
+                            while (ld_acquire_gpu32(&st->dn_part[1]) < dn_tiles - s_sc.tiles0)
+                                __nanosleep(64);
+                        s_cbw |= need == 2 ? 3u : 1u;
                     }
+                    if (*(volatile unsigned *)&s_cb0 == ~0u)
+                        s_cb0 = pk.i;
                 }
 #if MOE_GPU_TASK_LOG
                 if (tid == 0) {
@@ -689,9 +746,9 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                 }
 #endif
                 __syncthreads();
-                const unsigned u = (t - n_gu - n_dn) * NWARPS + warp;
+                const unsigned u = pk.i * NWARPS + warp;
                 if (u < n_cu) /* y from sd here: not a register across the loop */
-                    combine_unit(p, r, u / n_cblk, u % n_cblk, (uint16_t *)sd.y, sw);
+                    combine_unit(p, r, u % T, u / T, (uint16_t *)sd.y, sw);
             }
 #if MOE_GPU_TASK_LOG
             __syncthreads();
@@ -701,11 +758,13 @@ __global__ void __launch_bounds__(THREADS, MINB) moe_persistent(const struct moe
                 s_task = atomicAdd(&st->task_ctr, 1u);
         }
         /* this warp wrote y iff it had a unit in its CTA's first combine task
-         * (a CTA's tasks come in increasing order: the first has its smallest u) */
-        bool wrote_y = s_cb0 != ~0u && (s_cb0 - n_gu - n_dn) * NWARPS + warp < n_cu;
+         * (a CTA takes combine tasks in increasing order: the first has its
+         * smallest units) */
+        bool wrote_y = s_cb0 != ~0u && s_cb0 * NWARPS + warp < n_cu;
         if (sd.flags & MOE_GPU_ROWS) { /* every down tile, then this CTA's rows */
             if (tid == 0)
-                while (ld_acquire_gpu32(&st->dn_done) < dn_tiles)
+                while (ld_acquire_gpu32(&st->dn_part[0]) + ld_acquire_gpu32(&st->dn_part[1]) <
+                       dn_tiles)
                     __nanosleep(64);
             __syncthreads();
             ep_rows_copy(p, r, T, (float *)sd.rows);

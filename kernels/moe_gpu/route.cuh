@@ -1,7 +1,8 @@
-/* route.cuh - routing, built by every CTA for itself: the batch's expert
- * histogram (shared memory), the (token, slot) -> pair position map and the
- * pair -> token list (the CTA's own region of device memory), and the
- * expert owning a chunk. Part of the one translation unit moe_gpu.cu. */
+/* route.cuh - routing, built by every CTA for itself or, for a batch of
+ * SPLIT_T tokens or more, once by CTA 0 (kernel.cuh copies its tables to the
+ * other CTAs): the batch's expert histogram (shared memory), the (token,
+ * slot) -> pair position map and the pair -> token list (device memory), and
+ * the expert owning a chunk. Part of the one translation unit moe_gpu.cu. */
 
 struct route {
     unsigned *cnt;     /* [NE] pairs per expert */
@@ -11,6 +12,26 @@ struct route {
     uint16_t *pos;     /* [T*KS] pair position of entry (t, j) */
     uint16_t *tok;     /* [T*KS] token of pair */
 };
+
+/* The routing's tables in shared memory (cnt, off, chs, ctab: the route
+ * below), a multiple of 128 bytes (the stages after them 128-byte aligned);
+ * a CTA's region of device memory (moe_gpu_route_gmem_bytes): its pos and
+ * tok, then room for a copy of those tables (16-byte aligned). */
+__host__ __device__ inline size_t moe_route_smem(const struct moe_gpu_dims &d)
+{
+    const size_t ne = d.n_experts + d.n_shared;
+    const size_t b = sizeof(unsigned) * (ne + 2 * (ne + 1)) + sizeof(uint16_t) * CTAB;
+    return (b + 127) & ~(size_t)127;
+}
+__host__ __device__ inline size_t moe_route_tables_off(const struct moe_gpu_dims &d)
+{
+    return (2 * sizeof(uint16_t) * (size_t)d.max_tokens * (d.top_k + d.n_shared) + 15) &
+           ~(size_t)15;
+}
+__host__ __device__ inline size_t moe_route_region(const struct moe_gpu_dims &d)
+{
+    return moe_route_tables_off(d) + moe_route_smem(d);
+}
 
 /* Pairs per chunk of an expert with n pairs: CHUNK_TOKENS (one n-tile) for
  * an expert with at most that many, else SPLITM_TOKENS (a crowded chunk: a
@@ -79,9 +100,9 @@ constexpr int ROUTE_LD = 4;
  * it and without it, bench/NOTES.md) */
 constexpr int ROUTE_SMALL = 4;
 
-/* The batch's routing, built by every CTA for itself from the staged ids
- * (the same tables in every CTA): pair positions grouped by expert, in entry
- * order within an expert. Every load is independent of the others (H200
+/* The batch's routing, built by a CTA from the staged ids into its shared
+ * memory (the tables) and r.pos, r.tok: pair positions grouped by expert, in
+ * entry order within an expert. Every load is independent of the others (H200
  * 2026-12-04: the walk by one warp over the ids in device memory, one L2
  * round trip per 32 entries, then a second pass reading them and pos back,
  * took 20-50 us of every CTA at T = 256 before its first task):

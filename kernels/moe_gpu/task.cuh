@@ -428,6 +428,69 @@ __device__ __forceinline__ void ep_rows_copy(const struct moe_gpu_params &p, con
     }
 }
 
+/* The batch's task order. n_gu gate_up tasks; the down tasks of part 0 (tile
+ * groups [0, dp0) of every chunk, dp0 at most SPLIT_EIGHTHS eighths of them
+ * and ending on a column block: the rows of y's first dp0 NTD / 8 column
+ * blocks of 256); then part 1's (tile groups [dp0, TPC_DN)) with the n_c0
+ * combine tasks of part 0's column blocks mixed in evenly after `lag` down
+ * tasks (one per CTA, while part 0's last ones finish); then the other
+ * combine tasks. So most of y is summed and written (over PCIe, where y is
+ * host memory) while part 1's weights stream, not after the last down tile:
+ * with y in device memory instead, Qwen3 T = 256 took 6.7 % less (H100
+ * 2026-12-06, bench/NOTES.md stop 39). Each part's tasks are expert-major,
+ * tile group, then chunk (a crowded expert's chunks back to back: its tile
+ * group re-read from L2). Combine units are column-block major (unit u:
+ * block u / T, token u % T). dp0 = 0 (one part, the down tasks in one
+ * expert-major order) when y has one column block, the batch has no combine
+ * or fewer than SPLIT_T tokens. */
+struct sched {
+    unsigned n_gu, n_dn0, n_dn1, n_c0, lag, dp0, tiles0;
+};
+__device__ __forceinline__ sched make_sched(unsigned n_ch, unsigned TPC_GU, unsigned TPC_DN,
+                                            unsigned NTD, unsigned T, unsigned n_cblk,
+                                            bool combine)
+{
+    sched s;
+    s.dp0 = 0;
+    if (combine && n_cblk > 1 && T >= SPLIT_T)
+        for (unsigned q = TPC_DN * SPLIT_EIGHTHS / 8; q > 0; q--)
+            if (q * NTD % 8 == 0) { /* part 0 ends on a column block */
+                s.dp0 = q;
+                break;
+            }
+    s.n_gu = n_ch * TPC_GU;
+    s.n_dn0 = n_ch * s.dp0;
+    s.n_dn1 = n_ch * (TPC_DN - s.dp0);
+    s.n_c0 = s.dp0 * NTD / 8 * T / NWARPS; /* whole tasks of part 0's blocks */
+    s.lag = min(s.n_dn1, gridDim.x);
+    s.tiles0 = s.n_dn0 * NTD;
+    return s;
+}
+/* Task t's kind (0 gate_up, 1 down of part 0, 2 down of part 1, 3 combine)
+ * and its index among its kind's tasks in order */
+struct pick {
+    unsigned kind, i;
+};
+__device__ __forceinline__ pick pick_task(const sched &s, unsigned t)
+{
+    if (t < s.n_gu)
+        return {0, t};
+    t -= s.n_gu;
+    if (t < s.n_dn0)
+        return {1, t};
+    t -= s.n_dn0;
+    if (t >= s.n_dn1 + s.n_c0)
+        return {3, t - s.n_dn1};
+    if (t < s.lag || s.n_c0 == 0)
+        return {2, t};
+    /* slot m of the mix: a combine task where the running share of them
+     * steps up (k1 > k0) */
+    const unsigned m = t - s.lag, tot = s.n_dn1 - s.lag + s.n_c0;
+    const unsigned k0 = (unsigned)((unsigned long long)m * s.n_c0 / tot);
+    const unsigned k1 = (unsigned)((unsigned long long)(m + 1) * s.n_c0 / tot);
+    return k1 > k0 ? pick{3, k0} : pick{2, s.lag + m - k1};
+}
+
 /* Row tiles per task for a phase of `tiles` tiles on `grid` CTAs: as many as
  * NTILE_MAX while every CTA still gets NTILE_WAVES tasks. Longer
  * tasks pay the pipeline fill, the split-K barrier and the claim once per
