@@ -11,7 +11,7 @@
 #     splitm         scripts/device-profile.sh splitm (SM_SHAPES narrows it)
 #     variants=A,B   scripts/device-variants.sh run A B (a name twice runs twice)
 #     tasklog=A,B    task logs of variants built with -DMOE_GPU_TASK_LOG=1
-#                    (BENCH_TASKLOG; scripts/tasklog.py's parts per T)
+#                    (BENCH_TASKLOG; scripts/tasklog.py --rate --start per T)
 #     check=A,B      the GPU checks (gpu_test_moe_gpu) of variants A, B
 #     test           make test-gpu (BUILD=build-cuda scripts/device-gpu.sh test)
 #     bench          make bench (scripts/device-gpu.sh bench, BENCH_* as set)
@@ -65,7 +65,8 @@ for step in "$@"; do
                 for f in "$S/$name/$v"/*.bin; do
                     [ -f "$f" ] || continue
                     echo "== $v $(basename "$f" .bin)"
-                    python3 scripts/tasklog.py "$f" 2>&1 | grep -E '^==|CTA time|tiles:|span'
+                    python3 scripts/tasklog.py --rate --start "$f" 2>&1 |
+                        grep -E '^==|CTA time|tiles:|span|timeline|TB/s|start|staged|routed|first|/[0-9]+/'
                 done >> "$S/$name.sum"
             done ;;
         check=*)

@@ -3,7 +3,7 @@
 kernel's last batch (a kernel built with -DMOE_GPU_TASK_LOG=1, bench_moe with
 BENCH_TASKLOG=dir; layout in kernels/moe_gpu.h, moe_gpu_task_log). Pure Python.
 
-  scripts/tasklog.py [--rate] FILE.bin [...]    FILE: PRESET-TT.bin as bench_moe writes it
+  scripts/tasklog.py [--rate] [--start] FILE.bin [...]    FILE: PRESET-TT.bin as bench_moe writes it
 
 Per file:
 - the batch's span (the first CTA's go to the last CTA's task loop end) and the
@@ -22,7 +22,10 @@ Per file:
   (TASKLOG_STREAM_TBS, default 4.53);
 - a timeline of how many CTAs stream gate_up / down and run combine tasks; with
   --rate, the weight bytes streamed per bin (TB/s, tasks' bytes spread evenly
-  over their stream part).
+  over their stream part);
+- with --start, when the CTAs got going (us from the first go, min / p10 / p50 /
+  p90 / max over the CTAs): their slice of x staged, routed, their first task
+  ready (its wait for x or its gate_up tiles done), its stream part's end.
 """
 import os
 import re
@@ -81,11 +84,15 @@ def summarize(path):
                         ["between", "combine", "after-last"], 0.0)
     kinds = {}
     ev = []
+    start = []
     span = max(ns(c, hdr[c * 8 + 3]) for c in ctas)
     for c in ctas:
         go, routed = ns(c, hdr[c * 8 + 1]), ns(c, hdr[c * 8 + 2])
         cat["pre-go"] += go
         staged = ns(c, hdr[c * 8 + 6]) if hdr[c * 8 + 6] else go  # (older logs: all in route)
+        if hdr[c * 8 + 5]:
+            b = c * N * W
+            start.append((staged, routed, ns(c, ents[b + 2]), ns(c, ents[b + 3])))
         cat["stage"] += staged - go
         cat["route"] += routed - staged
         prev = routed
@@ -113,10 +120,17 @@ def summarize(path):
             ev.append((st[2], st[3], kind, task_bytes(model, kind, nt)))
         cat["after-last"] += span - prev
     return {"model": model, "T": T, "grid": len(ctas), "mhz": f * 1e3, "span_ns": span,
-            "cat": cat, "kinds": kinds, "ev": ev}
+            "cat": cat, "kinds": kinds, "ev": ev, "start": start}
 
 
-def main(path, rate):
+def quantiles(v):
+    """min, p10, p50, p90, max of a non-empty list"""
+    v = sorted(v)
+    n = len(v)
+    return v[0], v[n // 10], v[n // 2], v[9 * n // 10], v[-1]
+
+
+def main(path, rate, start=False):
     s = summarize(path)
     if s is None:
         print("%s: no CTA logged" % path)
@@ -155,13 +169,19 @@ def main(path, rate):
     print("   " + " ".join("%d/%d/%d" % tuple(round(x) for x in bb[:3]) for bb in bins))
     if rate:
         print("   weight TB/s per bin: " + " ".join("%.2f" % (bb[3] / w / 1e3) for bb in bins))
+    if start and s["start"]:
+        print("   start (us from the first go: min / p10 / p50 / p90 / max over %d CTAs):" %
+              len(s["start"]))
+        for i, name in enumerate(["x staged", "routed", "first ready", "first streamed"]):
+            print("   %-14s " % name + " / ".join("%.1f" % (x / 1e3) for x in
+                                                  quantiles([r[i] for r in s["start"]])))
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    rate = "--rate" in args
-    args = [a for a in args if a != "--rate"]
+    rate, start = "--rate" in args, "--start" in args
+    args = [a for a in args if a not in ("--rate", "--start")]
     if not args:
         sys.exit(__doc__)
     for p in args:
-        main(p, rate)
+        main(p, rate, start)

@@ -76,6 +76,10 @@ def test_parts_clock_and_older_batches(tmp_path):
     assert s["kinds"][(2, 0)][0] == 1
     # each task's stream part with the weight bytes of its tiles (Qwen3: K 2048 gate_up, 768 down)
     assert sorted(e[3] for e in s["ev"]) == [0, 4 * 12 * 1152, 4 * 32 * 1152, 4 * 32 * 1152]
+    # each CTA's start, from the first go: x staged, routed, first task ready and streamed
+    assert sorted(s["start"]) == [pytest.approx((120, 300, 600, 5600)),
+                                  pytest.approx((290, 300, 550, 4550))]
+    assert tasklog.quantiles([r[2] for r in s["start"]]) == pytest.approx((550, 550, 600, 600, 600))
 
 
 def test_not_a_task_log(tmp_path):
