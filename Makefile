@@ -210,13 +210,15 @@ $(BUILD)/bench/%: bench/%.c $(BUILD)/libmoed.a $(BENCH_CU_OBJ) $(BENCH_LIB_OBJ)
 	    $(LDFLAGS) $(LIBS) $(BENCH_LIBS)
 
 # Python virtual environment for the test helpers (numpy, ml_dtypes,
-# safetensors, pytest, prometheus_client). The package index is asked only
-# when tests/requirements.txt changes; the client package (ipc/python) is
+# safetensors, pytest, prometheus_client, torch, transformers). The package
+# index is asked only when tests/requirements.txt changes, and pip keeps no
+# cache of what it fetched (torch's wheels are ~3 GB: with a cache a fresh
+# venv takes twice that on disk); the client package (ipc/python) is
 # reinstalled from the tree, offline, when its files change.
 venv: $(VENV)/.stamp $(VENV)/.client-stamp
 $(VENV)/.stamp: tests/requirements.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q -r tests/requirements.txt
+	$(VENV)/bin/pip install -q --no-cache-dir -r tests/requirements.txt
 	touch $@
 $(VENV)/.client-stamp: $(VENV)/.stamp ipc/python/pyproject.toml $(wildcard ipc/python/*.md ipc/python/moed_client/*)
 	$(VENV)/bin/pip install -q --no-deps --no-index --no-build-isolation ./ipc/python
