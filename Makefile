@@ -190,8 +190,11 @@ $(BUILD)/tests/libfake_nvml.so: tests/unit/fake_nvml.c
 $(BUILD)/tests/libfake_nvml_partial.so: tests/unit/fake_nvml.c
 	@mkdir -p $(dir $@)
 	$(CC) -std=c11 -D_GNU_SOURCE $(WARN) -O1 -shared -fPIC -DFAKE_NVML_PARTIAL -o $@ $<
+$(BUILD)/tests/libfake_nvml_old.so: tests/unit/fake_nvml.c
+	@mkdir -p $(dir $@)
+	$(CC) -std=c11 -D_GNU_SOURCE $(WARN) -O1 -shared -fPIC -DFAKE_NVML_OLD -o $@ $<
 $(BUILD)/tests/test_power: tests/unit/test_power.c $(BENCH_LIB_OBJ) $(BUILD)/tests/libfake_nvml.so \
-                           $(BUILD)/tests/libfake_nvml_partial.so
+                           $(BUILD)/tests/libfake_nvml_partial.so $(BUILD)/tests/libfake_nvml_old.so
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $(CHECK_CFLAGS) -Itests -Ibench/lib -o $@ $< $(BENCH_LIB_OBJ) $(LDFLAGS) \
 	    $(LIBS) $(CHECK_LIBS)

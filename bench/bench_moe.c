@@ -81,6 +81,17 @@ static uint64_t rng(uint64_t *s) { return moed_splitmix64(s); }
 
 static double now_us(void) { return (double)moed_mono_ns() * 1e-3; }
 
+/* v printed with fmt, or "n/a" where v < 0 (not measured); four slots, so
+ * that one printf can hold four of them */
+static const char *fmt_opt(double v, const char *fmt, int slot)
+{
+    static char buf[4][32];
+    if (v < 0)
+        return "n/a";
+    snprintf(buf[slot & 3], sizeof buf[0], fmt, v);
+    return buf[slot & 3];
+}
+
 static int cmp_d(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
@@ -428,7 +439,8 @@ int main(int argc, char **argv)
             fprintf(csv, "model,T,experts,MB,moed_p50_us,moed_p10_us,moed_p90_us,moed_TBps,frac,"
                          "staged_p50_us,cublas_p50_us,staged_relL2,cublas_relL2,kernel_us,"
                          "dispatch_us,complete_us,payload_copy_us,moed_dev_p50_us,frac_kernel,"
-                         "energy_J_per_GB,power_W,sm_MHz\n");
+                         "energy_J_per_GB,power_W,sm_MHz,timed_sm_MHz,timed_draw_W,temp_C,"
+                         "capped_share,thermal_share\n");
     }
     struct row {
         uint32_t T;
@@ -481,6 +493,10 @@ int main(int argc, char **argv)
             fprintf(stderr, "out of memory\n");
             return 1;
         }
+        /* the clock, draw, temperature and clock event reasons while these
+         * very batches run (the energy window below is another run of them) */
+        struct bench_power_window twin;
+        int twin_ok = pw && bench_power_start(pw, perr, sizeof perr) == 0;
         for (uint32_t it = 0; it < n_it + 10; it++) {
             if (it == 10 && prof_range == 1 &&
                 (wait_idle(be) || cudaProfilerStart() != cudaSuccess)) {
@@ -518,6 +534,8 @@ int main(int argc, char **argv)
                 distinct_sum += distinct;
             }
         }
+        if (twin_ok && bench_power_stop(pw, &twin, perr, sizeof perr))
+            twin_ok = 0;
         if (prof_range == 1) {
             /* the range ends with the kernel gone (idle exit): every batch of
              * it, and nothing else, is counted */
@@ -606,6 +624,13 @@ int main(int argc, char **argv)
         printf("%-14s %5s   phases p50 us: release %.1f  x-stage %.1f  tiles %.1f  down-tail %.1f"
                "  combine %.1f  host+pcie %.1f\n", "", "", med[0], med[1], med[2], med[3], med[4],
                med[5]);
+        if (twin_ok)
+            printf("%-14s %5s   while timed: SM clock p50 %.0f MHz (%.0f-%.0f), draw p50 %.0f W, "
+                   "GPU %s C (max %s), clock held by the power cap in %s of samples, by a thermal "
+                   "slowdown in %s (%u samples)\n", "", "", twin.sm_mhz_p50, twin.sm_mhz_min,
+                   twin.sm_mhz_max, twin.draw_w_p50, fmt_opt(twin.temp_c_p50, "%.0f", 0),
+                   fmt_opt(twin.temp_c_max, "%.0f", 1), fmt_opt(twin.capped_share * 100, "%.0f%%", 2),
+                   fmt_opt(twin.thermal_share * 100, "%.0f%%", 3), twin.samples);
         printf("%-14s %5s   x, y in device memory: p50 %.1f us (%.3f TB/s)\n", "", "", p50_dev,
                bytes / (p50_dev * 1e-6) / 1e12);
         /* payload copy: x in and y out through the pinned staging (host memcpy) */
@@ -726,10 +751,13 @@ int main(int argc, char **argv)
         }
         if (csv)
             fprintf(csv, "%s,%u,%.1f,%.1f,%.1f,%.1f,%.1f,%.3f,%.3f,%.1f,%.1f,%.2e,%.2e,%.1f,%.2f,%.2f,%.1f,%.1f,%.3f,"
-                         "%.4f,%.1f,%.0f\n",
+                         "%.4f,%.1f,%.0f,%.0f,%.0f,%.0f,%.2f,%.2f\n",
                     preset, T, dist, bytes / 1e6, p50, p10, p90, tbs,
                     tbs / stream_tbs, rw->a50, rw->b50, rw->arel, rw->brel, med[8], med[6], med[7],
-                    cpy, p50_dev, tbs_k / stream_tbs, jpgb, watts, mhz);
+                    cpy, p50_dev, tbs_k / stream_tbs, jpgb, watts, mhz,
+                    twin_ok ? twin.sm_mhz_p50 : -1, twin_ok ? twin.draw_w_p50 : -1,
+                    twin_ok ? twin.temp_c_p50 : -1, twin_ok ? twin.capped_share : -1,
+                    twin_ok ? twin.thermal_share : -1);
         fflush(stdout);
         if (xy_kind == MOED_BUF_PINNED) { /* queued; freed when the backend closes */
             be->ops->host_free(be, x);

@@ -14,7 +14,11 @@
 #include <time.h>
 
 typedef struct nvml_device *nvml_device_t; /* nvmlDevice_t: an opaque handle */
-enum { NVML_OK = 0, NVML_CLOCK_SM = 1 };
+enum { NVML_OK = 0, NVML_CLOCK_SM = 1, NVML_TEMPERATURE_GPU = 0 };
+/* nvmlClocksEventReasons bits (NVML's clock event reasons, once "throttle
+ * reasons"): the software power cap; software and hardware thermal slowdown */
+#define REASON_SW_POWER_CAP 0x4ULL
+#define REASON_THERMAL (0x20ULL | 0x40ULL)
 
 /* every 10 ms: 60 s of samples at most, then the window keeps its first ones */
 #define SAMPLE_NS 10000000L
@@ -29,6 +33,8 @@ struct bench_power {
     int (*power)(nvml_device_t, unsigned *);                /* mW */
     int (*limit)(nvml_device_t, unsigned *);                /* mW */
     const char *(*errstr)(int);
+    int (*temp)(nvml_device_t, int, unsigned *);             /* deg C; optional */
+    int (*reasons)(nvml_device_t, unsigned long long *);     /* optional */
     /* the open window */
     int open_window;
     pthread_t thr;
@@ -38,6 +44,8 @@ struct bench_power {
     unsigned n;
     unsigned mhz[MAX_SAMPLES];
     unsigned mw[MAX_SAMPLES];
+    unsigned n_temp, n_reasons, n_capped, n_thermal;
+    unsigned temp_c[MAX_SAMPLES];
 };
 
 static const char *nv_err(const struct bench_power *pw, int r)
@@ -72,6 +80,13 @@ struct bench_power *bench_power_open(const char *pci_bus_id, const char *lib, ch
     pw->power = (int (*)(nvml_device_t, unsigned *))dlsym(pw->lib, "nvmlDeviceGetPowerUsage");
     pw->limit = (int (*)(nvml_device_t, unsigned *))dlsym(pw->lib, "nvmlDeviceGetEnforcedPowerLimit");
     pw->errstr = (const char *(*)(int))dlsym(pw->lib, "nvmlErrorString");
+    pw->temp = (int (*)(nvml_device_t, int, unsigned *))dlsym(pw->lib, "nvmlDeviceGetTemperature");
+    /* the reasons' entry point under its name since R535, else its older one */
+    pw->reasons = (int (*)(nvml_device_t, unsigned long long *))dlsym(
+        pw->lib, "nvmlDeviceGetCurrentClocksEventReasons");
+    if (!pw->reasons)
+        pw->reasons = (int (*)(nvml_device_t, unsigned long long *))dlsym(
+            pw->lib, "nvmlDeviceGetCurrentClocksThrottleReasons");
     if (!init || !by_pci || !pw->shutdown || !pw->energy || !pw->clock || !pw->power ||
         !pw->limit) {
         snprintf(err, errlen, "power: %s lacks an entry point this bench uses", lib);
@@ -106,6 +121,15 @@ static void *sampler(void *arg)
             pw->mhz[pw->n] = mhz;
             pw->mw[pw->n] = mw;
             pw->n++;
+            unsigned t;
+            if (pw->temp && pw->temp(pw->dev, NVML_TEMPERATURE_GPU, &t) == NVML_OK)
+                pw->temp_c[pw->n_temp++] = t;
+            unsigned long long r;
+            if (pw->reasons && pw->reasons(pw->dev, &r) == NVML_OK) {
+                pw->n_reasons++;
+                pw->n_capped += (r & REASON_SW_POWER_CAP) != 0;
+                pw->n_thermal += (r & REASON_THERMAL) != 0;
+            }
         }
         struct timespec ts = {0, SAMPLE_NS};
         while (nanosleep(&ts, &ts) && errno == EINTR)
@@ -126,7 +150,7 @@ int bench_power_start(struct bench_power *pw, char *err, size_t errlen)
         return -1;
     }
     clock_gettime(CLOCK_MONOTONIC, &pw->t0);
-    pw->n = 0;
+    pw->n = pw->n_temp = pw->n_reasons = pw->n_capped = pw->n_thermal = 0;
     atomic_store(&pw->stop, 0);
     if (pthread_create(&pw->thr, NULL, sampler, pw)) {
         snprintf(err, errlen, "power: cannot start the sampler thread");
@@ -174,6 +198,17 @@ int bench_power_stop(struct bench_power *pw, struct bench_power_window *out, cha
         out->sm_mhz_min = pw->mhz[0];
         out->sm_mhz_max = pw->mhz[pw->n - 1];
         out->draw_w_p50 = pw->mw[pw->n / 2] * 1e-3;
+    }
+    out->temp_c_p50 = out->temp_c_max = -1;
+    if (pw->n_temp) {
+        qsort(pw->temp_c, pw->n_temp, sizeof pw->temp_c[0], cmp_u);
+        out->temp_c_p50 = pw->temp_c[pw->n_temp / 2];
+        out->temp_c_max = pw->temp_c[pw->n_temp - 1];
+    }
+    out->capped_share = out->thermal_share = -1;
+    if (pw->n_reasons) {
+        out->capped_share = (double)pw->n_capped / pw->n_reasons;
+        out->thermal_share = (double)pw->n_thermal / pw->n_reasons;
     }
     return 0;
 }

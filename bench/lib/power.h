@@ -10,7 +10,11 @@
  * bench_power_stop
  * joins it and reads the counter again. The energy is the counter's
  * difference (millijoules since the driver loaded), not an integral of the
- * samples; the samples give the clock's spread and the instantaneous draw.
+ * samples; the samples give the clock's spread, the instantaneous draw, the
+ * GPU's temperature and why the clock is held below its maximum (NVML's
+ * clock event reasons: the power cap, a thermal slowdown). The temperature
+ * and the reasons are optional entry points: where NVML lacks them, their
+ * fields are -1.
  */
 #ifndef MOED_BENCH_POWER_H
 #define MOED_BENCH_POWER_H
@@ -27,6 +31,10 @@ struct bench_power_window {
     double sm_mhz_p50;  /* SM clock over the samples: median, least, most */
     double sm_mhz_min, sm_mhz_max;
     double draw_w_p50;  /* instantaneous power draw over the samples: median */
+    double temp_c_p50;  /* GPU temperature over the samples, deg C: median, most */
+    double temp_c_max;
+    double capped_share;  /* share of samples with the clock held by the power cap */
+    double thermal_share; /* ... by a thermal slowdown (software or hardware) */
     unsigned samples;
 };
 

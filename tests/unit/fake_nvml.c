@@ -3,8 +3,11 @@
  * driver). Deterministic: the energy counter advances 1000 mJ per read, the
  * SM clock is 1755 MHz, the draw 250 W, the limit 700 W; one GPU, at PCI bus
  * id 0000:01:00.0. FAKE_NVML_INIT_FAIL=1 fails nvmlInit_v2,
- * FAKE_NVML_ENERGY_FAIL=1 the energy counter's reads. Built with
- * -DFAKE_NVML_PARTIAL it lacks the energy counter's entry point. */
+ * FAKE_NVML_ENERGY_FAIL=1 the energy counter's reads. The temperature is 61
+ * C; the clock event reasons are FAKE_NVML_REASONS (a number, 0x4 the power
+ * cap) or 0x4. Built with -DFAKE_NVML_PARTIAL it lacks the energy counter's
+ * entry point; with -DFAKE_NVML_OLD it is an older driver's library: no
+ * temperature, and the reasons under their old name (ClocksThrottleReasons). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -71,6 +74,30 @@ int nvmlDeviceGetEnforcedPowerLimit(fake_device_t dev, unsigned *mw)
 {
     (void)dev;
     *mw = 700000;
+    return OK;
+}
+
+#ifndef FAKE_NVML_OLD
+int nvmlDeviceGetTemperature(fake_device_t dev, int sensor, unsigned *c);
+int nvmlDeviceGetTemperature(fake_device_t dev, int sensor, unsigned *c)
+{
+    (void)dev;
+    if (sensor != 0) /* NVML_TEMPERATURE_GPU */
+        return ERR_NOT_FOUND;
+    *c = 61;
+    return OK;
+}
+#define REASONS_FN nvmlDeviceGetCurrentClocksEventReasons
+#else
+#define REASONS_FN nvmlDeviceGetCurrentClocksThrottleReasons
+#endif
+
+int REASONS_FN(fake_device_t dev, unsigned long long *r);
+int REASONS_FN(fake_device_t dev, unsigned long long *r)
+{
+    (void)dev;
+    const char *f = getenv("FAKE_NVML_REASONS");
+    *r = f ? strtoull(f, NULL, 0) : 0x4;
     return OK;
 }
 

@@ -3,9 +3,10 @@
  * library that is not there, one without the energy counter, a failing
  * init, an unknown GPU and a failing counter each give their error; a
  * window's joules are the counter's difference, its watts joules over its
- * seconds, its samples the clock and draw the library reports; stop
- * without start and a second start are refused; closing with a window open
- * joins the sampler. */
+ * seconds, its samples the clock, draw, temperature and clock event reasons
+ * the library reports (-1 where an older library lacks the temperature, the
+ * reasons found under their older name); stop without start and a second
+ * start are refused; closing with a window open joins the sampler. */
 #include <check.h>
 #include <libgen.h>
 #include <limits.h>
@@ -19,7 +20,7 @@
 #include "power.h"
 #include "check_main.h"
 
-static char fake[PATH_MAX], partial[PATH_MAX];
+static char fake[PATH_MAX], partial[PATH_MAX], old[PATH_MAX];
 static const char GPU[] = "0000:01:00.0";
 
 static void find_fakes(void)
@@ -31,6 +32,7 @@ static void find_fakes(void)
     const char *dir = dirname(exe);
     snprintf(fake, sizeof fake, "%s/libfake_nvml.so", dir);
     snprintf(partial, sizeof partial, "%s/libfake_nvml_partial.so", dir);
+    snprintf(old, sizeof old, "%s/libfake_nvml_old.so", dir);
 }
 
 static void sleep_ms(long ms)
@@ -87,7 +89,23 @@ START_TEST(test_window)
         ck_assert_double_eq(w.sm_mhz_min, 1755.0);
         ck_assert_double_eq(w.sm_mhz_max, 1755.0);
         ck_assert_double_eq(w.draw_w_p50, 250.0);
+        ck_assert_double_eq(w.temp_c_p50, 61.0);
+        ck_assert_double_eq(w.temp_c_max, 61.0);
+        ck_assert_double_eq(w.capped_share, 1.0); /* the fake's default: 0x4 */
+        ck_assert_double_eq(w.thermal_share, 0.0);
     }
+    /* a hardware thermal slowdown (0x40), no power cap; then an idle GPU */
+    setenv("FAKE_NVML_REASONS", "0x40", 1);
+    ck_assert_int_eq(bench_power_start(pw, err, sizeof err), 0);
+    ck_assert_int_eq(bench_power_stop(pw, &w, err, sizeof err), 0);
+    ck_assert_double_eq(w.capped_share, 0.0);
+    ck_assert_double_eq(w.thermal_share, 1.0);
+    setenv("FAKE_NVML_REASONS", "0x1", 1);
+    ck_assert_int_eq(bench_power_start(pw, err, sizeof err), 0);
+    ck_assert_int_eq(bench_power_stop(pw, &w, err, sizeof err), 0);
+    ck_assert_double_eq(w.capped_share, 0.0);
+    ck_assert_double_eq(w.thermal_share, 0.0);
+    unsetenv("FAKE_NVML_REASONS");
     /* a counter that fails at a window's start or end */
     setenv("FAKE_NVML_ENERGY_FAIL", "1", 1);
     ck_assert_int_eq(bench_power_start(pw, err, sizeof err), -1);
@@ -104,12 +122,35 @@ START_TEST(test_window)
 }
 END_TEST
 
+/* an older driver's NVML: no temperature, the reasons under their old name */
+START_TEST(test_old_library)
+{
+    find_fakes();
+    char err[256] = "";
+    struct bench_power *pw = bench_power_open(GPU, old, err, sizeof err);
+    ck_assert_msg(pw != NULL, "%s", err);
+    struct bench_power_window w;
+    setenv("FAKE_NVML_REASONS", "0x24", 1); /* the power cap and a software thermal slowdown */
+    ck_assert_int_eq(bench_power_start(pw, err, sizeof err), 0);
+    ck_assert_int_eq(bench_power_stop(pw, &w, err, sizeof err), 0);
+    unsetenv("FAKE_NVML_REASONS");
+    ck_assert_uint_ge(w.samples, 1);
+    ck_assert_double_eq(w.sm_mhz_p50, 1755.0);
+    ck_assert_double_eq(w.temp_c_p50, -1.0);
+    ck_assert_double_eq(w.temp_c_max, -1.0);
+    ck_assert_double_eq(w.capped_share, 1.0);
+    ck_assert_double_eq(w.thermal_share, 1.0);
+    bench_power_close(pw);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("power");
     TCase *tc = tcase_create("power");
     tcase_add_test(tc, test_open_errors);
     tcase_add_test(tc, test_window);
+    tcase_add_test(tc, test_old_library);
     suite_add_tcase(s, tc);
     return moed_check_run(s);
 }
