@@ -107,10 +107,12 @@ for n in "${names[@]}"; do
 done
 cat "$sum"
 # kernel us (bench_moe's kernel_us) of every run of each variant, per model and T
-# (a name given twice runs twice: its rows append)
-echo "== kernel us per run (variant model T: runs)" | tee -a "$sum"
+# (a name given twice runs twice: its rows append), each with the SM clock
+# NVML saw while those batches were timed (@MHz; timed_sm_MHz, where measured)
+echo "== kernel us per run (variant model T: runs, @ SM MHz while timed)" | tee -a "$sum"
 for n in $(printf '%s\n' "${names[@]}" | awk '!s[$0]++'); do
     [ -f "$LOGDIR/variant-$n.csv" ] || continue
-    awk -F, -v v="$n" '$1 != "model" { k = $1 " " $2; if (!(k in r)) o[++m] = k; r[k] = r[k] " " $14 }
+    awk -F, -v v="$n" '$1 != "model" { k = $1 " " $2; if (!(k in r)) o[++m] = k
+                                       r[k] = r[k] " " $14 (NF >= 23 && $23 > 0 ? "@" $23 : "") }
         END { for (i = 1; i <= m; i++) print v, o[i] ":" r[o[i]] }' "$LOGDIR/variant-$n.csv"
 done | tee -a "$sum"
