@@ -56,7 +56,7 @@ constexpr int SPLITM_TOKENS = SPLITM_NT * CHUNK_TOKENS;
 /* a batch of at least SPLIT_T tokens has its routing built once, by CTA 0
  * while the others stage x, and runs its down tasks in two parts, the first
  * of at most SPLIT_EIGHTHS eighths of the tile groups, the combine of its
- * columns beside the second (sched). H200 2026-12-06: Qwen3 T = 256 -5.5 %,
+ * columns beside the second (sched). H200 2026-12-06: Qwen3 T = 256 -5.4 %,
  * T = 128 -2.8 % (routing and parts for every T: +1 to +3 % at T <= 64, so
  * smaller batches keep the per-CTA routing and one part); H100: Qwen3 T = 256
  * -4.9 %, T <= 64 within 1 %; first part 5 / 8 against 4 / 8 a further -0.8
