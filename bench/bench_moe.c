@@ -627,10 +627,11 @@ int main(int argc, char **argv)
         if (twin_ok)
             printf("%-14s %5s   while timed: SM clock p50 %.0f MHz (%.0f-%.0f), draw p50 %.0f W, "
                    "GPU %s C (max %s), clock held by the power cap in %s of samples, by a thermal "
-                   "slowdown in %s (%u samples)\n", "", "", twin.sm_mhz_p50, twin.sm_mhz_min,
-                   twin.sm_mhz_max, twin.draw_w_p50, fmt_opt(twin.temp_c_p50, "%.0f", 0),
-                   fmt_opt(twin.temp_c_max, "%.0f", 1), fmt_opt(twin.capped_share * 100, "%.0f%%", 2),
-                   fmt_opt(twin.thermal_share * 100, "%.0f%%", 3), twin.samples);
+                   "slowdown in %s (%u samples, every 10 ms; clock event reasons seen: 0x%llx)\n",
+                   "", "", twin.sm_mhz_p50, twin.sm_mhz_min, twin.sm_mhz_max, twin.draw_w_p50,
+                   fmt_opt(twin.temp_c_p50, "%.0f", 0), fmt_opt(twin.temp_c_max, "%.0f", 1),
+                   fmt_opt(twin.capped_share * 100, "%.0f%%", 2),
+                   fmt_opt(twin.thermal_share * 100, "%.0f%%", 3), twin.samples, twin.reasons_any);
         printf("%-14s %5s   x, y in device memory: p50 %.1f us (%.3f TB/s)\n", "", "", p50_dev,
                bytes / (p50_dev * 1e-6) / 1e12);
         /* payload copy: x in and y out through the pinned staging (host memcpy) */

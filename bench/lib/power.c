@@ -45,6 +45,7 @@ struct bench_power {
     unsigned mhz[MAX_SAMPLES];
     unsigned mw[MAX_SAMPLES];
     unsigned n_temp, n_reasons, n_capped, n_thermal;
+    unsigned long long reasons_any;
     unsigned temp_c[MAX_SAMPLES];
 };
 
@@ -127,6 +128,7 @@ static void *sampler(void *arg)
             unsigned long long r;
             if (pw->reasons && pw->reasons(pw->dev, &r) == NVML_OK) {
                 pw->n_reasons++;
+                pw->reasons_any |= r;
                 pw->n_capped += (r & REASON_SW_POWER_CAP) != 0;
                 pw->n_thermal += (r & REASON_THERMAL) != 0;
             }
@@ -151,6 +153,7 @@ int bench_power_start(struct bench_power *pw, char *err, size_t errlen)
     }
     clock_gettime(CLOCK_MONOTONIC, &pw->t0);
     pw->n = pw->n_temp = pw->n_reasons = pw->n_capped = pw->n_thermal = 0;
+    pw->reasons_any = 0;
     atomic_store(&pw->stop, 0);
     if (pthread_create(&pw->thr, NULL, sampler, pw)) {
         snprintf(err, errlen, "power: cannot start the sampler thread");
@@ -209,6 +212,7 @@ int bench_power_stop(struct bench_power *pw, struct bench_power_window *out, cha
     if (pw->n_reasons) {
         out->capped_share = (double)pw->n_capped / pw->n_reasons;
         out->thermal_share = (double)pw->n_thermal / pw->n_reasons;
+        out->reasons_any = pw->reasons_any;
     }
     return 0;
 }

@@ -35,6 +35,7 @@ struct bench_power_window {
     double temp_c_max;
     double capped_share;  /* share of samples with the clock held by the power cap */
     double thermal_share; /* ... by a thermal slowdown (software or hardware) */
+    unsigned long long reasons_any; /* every clock event reason any sample saw (OR) */
     unsigned samples;
 };
 

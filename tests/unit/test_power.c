@@ -93,6 +93,7 @@ START_TEST(test_window)
         ck_assert_double_eq(w.temp_c_max, 61.0);
         ck_assert_double_eq(w.capped_share, 1.0); /* the fake's default: 0x4 */
         ck_assert_double_eq(w.thermal_share, 0.0);
+        ck_assert_uint_eq(w.reasons_any, 0x4);
     }
     /* a hardware thermal slowdown (0x40), no power cap; then an idle GPU */
     setenv("FAKE_NVML_REASONS", "0x40", 1);
@@ -100,6 +101,7 @@ START_TEST(test_window)
     ck_assert_int_eq(bench_power_stop(pw, &w, err, sizeof err), 0);
     ck_assert_double_eq(w.capped_share, 0.0);
     ck_assert_double_eq(w.thermal_share, 1.0);
+    ck_assert_uint_eq(w.reasons_any, 0x40);
     setenv("FAKE_NVML_REASONS", "0x1", 1);
     ck_assert_int_eq(bench_power_start(pw, err, sizeof err), 0);
     ck_assert_int_eq(bench_power_stop(pw, &w, err, sizeof err), 0);
@@ -140,6 +142,7 @@ START_TEST(test_old_library)
     ck_assert_double_eq(w.temp_c_max, -1.0);
     ck_assert_double_eq(w.capped_share, 1.0);
     ck_assert_double_eq(w.thermal_share, 1.0);
+    ck_assert_uint_eq(w.reasons_any, 0x24);
     bench_power_close(pw);
 }
 END_TEST
