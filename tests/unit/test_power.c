@@ -64,6 +64,17 @@ START_TEST(test_open_errors)
 }
 END_TEST
 
+/* one window of pw while the fake reports the clock event reasons `reasons` */
+static void window_with_reasons(struct bench_power *pw, const char *reasons,
+                                struct bench_power_window *w)
+{
+    char err[256] = "";
+    setenv("FAKE_NVML_REASONS", reasons, 1);
+    ck_assert_int_eq(bench_power_start(pw, err, sizeof err), 0);
+    ck_assert_msg(bench_power_stop(pw, w, err, sizeof err) == 0, "%s", err);
+    unsetenv("FAKE_NVML_REASONS");
+}
+
 START_TEST(test_window)
 {
     find_fakes();
@@ -96,18 +107,14 @@ START_TEST(test_window)
         ck_assert_uint_eq(w.reasons_any, 0x4);
     }
     /* a hardware thermal slowdown (0x40), no power cap; then an idle GPU */
-    setenv("FAKE_NVML_REASONS", "0x40", 1);
-    ck_assert_int_eq(bench_power_start(pw, err, sizeof err), 0);
-    ck_assert_int_eq(bench_power_stop(pw, &w, err, sizeof err), 0);
+    window_with_reasons(pw, "0x40", &w);
     ck_assert_double_eq(w.capped_share, 0.0);
     ck_assert_double_eq(w.thermal_share, 1.0);
     ck_assert_uint_eq(w.reasons_any, 0x40);
-    setenv("FAKE_NVML_REASONS", "0x1", 1);
-    ck_assert_int_eq(bench_power_start(pw, err, sizeof err), 0);
-    ck_assert_int_eq(bench_power_stop(pw, &w, err, sizeof err), 0);
+    window_with_reasons(pw, "0x1", &w);
     ck_assert_double_eq(w.capped_share, 0.0);
     ck_assert_double_eq(w.thermal_share, 0.0);
-    unsetenv("FAKE_NVML_REASONS");
+    ck_assert_uint_eq(w.reasons_any, 0x1);
     /* a counter that fails at a window's start or end */
     setenv("FAKE_NVML_ENERGY_FAIL", "1", 1);
     ck_assert_int_eq(bench_power_start(pw, err, sizeof err), -1);
@@ -132,10 +139,7 @@ START_TEST(test_old_library)
     struct bench_power *pw = bench_power_open(GPU, old, err, sizeof err);
     ck_assert_msg(pw != NULL, "%s", err);
     struct bench_power_window w;
-    setenv("FAKE_NVML_REASONS", "0x24", 1); /* the power cap and a software thermal slowdown */
-    ck_assert_int_eq(bench_power_start(pw, err, sizeof err), 0);
-    ck_assert_int_eq(bench_power_stop(pw, &w, err, sizeof err), 0);
-    unsetenv("FAKE_NVML_REASONS");
+    window_with_reasons(pw, "0x24", &w); /* the power cap and a software thermal slowdown */
     ck_assert_uint_ge(w.samples, 1);
     ck_assert_double_eq(w.sm_mhz_p50, 1755.0);
     ck_assert_double_eq(w.temp_c_p50, -1.0);
