@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(THREADS, MINB)
             issue(v + WS - 1);
             const unsigned s = v % WS;
             uint4 xb[NT][2];
-            load_b<NT>(xring + s * XB, N, xb);
+            load_b<NT>(xring + s * XB, xb);
             if (RES) {
                 unit_mma<NT>(wring + s * UB, xb, cur);
                 if (v % q4 == q4 - 1) /* residue done: acc += its chain, as the reduction */
@@ -158,7 +158,7 @@ __global__ void splitm_ref(const uint8_t *__restrict__ w, unsigned rt, unsigned 
             cp_async_wait<0>();
             __syncwarp();
             uint4 xb[NT][2];
-            load_b<NT>(st + MOE_GPU_UNIT_BYTES, N, xb);
+            load_b<NT>(st + MOE_GPU_UNIT_BYTES, xb);
             unit_mma<NT>(st, xb, cur);
             __syncwarp();
         }

@@ -88,22 +88,21 @@ __device__ __forceinline__ void acc_store(float (&acc)[NTILE][MR][NT][4], unsign
 }
 
 /* B fragments (NT n-tiles of 8 tokens) of one K unit of activation rows at
- * xslot (X_ROW_BYTES apart; rows >= cnt read as zero) */
+ * xslot (X_ROW_BYTES apart). Rows at or past the task's count are read as
+ * they are (left over from an earlier use of the stage memory), not zeroed:
+ * column n of an MMA's result depends on column n of B alone, and the
+ * epilogues store only the columns of the task's pairs, so what those rows
+ * hold never reaches an output; zeroing them took 2 CS2R per n-tile and a
+ * compare per unit in the split-M loop (8 % of its instructions at NT 4). */
 template <int NT>
-__device__ __forceinline__ void load_b(const uint8_t *xslot, unsigned cnt, uint4 (&xb)[NT][2])
+__device__ __forceinline__ void load_b(const uint8_t *xslot, uint4 (&xb)[NT][2])
 {
     const unsigned lane = threadIdx.x & 31, q = lane & 3, g = lane >> 2;
 #pragma unroll
     for (int n = 0; n < NT; n++) {
-        unsigned row = n * 8 + g;
-        if (row < cnt) {
-            const uint8_t *xp = xslot + row * X_ROW_BYTES + q * 32;
-            xb[n][0] = *reinterpret_cast<const uint4 *>(xp);
-            xb[n][1] = *reinterpret_cast<const uint4 *>(xp + 16);
-        } else {
-            xb[n][0] = make_uint4(0, 0, 0, 0);
-            xb[n][1] = make_uint4(0, 0, 0, 0);
-        }
+        const uint8_t *xp = xslot + (n * 8 + g) * X_ROW_BYTES + q * 32;
+        xb[n][0] = *reinterpret_cast<const uint4 *>(xp);
+        xb[n][1] = *reinterpret_cast<const uint4 *>(xp + 16);
     }
 }
 
@@ -185,7 +184,7 @@ __device__ __forceinline__ void task_mma(const uint8_t *__restrict__ wtask, unsi
         const uint8_t *slot = sw + cs * SB;
         cs = cs + 1 == STAGES ? 0 : cs + 1;
         uint4 xb[NT][2];
-        load_b<NT>(slot + MOE_GPU_UNIT_BYTES, xs.cnt, xb);
+        load_b<NT>(slot + MOE_GPU_UNIT_BYTES, xb);
         unit_mma<NT>(slot, xb, cur);
     }
     if (nu)
@@ -263,7 +262,7 @@ __device__ __forceinline__ void task_mma_il(const uint8_t *__restrict__ wtask, u
                 issue(i + WS - 1);
                 i++;
                 if (j == 0) {
-                    load_b<NT>(xring + cx * XB, xs.cnt, xb);
+                    load_b<NT>(xring + cx * XB, xb);
                     cx = cx + 1 == WS ? 0 : cx + 1;
                 }
                 unit_mma<NT>(sw + cs * MOE_GPU_UNIT_BYTES, xb, acc[j]);
@@ -347,7 +346,7 @@ __device__ __forceinline__ void task_mma_full(const uint8_t *__restrict__ wtask,
             }
             cp_async_commit();
             if (j == 0)
-                load_b<NT>(xring + xcur * XB, xs.cnt, xb);
+                load_b<NT>(xring + xcur * XB, xb);
             unit_mma<NT>(sw + j * MOE_GPU_UNIT_BYTES, xb, acc[j]);
         }
         wsrc += NWARPS * MOE_GPU_UNIT_BYTES;
@@ -409,7 +408,7 @@ __device__ __forceinline__ void task_mma_full1(const uint8_t *__restrict__ wtask
                 copy(j + WS - 1, (j + WS - 1) % WS, xoff);
             cp_async_commit();
             uint4 xb[1][2];
-            load_b<1>(sw + j * STAGE_BYTES + MOE_GPU_UNIT_BYTES, xs.cnt, xb);
+            load_b<1>(sw + j * STAGE_BYTES + MOE_GPU_UNIT_BYTES, xb);
             unit_mma<1>(sw + j * STAGE_BYTES, xb, acc[0]);
         }
         wsrc += WS * USTEP;

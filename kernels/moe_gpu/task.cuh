@@ -155,7 +155,7 @@ __device__ __forceinline__ void task_splitm(const uint8_t *wtask, unsigned tile_
             __syncthreads(); /* this unit in, for every warp; every warp past the last */
             issue();
             uint4 xb[NT][2];
-            load_b<NT>(xring + s * XB, xs.cnt, xb);
+            load_b<NT>(xring + s * XB, xb);
             unit_mma<NT>(wring + s * UB, xb, cur);
             s = s + 1 == WS ? 0 : s + 1;
         }
