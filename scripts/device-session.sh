@@ -22,6 +22,8 @@
 #                    (PRESET:T,T,... list) narrows the points
 #     h200:STEP      STEP only if the card is an H200 (issue 12's lines are
 #                    H200 fractions; the nvidia-h200 kind may give an H100)
+#     h100:STEP      STEP only if the card is not an H200 (what a call does
+#                    instead when the H200-only steps are skipped)
 # Every step's whole log is kept in /tmp/session and packed into
 # $OUT/session.tgz; the summaries are printed at the end.
 set -u
@@ -36,6 +38,8 @@ for step in "$@"; do
     case "$step" in
         h200:*)
             case "$gpu" in *H200*) step=${step#h200:} ;; *) echo "== $step: skipped ($gpu)" >> "$S/summary"; continue ;; esac ;;
+        h100:*)
+            case "$gpu" in *H200*) echo "== $step: skipped ($gpu)" >> "$S/summary"; continue ;; *) step=${step#h100:} ;; esac ;;
     esac
     ts=$(date +%s)
     i=$((i + 1))
