@@ -98,6 +98,66 @@ cleanup:
     return rc;
 }
 
+/* h, the gate_up output, is read back by every down task of its expert (one
+ * per column block of the hidden dimension); between its write and those
+ * reads the expert weights stream through L2 and evict it, so at large T
+ * each row came from DRAM twice or more (Qwen3-30B-A3B T = 256: 1.056x the
+ * experts' bytes, bench/NOTES.md stop 41). The first bytes of h (pair rows
+ * fill it from the start, so these are the rows every batch uses) go in an
+ * access policy window of persisting lines on the kernel's stream, with L2
+ * set aside for them: L2 / 8 at most (6.25 MiB of the H100's 50, 7.5 of the
+ * H200's 60; what persisting lines do not use stays open to all accesses).
+ * A device without persisting L2 (cudaDevAttrMaxPersistingL2CacheSize 0),
+ * or one whose set-aside cannot be changed from here and is 0 (under MPS only
+ * the server's CUDA_DEVICE_DEFAULT_PERSISTING_L2_CACHE_PERCENTAGE_LIMIT sets
+ * it; under MIG there is none), runs without the window: logged, not an
+ * error. */
+static int cuda_h_in_l2(struct cuda_backend *cb, size_t h_bytes, char *err, size_t errlen)
+{
+    int rc = 0, maxp = 0, maxw = 0, l2 = 0;
+    size_t aside = 0;
+    MOED_CUDA_TRY(cudaDeviceGetAttribute(&maxp, cudaDevAttrMaxPersistingL2CacheSize, cb->dev));
+    MOED_CUDA_TRY(cudaDeviceGetAttribute(&maxw, cudaDevAttrMaxAccessPolicyWindowSize, cb->dev));
+    MOED_CUDA_TRY(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, cb->dev));
+    size_t win = h_bytes;
+    if (win > (size_t)l2 / 8)
+        win = (size_t)l2 / 8;
+    if (win > (size_t)maxp)
+        win = (size_t)maxp;
+    if (win > (size_t)maxw)
+        win = (size_t)maxw;
+    if (win > 0) {
+        /* the set-aside is the context's: never shrink what another part of
+         * this process set; a refusal (MPS) leaves the limit as it is */
+        MOED_CUDA_TRY(cudaDeviceGetLimit(&aside, cudaLimitPersistingL2CacheSize));
+        if (aside < win && cudaDeviceSetLimit(cudaLimitPersistingL2CacheSize, win) != cudaSuccess)
+            (void)cudaGetLastError();
+        MOED_CUDA_TRY(cudaDeviceGetLimit(&aside, cudaLimitPersistingL2CacheSize));
+        if (win > aside)
+            win = aside;
+    }
+    if (win == 0) {
+        LOG_I("cuda: GPU %d: h stays in normal L2 lines: no persisting L2 set aside (device max "
+              "%d bytes, window max %d; under MPS the server's "
+              "CUDA_DEVICE_DEFAULT_PERSISTING_L2_CACHE_PERCENTAGE_LIMIT sets it)",
+              cb->dev, maxp, maxw);
+        goto cleanup;
+    }
+    cudaStreamAttrValue v;
+    memset(&v, 0, sizeof v);
+    v.accessPolicyWindow.base_ptr = cb->h;
+    v.accessPolicyWindow.num_bytes = win;
+    v.accessPolicyWindow.hitRatio = 1.0f;
+    v.accessPolicyWindow.hitProp = cudaAccessPropertyPersisting;
+    v.accessPolicyWindow.missProp = cudaAccessPropertyStreaming;
+    MOED_CUDA_TRY(cudaStreamSetAttribute(cb->stream, cudaStreamAttributeAccessPolicyWindow, &v));
+    cb->h_l2_bytes = win;
+    LOG_I("cuda: GPU %d: the first %zu KiB of h (%zu KiB) in persisting L2 lines", cb->dev,
+          win >> 10, h_bytes >> 10);
+cleanup:
+    return rc;
+}
+
 /* ---------------- queue ---------------- */
 
 /* 1 if the kernel reads or writes the buffer where it lies: device memory,
@@ -525,10 +585,11 @@ static void cuda_describe(struct moed_backend *be, char *buf, unsigned len)
     struct cuda_backend *cb = (struct cuda_backend *)be;
     snprintf(buf, len,
              "cuda: GPU %d %s, %d SMs used, grid %d CTAs (%d/SM x %d threads, %d B smem), "
-             "weights %.2f GiB, scratch %.2f GiB, device memory used %.2f of %.2f GiB, MPS %s%s%s%s",
+             "weights %.2f GiB, scratch %.2f GiB (%zu KiB in L2), "
+             "device memory used %.2f of %.2f GiB, MPS %s%s%s%s",
              cb->dev, cb->dev_name, cb->launch.sms, cb->launch.grid, cb->launch.ctas_per_sm,
              cb->launch.block, cb->launch.smem_bytes, cb->weight_bytes / 1073741824.0,
-             cb->scratch_bytes / 1073741824.0, cb->dev_used / 1073741824.0,
+             cb->scratch_bytes / 1073741824.0, cb->h_l2_bytes >> 10, cb->dev_used / 1073741824.0,
              cb->dev_total / 1073741824.0, cb->mps ? "on" : "off",
              cb->ctx ? " (context limited to its SMs)" : "", cb->failed ? "; UNHEALTHY: " : "",
              cb->failed ? cb->fail_msg : "");
@@ -820,6 +881,7 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
         sms_free = cb->n_sms - cb->green_sms; /* the grid fills the partition */
     else
         MOED_CUDA_TRY(cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking));
+    MOED_TRY(cuda_h_in_l2(cb, MT * KS * I * 2, err, errlen));
 
     MOED_TRY(moe_gpu_plan(cb->dev, &cb->d, sms_free, &cb->launch, err, errlen));
     if (cb->ctx && cb->launch.sms != cb->ctx_sms)

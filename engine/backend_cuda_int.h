@@ -71,6 +71,7 @@ struct cuda_backend {
     size_t guard;              /* GUARD_BYTES, or 0 (no guard regions) */
     float *w_s, *dout;
     uint64_t weight_bytes, scratch_bytes, dev_used, dev_total;
+    size_t h_l2_bytes; /* the first bytes of h kept in L2 as persisting lines (cuda_h_in_l2), or 0 */
     /* mapped host memory */
     struct moe_gpu_ctrl *ctrl, *ctrl_d;
     uint8_t *stage, *stage_d;

@@ -8,7 +8,10 @@ mps_start() {
     MPS_TMP=$(mktemp -d)
     export CUDA_MPS_PIPE_DIRECTORY="$MPS_TMP/pipe" CUDA_MPS_LOG_DIRECTORY="$MPS_TMP/log"
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    nvidia-cuda-mps-control -d
+    # L2 for persisting lines (moed keeps h there, docs/GPU.md): under MPS only
+    # the server's start sets it aside, 13 % >= the L2 / 8 moed asks for
+    CUDA_DEVICE_DEFAULT_PERSISTING_L2_CACHE_PERCENTAGE_LIMIT=${CUDA_DEVICE_DEFAULT_PERSISTING_L2_CACHE_PERCENTAGE_LIMIT:-13} \
+        nvidia-cuda-mps-control -d
 }
 mps_stop() {
     # a client left hanging (a test cut by its timeout) keeps MPS from quitting
