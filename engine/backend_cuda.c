@@ -827,8 +827,9 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
     /* fit: weights + scratch against free device memory */
     const uint32_t H = cb->d.hidden, I = cb->d.inter, NE = cb->d.n_experts + cb->d.n_shared;
     const uint64_t MT = cb->d.max_tokens, KS = cb->d.top_k + cb->d.n_shared, k = cb->d.top_k;
+    const uint64_t h_bytes = MT * KS * I * 2; /* h: one bf16 row of I per (token, slot) */
     cb->weight_bytes = (moe_gpu_gu_bytes(H, I) + moe_gpu_dn_bytes(H, I)) * NE * cb->n_layers;
-    cb->scratch_bytes = MT * H * 2 + MT * k * 8 + MT * KS * I * 2 + (MT * KS + 1) * H * 4 +
+    cb->scratch_bytes = MT * H * 2 + MT * k * 8 + h_bytes + (MT * KS + 1) * H * 4 +
                         moe_gpu_state_bytes(&cb->d) + (uint64_t)sizeof(float) * 3 * NE * cb->n_layers +
                         /* routing tables: one region per CTA; 1024 bounds the grid
                          * (<= 16 warps per SM, >= 4 warps per CTA, <= 256 SMs) */
@@ -859,8 +860,7 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
                            errlen));
     MOED_TRY(scratch_alloc(cb, G_IDS, (void **)&cb->ids_s, MT * k * 4, err, errlen));
     MOED_TRY(scratch_alloc(cb, G_W, (void **)&cb->w_s, MT * k * 4, err, errlen));
-    MOED_TRY(scratch_alloc(cb, G_H, (void **)&cb->h, MT * KS * I * 2 + MOE_GPU_ROW_TAIL_BYTES, err,
-                           errlen));
+    MOED_TRY(scratch_alloc(cb, G_H, (void **)&cb->h, h_bytes + MOE_GPU_ROW_TAIL_BYTES, err, errlen));
     /* one more row than pairs: zeros, what an empty slot adds (route.cuh) */
     MOED_TRY(scratch_alloc(cb, G_DOUT, (void **)&cb->dout, (MT * KS + 1) * H * 4, err, errlen));
     MOED_CUDA_TRY(cudaMemset(cb->dout + MT * KS * H, 0, (size_t)H * 4));
@@ -881,7 +881,7 @@ int moed_backend_cuda_open_src(const struct moed_cuda_src *src, const struct moe
         sms_free = cb->n_sms - cb->green_sms; /* the grid fills the partition */
     else
         MOED_CUDA_TRY(cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking));
-    MOED_TRY(cuda_h_in_l2(cb, MT * KS * I * 2, err, errlen));
+    MOED_TRY(cuda_h_in_l2(cb, h_bytes, err, errlen));
 
     MOED_TRY(moe_gpu_plan(cb->dev, &cb->d, sms_free, &cb->launch, err, errlen));
     if (cb->ctx && cb->launch.sms != cb->ctx_sms)
