@@ -20,12 +20,18 @@
 #     dram[=A,B]     scripts/device-profile.sh dram (DRAM bytes per batch) of
 #                    build-cuda's bench_moe, or of variants A, B; DRAM_SPECS
 #                    (PRESET:T,T,... list) narrows the points
+#     pick=V         the later test, bench and dram steps use build-V (a full
+#                    CUDA=1 build of variant V's tree, carried beside build-cuda)
+#                    when V passed its check step and its kernel us over the
+#                    variants steps' runs, geometric mean of V / base per point,
+#                    are below 0.997; else they keep build-cuda (or BENCH_BUILD)
 #     h200:STEP      STEP only if the card is an H200 (issue 12's lines are
 #                    H200 fractions; the nvidia-h200 kind may give an H100)
 #     h100:STEP      STEP only if the card is not an H200 (what a call does
 #                    instead when the H200-only steps are skipped)
 # Every step's whole log is kept in /tmp/session and packed into
-# $OUT/session.tgz; the summaries are printed at the end.
+# $OUT/session.tgz after each step; each step's summary is printed when it
+# ends, the steps' times at the end.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 S=/tmp/session
@@ -34,6 +40,7 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 t0=$(date +%s)
 rc=0
 i=0
+main=build-cuda # the build that test, bench and dram use (pick=V may change it)
 for step in "$@"; do
     case "$step" in
         h200:*)
@@ -76,15 +83,17 @@ for step in "$@"; do
         check=*)
             for v in $(echo "${step#check=}" | tr ',' ' '); do
                 LD_LIBRARY_PATH="$PWD/.device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-                    timeout 600 "build-var/$v/gpu_test_moe_gpu" > "$S/$name/$v.txt" 2>&1 || rc=1
+                    timeout 600 "build-var/$v/gpu_test_moe_gpu" > "$S/$name/$v.txt" 2>&1
+                echo $? > "$S/$name/$v.rc"
+                [ "$(cat "$S/$name/$v.rc")" = 0 ] || rc=1
                 { echo "== $v"; grep -E '^FAIL' "$S/$name/$v.txt" | head -5; tail -1 "$S/$name/$v.txt"; } \
                     >> "$S/$name.sum"
             done ;;
         test)
-            OUT=$S/$name BUILD=build-cuda scripts/device-gpu.sh test > "$log" 2>&1 || rc=1
+            OUT=$S/$name BUILD=$main scripts/device-gpu.sh test > "$log" 2>&1 || rc=1
             tail -22 "$log" > "$S/$name.sum" ;;
         bench)
-            OUT=$S/$name BUILD=${BENCH_BUILD:-build-cuda} scripts/device-gpu.sh bench > "$log" 2>&1 || rc=1
+            OUT=$S/$name BUILD=${BENCH_BUILD:-$main} scripts/device-gpu.sh bench > "$log" 2>&1 || rc=1
             grep -E '^\|' "$log" | tail -24 > "$S/$name.sum"
             grep -iE 'stream|sweep' "$log" | tail -6 >> "$S/$name.sum"
             for f in bench.csv sweep.csv bench.png sweep.png; do
@@ -94,29 +103,43 @@ for step in "$@"; do
             vs=${step#dram}
             for v in $(echo "${vs#=}" | tr ',' ' ') ""; do
                 [ -z "$v" ] && [ -n "$vs" ] && continue
-                b=build-cuda/bench/bench_moe
+                b=$main/bench/bench_moe
                 [ -n "$v" ] && b=build-var/$v/bench/bench_moe
                 mkdir -p "$S/$name/${v:-cuda}"
                 OUT=$S/$name/${v:-cuda} BENCH_BIN=$b scripts/device-profile.sh dram ${DRAM_SPECS:-} \
                     >> "$log" 2>&1 || rc=1
-                { echo "== dram ${v:-build-cuda}"; cat "$S/$name/${v:-cuda}"/*-dram.txt; } \
+                { echo "== dram ${v:-$main}"; cat "$S/$name/${v:-cuda}"/*-dram.txt; } \
                     >> "$S/$name.sum" 2>/dev/null
                 [ -z "$vs" ] && break
             done ;;
+        pick=*)
+            v=${step#pick=}
+            # per model and T, the mean of each variant's runs (bench_moe's kernel_us, column 14)
+            g=$(cat "$S"/*-variants/variant-base.csv /dev/null | sed 's/^/base,/'
+                cat "$S"/*-variants/variant-"$v".csv /dev/null | sed 's/^/V,/')
+            g=$(echo "$g" | awk -F, '$2 != "model" && NF > 14 { k = $2 " " $3; s[$1, k] += $15; n[$1, k]++; K[k] = 1 }
+                END { m = 0; l = 0
+                      for (k in K) if (n["base", k] && n["V", k]) { l += log((s["V", k] / n["V", k]) / (s["base", k] / n["base", k])); m++ }
+                      if (m) printf "%.4f %d\n", exp(l / m), m; else print "none 0" }')
+            ok=no # its check step ran and exited 0
+            [ "$(cat "$S"/*-check/"$v".rc 2>/dev/null | sort -u)" = 0 ] && ok=yes
+            read -r gm gn <<< "$g"
+            if [ "$ok" = yes ] && [ "$gm" != none ] && awk -v r="$gm" 'BEGIN { exit !(r < 0.997) }' &&
+                [ -x "build-$v/moed" ]; then
+                main=build-$v
+            fi
+            echo "$v / base geometric mean $gm over $gn points, check passed: $ok; test, bench, dram use $main" |
+                tee "$S/$name.sum" > "$log" ;;
         *)
             echo "device-session: unknown step $step" >&2
             exit 2 ;;
     esac
     echo "== $step: $(( $(date +%s) - ts )) s" >> "$S/summary"
+    # each step's summary as soon as it ends, and the logs so far in $OUT, so
+    # that a call cut off by its time limit still returns the steps it finished
+    { echo "== $name ($step, $(( $(date +%s) - ts )) s)"; cat "$S/$name.sum" 2>/dev/null; }
+    [ -n "${OUT:-}" ] && tar czf "$OUT/session.tgz" -C /tmp session 2>/dev/null
 done
-if [ -n "${OUT:-}" ]; then
-    tar czf "$OUT/session.tgz" -C /tmp session 2>/dev/null
-fi
 echo "== $gpu, $(( $(date +%s) - t0 )) s in all"
 cat "$S/summary"
-for f in "$S"/*.sum; do
-    [ -f "$f" ] || continue
-    echo "== $(basename "$f" .sum)"
-    cat "$f"
-done
 exit $rc

@@ -29,8 +29,10 @@ if ! ldd "$B" | grep -q 'libcublas.so.*=> /'; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null | sed 's/^/# /'
 # .device/COMMIT (written by scripts/device-gpu.sh prepare) names what the binaries were built
-# from; a .git on the GPU machine may be a stale copy
-commit=$(cat .device/COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
+# from, $BUILD/COMMIT where a build carries its own (a variant's full build); a .git on the GPU
+# machine may be a stale copy
+commit=$(cat "$BUILD/COMMIT" .device/COMMIT 2>/dev/null | head -1)
+[ -n "$commit" ] || commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 echo "# $(date -u +%Y-%m-%dT%H:%MZ) commit $commit"
 export BENCH_CSV="$LOGDIR/bench.csv"
 rm -f "$BENCH_CSV"
