@@ -30,32 +30,41 @@
 /* Code word layout. Lane l = 4g + q of a sub-tile owns four 32-bit words (one
  * per mma step s); word s holds 8 E2M1 codes as 4 pairs: pair p = 0 (row g,
  * k 16q+4s+0/1), 1 (row g+8, same k), 2 (row g, k +2/3), 3 (row g+8, k +2/3);
- * element h = 0 the lower k, 1 the upper. Each code is split into its sign
- * bit and its 3-bit magnitude (e1 e0 m, m lowest), placed so that the kernel
- * turns pair p into the bf16x2 bits of (value * 2^-126) with 2-4 integer ops
- * (sign to bit 15/31, magnitude to bits 6-8/22-24):
- *   p0: rotl(w, 6) & M            p1: rotl(w, 3) & M
- *   p2: rotl(w, 4) & S | w & G    p3: rotl(w, 5) & S | rotl(w, 9) & G
- * with M = S | G, S = 0x80008000 (signs), G = 0x01c001c0 (magnitudes); only
- * p3's magnitude wraps, the other rotations equal plain left shifts here. The
- * 32 bits of the word are each used once (bench/NOTES.md, v10). */
-MOE_GPU_HD static inline unsigned moe_gpu_sign_bit(unsigned p, unsigned h)
+ * element h = 0 the lower k, 1 the upper. Code bit i of (p, h) (i = 0 m, 1
+ * e0, 2 e1, 3 the sign) is word bit moe_gpu_code_bit(p, h, i), placed so that
+ * the kernel turns pair p into the bf16x2 bits of (value * 2^-126) (the
+ * magnitude to bits 6-8 / 22-24, the sign to bit 15 / 31) with 2 or 3 integer
+ * ops, 10 per word:
+ *   p0: (w << 6) & M                  p1: rotl(w, 12) & M
+ *   p2: prmt(w, w << 2, 0x5614) & M   p3: prmt(w, w << 1, 0x5732) & M
+ * with M = 0x81c081c0 and prmt the byte permute (result byte j = byte number
+ * nibble j of the selector, 0-3 w's bytes, 4-7 the shifted word's). The 32
+ * bits of the word are each used once (bench/NOTES.md stop 42,
+ * bench/probe/decode_search.py). */
+MOE_GPU_HD static inline unsigned moe_gpu_code_bit(unsigned p, unsigned h, unsigned i)
 {
-    return (p == 0 ? 9u : p == 1 ? 12u : p == 2 ? 11u : 10u) + 16u * h;
-}
-MOE_GPU_HD static inline unsigned moe_gpu_mag_bit(unsigned p, unsigned h)
-{
-    return p == 3 ? (h ? 13u : 29u) : 3u * p + 16u * h;
+    const unsigned o = 16u * h + (i < 3u ? 6u + i : 15u); /* its bit in the bf16x2 */
+    if (p == 0)
+        return o - 6u;
+    if (p == 1)
+        return (o + 20u) & 31u;
+    const unsigned sel = ((p == 2 ? 0x5614u : 0x5732u) >> (4u * (o >> 3))) & 7u;
+    return sel < 4u ? 8u * sel + (o & 7u) : 8u * (sel - 4u) + (o & 7u) - (p == 2 ? 2u : 1u);
 }
 /* the 4-bit E2M1 code of (p, h) in word w */
 MOE_GPU_HD static inline uint32_t moe_gpu_code_get(uint32_t w, unsigned p, unsigned h)
 {
-    return (((w >> moe_gpu_sign_bit(p, h)) & 1u) << 3) | ((w >> moe_gpu_mag_bit(p, h)) & 7u);
+    uint32_t c = 0;
+    for (unsigned i = 0; i < 4; i++)
+        c |= ((w >> moe_gpu_code_bit(p, h, i)) & 1u) << i;
+    return c;
 }
 /* word w with the code of (p, h) set to c (its bits must be clear) */
 MOE_GPU_HD static inline uint32_t moe_gpu_code_put(uint32_t w, unsigned p, unsigned h, uint32_t c)
 {
-    return w | (((c >> 3) & 1u) << moe_gpu_sign_bit(p, h)) | ((c & 7u) << moe_gpu_mag_bit(p, h));
+    for (unsigned i = 0; i < 4; i++)
+        w |= ((c >> i) & 1u) << moe_gpu_code_bit(p, h, i);
+    return w;
 }
 
 /* Block scale byte layout. The checkpoint's E4M3 block scale is stored as

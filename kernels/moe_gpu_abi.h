@@ -60,6 +60,7 @@
 #define MOE_GPU_SUB_BYTES 576   /* one 16-row x 64-K sub-tile: 512 codes + 64 scales */
 #define MOE_GPU_UNIT_BYTES (MOE_GPU_MR * MOE_GPU_SUB_BYTES)
 #define MOE_GPU_SCALE_BIAS 0x7000u /* block scale encoding (moe_gpu.h) */
+#define MOE_GPU_CODE_LAYOUT 2u     /* code word layout (moe_gpu.h): 2 = shifts, permutes, 10 ops */
 
 /* Bytes of one expert's gate_up stream (2I interleaved rows of K = H) and
  * down stream (H rows of K = I); an expert is stored [gate_up | down]. */
@@ -453,6 +454,7 @@ MOE_GPU_HD MOE_GPU_CONSTEXPR static inline uint64_t moe_gpu_abi_fingerprint(void
 {
     const uint64_t v[] = {
         MOE_GPU_ABI_VERSION, MOE_GPU_MR, MOE_GPU_UNIT_K, MOE_GPU_SUB_BYTES, MOE_GPU_SCALE_BIAS,
+        MOE_GPU_CODE_LAYOUT,
         MOE_GPU_RING, MOE_GPU_INLINE_BYTES,
         sizeof(struct moe_gpu_desc), offsetof(struct moe_gpu_desc, seq),
         offsetof(struct moe_gpu_desc, layer), offsetof(struct moe_gpu_desc, n_tokens),

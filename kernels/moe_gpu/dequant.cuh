@@ -14,21 +14,20 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b)
  * the sign lands on bit 15/31 and the magnitude (e1 e0 m) on bits 6-8/22-24,
  * where the bf16 low exponent bits and top mantissa bit give E2M1's meaning
  * exactly (its subnormal 0.5 lands on the bf16 subnormal with the same
- * scale). 2 (P = 0, 1), 3 (P = 2) or 4 (P = 3) integer ops. */
+ * scale). 2 (P = 0, 1) or 3 (P = 2, 3) integer ops, 10 per word: the left
+ * shifts may issue on the FMA pipe (IMAD.SHL), off the integer ALU pipe, the
+ * busiest (bench/NOTES.md v12); the rotations-only layout before it took 11
+ * (bench/NOTES.md stop 42). */
 template <int P> __device__ __forceinline__ uint32_t e2m1x2_bits(uint32_t w)
 {
-    constexpr uint32_t S = 0x80008000u, G = 0x01c001c0u, M = S | G;
-    /* Only p3's magnitude wraps around (a funnel shift); plain left shifts
-     * leave the compiler free to issue them on the FMA pipe (IMAD.SHL), off
-     * the half-rate integer ALU pipe, the busiest (bench/NOTES.md v12: +5%
-     * over funnel shifts for all four). */
+    constexpr uint32_t M = 0x81c081c0u;
     if (P == 0)
         return (w << 6) & M;
     if (P == 1)
-        return (w << 3) & M;
+        return __funnelshift_l(w, w, 12) & M;
     if (P == 2)
-        return ((w << 4) & S) | (w & G);
-    return ((w << 5) & S) | (__funnelshift_l(w, w, 9) & G);
+        return __byte_perm(w, w << 2, 0x5614) & M;
+    return __byte_perm(w, w << 1, 0x5732) & M;
 }
 
 /* Two stream scale bytes (low byte row g, high byte row g+8; moe_gpu.h) ->

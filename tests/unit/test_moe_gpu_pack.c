@@ -26,19 +26,28 @@ static float bf16_bits(uint32_t b)
 }
 
 /* Decode a stream of n_sub 16-row sub-tiles x K exactly as moe_gpu.cu's
- * task_mma does (the rotate-and-mask formulas of moe_gpu.h, written out
- * here independently of moe_gpu_code_get): pair p of word s of lane 4g+q is
- * row g (p even) or g+8 (p odd), k = 16q + 4s + (p & 2); the result as bf16
- * is value * 2^-126. */
+ * task_mma does (the shift, permute and mask formulas of moe_gpu.h, written
+ * out here independently of moe_gpu_code_get): pair p of word s of lane 4g+q
+ * is row g (p even) or g+8 (p odd), k = 16q + 4s + (p & 2); the result as
+ * bf16 is value * 2^-126. */
 static uint32_t rotl32(uint32_t w, unsigned n) { return (w << n) | (w >> (32 - n)); }
+/* PTX prmt / __byte_perm: result byte j = byte (sel >> 4j) & 7 of {y, x}, x's first */
+static uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t sel)
+{
+    uint64_t xy = (uint64_t)y << 32 | x;
+    uint32_t r = 0;
+    for (unsigned j = 0; j < 4; j++)
+        r |= (uint32_t)((xy >> (8 * ((sel >> (4 * j)) & 7))) & 0xff) << (8 * j);
+    return r;
+}
 static uint32_t dequant_bits(uint32_t w, uint32_t p)
 {
-    const uint32_t S = 0x80008000u, G = 0x01c001c0u, M = S | G;
+    const uint32_t M = 0x81c081c0u;
     switch (p) {
-    case 0: return rotl32(w, 6) & M;
-    case 1: return rotl32(w, 3) & M;
-    case 2: return (rotl32(w, 4) & S) | (w & G);
-    default: return (rotl32(w, 5) & S) | (rotl32(w, 9) & G);
+    case 0: return (w << 6) & M;
+    case 1: return rotl32(w, 12) & M;
+    case 2: return byte_perm(w, w << 2, 0x5614) & M;
+    default: return byte_perm(w, w << 1, 0x5732) & M;
     }
 }
 /* a stream scale byte as the kernel reads it (bf16 bits 0x7000 + (b << 4)
