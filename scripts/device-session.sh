@@ -24,7 +24,11 @@
 #                    CUDA=1 build of variant V's tree, carried beside build-cuda)
 #                    when V passed its check step and its kernel us over the
 #                    variants steps' runs, geometric mean of V / base per point,
-#                    are below 0.997; else they keep build-cuda (or BENCH_BUILD)
+#                    are below 0.997; else they keep build-cuda (or BENCH_BUILD).
+#                    It needs check=...V... and variants=...base...V... before
+#                    it in the same call, and build-V/moed, else the call stops
+#                    before its first step; build-V must keep its objects (the
+#                    suite's packaging tests run make install against it)
 #     h200:STEP      STEP only if the card is an H200 (issue 12's lines are
 #                    H200 fractions; the nvidia-h200 kind may give an H100)
 #     h100:STEP      STEP only if the card is not an H200 (what a call does
@@ -37,6 +41,26 @@ cd "$(dirname "$0")/.." || exit 2
 S=/tmp/session
 rm -rf "$S" && mkdir -p "$S"
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+# pick=V's inputs come from earlier steps of this call: check them all before any runs
+seen_check=" " seen_var=" "
+for step in "$@"; do
+    step=${step#h200:}
+    step=${step#h100:}
+    case "$step" in
+        check=*) seen_check="$seen_check$(echo "${step#check=}" | tr ',' ' ') " ;;
+        variants=*) seen_var="$seen_var$(echo "${step#variants=}" | tr ',' ' ') " ;;
+        pick=*)
+            v=${step#pick=}
+            case "$seen_check" in *" $v "*) ;; *)
+                echo "device-session: pick=$v needs check=$v before it in the same call" >&2; exit 2 ;; esac
+            case "$seen_var" in *" base "*) ;; *)
+                echo "device-session: pick=$v needs variants=base,... before it in the same call" >&2; exit 2 ;; esac
+            case "$seen_var" in *" $v "*) ;; *)
+                echo "device-session: pick=$v needs variants=...,$v before it in the same call" >&2; exit 2 ;; esac
+            [ -x "build-$v/moed" ] || {
+                echo "device-session: pick=$v needs build-$v (a full CUDA=1 build of $v's tree, carried)" >&2; exit 2; } ;;
+    esac
+done
 t0=$(date +%s)
 rc=0
 i=0
