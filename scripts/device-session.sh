@@ -33,6 +33,9 @@
 #                    H200 fractions; the nvidia-h200 kind may give an H100)
 #     h100:STEP      STEP only if the card is not an H200 (what a call does
 #                    instead when the H200-only steps are skipped)
+#     picked:STEP    STEP only if an earlier pick=V chose build-V (e.g. the
+#                    suite on the variant about to be merged, not again on
+#                    build-cuda when it was kept)
 # Every step's whole log is kept in /tmp/session and packed into
 # $OUT/session.tgz after each step; each step's summary is printed when it
 # ends, the steps' times at the end.
@@ -46,6 +49,7 @@ seen_check=" " seen_var=" "
 for step in "$@"; do
     step=${step#h200:}
     step=${step#h100:}
+    step=${step#picked:}
     case "$step" in
         check=*) seen_check="$seen_check$(echo "${step#check=}" | tr ',' ' ') " ;;
         variants=*) seen_var="$seen_var$(echo "${step#variants=}" | tr ',' ' ') " ;;
@@ -71,6 +75,9 @@ for step in "$@"; do
             case "$gpu" in *H200*) step=${step#h200:} ;; *) echo "== $step: skipped ($gpu)" >> "$S/summary"; continue ;; esac ;;
         h100:*)
             case "$gpu" in *H200*) echo "== $step: skipped ($gpu)" >> "$S/summary"; continue ;; *) step=${step#h100:} ;; esac ;;
+        picked:*)
+            if [ "$main" = build-cuda ]; then echo "== $step: skipped (no variant picked)" >> "$S/summary"; continue; fi
+            step=${step#picked:} ;;
     esac
     ts=$(date +%s)
     i=$((i + 1))
