@@ -35,7 +35,8 @@
 #                    instead when the H200-only steps are skipped)
 #     picked:STEP    STEP only if an earlier pick=V chose build-V (e.g. the
 #                    suite on the variant about to be merged, not again on
-#                    build-cuda when it was kept)
+#                    build-cuda when it was kept); it needs pick=V before it
+# The prefixes combine (h200:picked:test): each must hold for the step to run.
 # Every step's whole log is kept in /tmp/session and packed into
 # $OUT/session.tgz after each step; each step's summary is printed when it
 # ends, the steps' times at the end.
@@ -45,11 +46,18 @@ S=/tmp/session
 rm -rf "$S" && mkdir -p "$S"
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 # pick=V's inputs come from earlier steps of this call: check them all before any runs
-seen_check=" " seen_var=" "
+seen_check=" " seen_var=" " seen_pick=no
 for step in "$@"; do
-    step=${step#h200:}
-    step=${step#h100:}
-    step=${step#picked:}
+    while :; do
+        case "$step" in
+            h200:* | h100:*) step=${step#h[12]00:} ;;
+            picked:*)
+                [ $seen_pick = yes ] || {
+                    echo "device-session: $step needs pick=V before it in the same call" >&2; exit 2; }
+                step=${step#picked:} ;;
+            *) break ;;
+        esac
+    done
     case "$step" in
         check=*) seen_check="$seen_check$(echo "${step#check=}" | tr ',' ' ') " ;;
         variants=*) seen_var="$seen_var$(echo "${step#variants=}" | tr ',' ' ') " ;;
@@ -62,23 +70,28 @@ for step in "$@"; do
             case "$seen_var" in *" $v "*) ;; *)
                 echo "device-session: pick=$v needs variants=...,$v before it in the same call" >&2; exit 2 ;; esac
             [ -x "build-$v/moed" ] || {
-                echo "device-session: pick=$v needs build-$v (a full CUDA=1 build of $v's tree, carried)" >&2; exit 2; } ;;
+                echo "device-session: pick=$v needs build-$v (a full CUDA=1 build of $v's tree, carried)" >&2; exit 2; }
+            seen_pick=yes ;;
     esac
 done
 t0=$(date +%s)
 rc=0
 i=0
 main=build-cuda # the build that test, bench and dram use (pick=V may change it)
+picked=no       # whether a pick=V chose build-V
 for step in "$@"; do
-    case "$step" in
-        h200:*)
-            case "$gpu" in *H200*) step=${step#h200:} ;; *) echo "== $step: skipped ($gpu)" >> "$S/summary"; continue ;; esac ;;
-        h100:*)
-            case "$gpu" in *H200*) echo "== $step: skipped ($gpu)" >> "$S/summary"; continue ;; *) step=${step#h100:} ;; esac ;;
-        picked:*)
-            if [ "$main" = build-cuda ]; then echo "== $step: skipped (no variant picked)" >> "$S/summary"; continue; fi
-            step=${step#picked:} ;;
-    esac
+    while :; do
+        case "$step" in
+            h200:*)
+                case "$gpu" in *H200*) step=${step#h200:} ;; *) echo "== $step: skipped ($gpu)" >> "$S/summary"; continue 2 ;; esac ;;
+            h100:*)
+                case "$gpu" in *H200*) echo "== $step: skipped ($gpu)" >> "$S/summary"; continue 2 ;; *) step=${step#h100:} ;; esac ;;
+            picked:*)
+                [ $picked = yes ] || { echo "== $step: skipped (no variant picked)" >> "$S/summary"; continue 2; }
+                step=${step#picked:} ;;
+            *) break ;;
+        esac
+    done
     ts=$(date +%s)
     i=$((i + 1))
     name=$i-${step%%=*} # (a step may come twice: variants=a,b ... variants=c,d)
@@ -158,6 +171,7 @@ for step in "$@"; do
             if [ "$ok" = yes ] && [ "$gm" != none ] && awk -v r="$gm" 'BEGIN { exit !(r < 0.997) }' &&
                 [ -x "build-$v/moed" ]; then
                 main=build-$v
+                picked=yes
             fi
             echo "$v / base geometric mean $gm over $gn points, check passed: $ok; test, bench, dram use $main" |
                 tee "$S/$name.sum" > "$log" ;;
