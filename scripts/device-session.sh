@@ -43,9 +43,8 @@
 set -u
 cd "$(dirname "$0")/.." || exit 2
 S=/tmp/session
-rm -rf "$S" && mkdir -p "$S"
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
-# pick=V's inputs come from earlier steps of this call: check them all before any runs
+# pick=V's inputs come from earlier steps of this call: check them all before
+# any runs (and before the last call's logs in $S are cleared)
 seen_check=" " seen_var=" " seen_pick=no
 for step in "$@"; do
     while :; do
@@ -74,6 +73,8 @@ for step in "$@"; do
             seen_pick=yes ;;
     esac
 done
+rm -rf "$S" && mkdir -p "$S"
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 t0=$(date +%s)
 rc=0
 i=0
