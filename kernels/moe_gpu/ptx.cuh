@@ -66,6 +66,20 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem)
     unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
 }
+/* The same to a shared-space address (computed once per task, not per copy) */
+__device__ __forceinline__ void cp_async16_s(unsigned smem, const void *gmem)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem), "l"(gmem) : "memory");
+}
+/* The same to a shared address, issued only where on (a predicate, not a
+ * branch around it: nothing read, nothing written where off) */
+__device__ __forceinline__ void cp_async16_if(unsigned smem, const void *gmem, bool on)
+{
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %2, 0;\n\t"
+                 "@p cp.async.cg.shared.global [%0], [%1], 16;\n\t}" ::"r"(smem), "l"(gmem),
+                 "r"((unsigned)on)
+                 : "memory");
+}
 __device__ __forceinline__ void cp_async_commit(void)
 {
     asm volatile("cp.async.commit_group;" ::: "memory");
