@@ -32,6 +32,24 @@ __device__ __forceinline__ void x_rows(const xsrc &xs, size_t off, const uint16_
     }
 }
 
+/* x_rows for the CTA's shared ring of a split-M task (th = threadIdx.x, nth
+ * = THREADS), with each chunk's shared-space address in a slot at xring and
+ * whether it is copied: a row at or past cnt is not (cp_async16_if: its slot
+ * keeps what it held, read only by the columns of no pair, load_b) */
+template <int XR>
+__device__ __forceinline__ void x_rows_cta(const xsrc &xs, unsigned xring,
+                                           const uint16_t *(&xrow)[XR], unsigned (&xdst)[XR],
+                                           bool (&xon)[XR])
+{
+    x_rows(xs, 0, xrow, threadIdx.x, THREADS);
+#pragma unroll
+    for (int i = 0; i < XR; i++) {
+        const unsigned c = threadIdx.x + THREADS * i;
+        xdst[i] = xring + (c >> 3) * X_ROW_BYTES + (c & 7) * 16;
+        xon[i] = xrow[i] != nullptr;
+    }
+}
+
 /* Zero a warp's accumulators: one tile's [MR][NT][4], or NTILE tiles' (unrolled,
  * constant indices: they stay in registers). */
 template <int NT>

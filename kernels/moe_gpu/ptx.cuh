@@ -57,19 +57,19 @@ __device__ __forceinline__ unsigned long long globaltimer_ns(void)
     return t;
 }
 
-/* 16-byte global->shared async copy, cache-global (L2 only, no L1
+/* 16-byte global->shared async copy to a shared-space address (computed
+ * once per task, not per copy), cache-global (L2 only, no L1
  * allocation). The L2::cache_hint form with an evict_first policy raised
  * "illegal instruction" on the H200 (driver 580, 2026-11-29); it was kept off
  * and is removed (bench/NOTES.md). */
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem)
-{
-    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-}
-/* The same to a shared-space address (computed once per task, not per copy) */
 __device__ __forceinline__ void cp_async16_s(unsigned smem, const void *gmem)
 {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem), "l"(gmem) : "memory");
+}
+/* The same to a generic pointer into shared memory */
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem)
+{
+    cp_async16_s((unsigned)__cvta_generic_to_shared(smem), gmem);
 }
 /* The same to a shared address, issued only where on (a predicate, not a
  * branch around it: nothing read, nothing written where off) */

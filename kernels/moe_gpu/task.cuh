@@ -96,8 +96,8 @@ __device__ __forceinline__ void task_splitk(const uint8_t *wtask, unsigned tile_
  * units stream from one running pointer (no residue wrap): the accumulators
  * are NWARPS x MR x NT x 4 (64 floats at NT 2; at NT 4 they would not fit).
  * 166.5 instructions per unit against the residue loop's 181 (sm_90a), no
- * spills added; H100 2026-12-07: DeepSeek-V3 T = 256 -0.7 %, Qwen3 T = 128
- * -0.7 %, the rest within 0.3 % (bench/NOTES.md stop 50). */
+ * spills added; H100 2026-12-07: DeepSeek-V3 T = 256 -0.65 %, Qwen3 T = 128
+ * -0.6 %, the rest within 0.5 % (bench/NOTES.md stop 50). */
 template <int NT>
 __device__ __forceinline__ void task_splitm_nat(const uint8_t *wtask, unsigned tile_units,
                                                 const xsrc &xs, uint8_t *sw_cta,
@@ -116,19 +116,10 @@ __device__ __forceinline__ void task_splitm_nat(const uint8_t *wtask, unsigned t
     const unsigned wdst = xring + WS * XB + warp * WS * UB + lw;     /* this warp's WS x UB */
     const uint8_t *const wring = sw_cta + WS * XB + warp * WS * UB;
     const uint8_t *wsrc = wtask + (size_t)warp * tile_units * UB + lw; /* unit g of the group */
-    /* chunk tid + THREADS i: row c / 8, 16-byte part c % 8; a row at or past
-     * cnt is not copied (predicated: its slot keeps what it held, read only
-     * by the columns of no pair, load_b) */
     const uint16_t *xrow[XR];
-    x_rows(xs, 0, xrow, tid, THREADS);
     unsigned xdst[XR];
     bool xon[XR];
-#pragma unroll
-    for (int i = 0; i < XR; i++) {
-        const unsigned c = tid + THREADS * i;
-        xdst[i] = xring + (c >> 3) * X_ROW_BYTES + (c & 7) * 16;
-        xon[i] = xrow[i] != nullptr;
-    }
+    x_rows_cta(xs, xring, xrow, xdst, xon);
     /* unit g + d into ring slot s */
     auto copy = [&](unsigned d, unsigned s, unsigned xoff) {
 #pragma unroll
@@ -210,21 +201,11 @@ __device__ __forceinline__ void task_splitm(const uint8_t *wtask, unsigned tile_
     uint8_t *const wring = sw_cta + WS * XB + warp * WS * UB; /* this warp's WS x UB */
     const unsigned lw = (lane < UL ? lane : lane - (32 - UL)) * 16; /* lanes >= UL repeat */
     const uint8_t *const wt = wtask + (size_t)warp * tile_units * UB + lw;
-    /* chunk tid + THREADS i: row c / 8, 16-byte part c % 8; a row at or past
-     * cnt is not copied (a predicated copy, no branch: its slot keeps what it
-     * held, read only by the columns of no pair) */
-    const uint16_t *xrow[XR];
-    x_rows(xs, 0, xrow, tid, THREADS);
-    bool xon[XR];
-    unsigned xdst[XR];
-    const unsigned xring_s = (unsigned)__cvta_generic_to_shared(xring);
     const unsigned wring_s = (unsigned)__cvta_generic_to_shared(wring) + lw;
-#pragma unroll
-    for (int i = 0; i < XR; i++) {
-        const unsigned c = tid + THREADS * i;
-        xon[i] = xrow[i] != nullptr;
-        xdst[i] = xring_s + (c >> 3) * X_ROW_BYTES + (c & 7) * 16;
-    }
+    const uint16_t *xrow[XR];
+    unsigned xdst[XR];
+    bool xon[XR];
+    x_rows_cta(xs, (unsigned)__cvta_generic_to_shared(xring), xrow, xdst, xon);
     const unsigned q4 = tile_units / NWARPS; /* units per residue */
     float cur[MR][NT][4];
     zero_acc<NT>(out);
