@@ -35,7 +35,7 @@ __device__ __forceinline__ void x_rows(const xsrc &xs, size_t off, const uint16_
 /* x_rows for the CTA's shared ring of a split-M task (th = threadIdx.x, nth
  * = THREADS), with each chunk's shared-space address in a slot at xring and
  * whether it is copied: a row at or past cnt is not (cp_async16_if: its slot
- * keeps what it held, read only by the columns of no pair, load_b) */
+ * keeps the zeros of x_pad_zero, read only by the columns of no pair) */
 template <int XR>
 __device__ __forceinline__ void x_rows_cta(const xsrc &xs, unsigned xring,
                                            const uint16_t *(&xrow)[XR], unsigned (&xdst)[XR],
@@ -47,6 +47,35 @@ __device__ __forceinline__ void x_rows_cta(const xsrc &xs, unsigned xring,
         const unsigned c = threadIdx.x + THREADS * i;
         xdst[i] = xring + (c >> 3) * X_ROW_BYTES + (c & 7) * 16;
         xon[i] = xrow[i] != nullptr;
+    }
+}
+
+/* Zero the rows at or past cnt (up to N, where an MMA's n-tiles end) of
+ * nslots activation slots, slot s at x0 + s * stride, by thread th of nth.
+ * No copy writes those rows during a task, and their columns of the MMA
+ * results reach no output (load_b), so what they hold does not change a
+ * sum; but rows left over from an earlier use of the stage memory (weight
+ * codes, other tokens' rows) keep the tensor cores switching on data that is
+ * thrown away, and at the power cap that energy is clock (bench/NOTES.md
+ * stop 51, zpad). Once per task, after its first copies are issued (no copy
+ * writes these rows); the barrier or __syncwarp before the first load_b
+ * orders the stores before the reads. */
+template <int N>
+__device__ __forceinline__ void x_pad_zero(uint8_t *x0, unsigned stride, unsigned nslots,
+                                           unsigned cnt, unsigned th = threadIdx.x & 31,
+                                           unsigned nth = 32)
+{
+    if (cnt >= (unsigned)N)
+        return;
+    const unsigned nc = ((unsigned)N - cnt) * 8; /* 16-byte chunks per slot */
+    /* both loops kept rolled: unrolled over the slots, they cost the
+     * persistent kernel 4 more bytes of spills (bench/NOTES.md stop 52) */
+#pragma unroll 1
+    for (unsigned c = th; c < nc; c += nth) {
+        uint8_t *d = x0 + (cnt + (c >> 3)) * X_ROW_BYTES + (c & 7) * 16;
+#pragma unroll 1
+        for (unsigned s = 0; s < nslots; s++)
+            *reinterpret_cast<uint4 *>(d + s * stride) = make_uint4(0, 0, 0, 0);
     }
 }
 
@@ -106,12 +135,11 @@ __device__ __forceinline__ void acc_store(float (&acc)[NTILE][MR][NT][4], unsign
 }
 
 /* B fragments (NT n-tiles of 8 tokens) of one K unit of activation rows at
- * xslot (X_ROW_BYTES apart). Rows at or past the task's count are read as
- * they are (left over from an earlier use of the stage memory), not zeroed:
- * column n of an MMA's result depends on column n of B alone, and the
- * epilogues store only the columns of the task's pairs, so what those rows
- * hold never reaches an output; zeroing them took 2 CS2R per n-tile and a
- * compare per unit in the split-M loop (8 % of its instructions at NT 4). */
+ * xslot (X_ROW_BYTES apart). Rows at or past the task's count hold the
+ * zeros of x_pad_zero: column n of an MMA's result depends on column n of B
+ * alone, and the epilogues store only the columns of the task's pairs, so
+ * those rows never reach an output (zeroing the fragments here instead took
+ * 2 CS2R per n-tile and a compare per unit in the split-M loop). */
 template <int NT>
 __device__ __forceinline__ void load_b(const uint8_t *xslot, uint4 (&xb)[NT][2])
 {
@@ -184,6 +212,7 @@ __device__ __forceinline__ void task_mma(const uint8_t *__restrict__ wtask, unsi
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++)
         issue(s);
+    x_pad_zero<NT * 8>(sw + MOE_GPU_UNIT_BYTES, SB, STAGES, xs.cnt);
     unsigned ti_cur = 0, left = nuw, cs = 0; /* units left in this tile, ring slot */
     for (unsigned i = 0; i < nu; i++) {
         cp_async_wait<STAGES - 2>();
@@ -269,6 +298,7 @@ __device__ __forceinline__ void task_mma_il(const uint8_t *__restrict__ wtask, u
 #pragma unroll
     for (int s = 0; s < WS - 1; s++)
         issue(s);
+    x_pad_zero<NT * 8>(xring, XB, WS, xs.cnt);
     unsigned i = 0, cs = 0, cx = 0;
     for (unsigned v = 0; v < nuw; v++) {
         uint4 xb[NT][2];
@@ -344,6 +374,7 @@ __device__ __forceinline__ void task_mma_full(const uint8_t *__restrict__ wtask,
         copy_w(wsrc + j * tstride, j);
         cp_async_commit();
     }
+    x_pad_zero<NT * 8>(xring, XB, XS, xs.cnt);
     unsigned xoff = 0; /* elements past K unit w of this lane's rows */
     unsigned xcur = 0;
     for (unsigned v = 0; v < nuw; v++) {
@@ -414,6 +445,7 @@ __device__ __forceinline__ void task_mma_full1(const uint8_t *__restrict__ wtask
         copy(j, j, 0);
         cp_async_commit();
     }
+    x_pad_zero<8>(sw + MOE_GPU_UNIT_BYTES, STAGE_BYTES, WS, xs.cnt);
     unsigned xoff = 0; /* elements: 4g units of this warp */
     for (unsigned g = 0; g < nuw; g += WS) {
         const bool more = g + WS < nuw;

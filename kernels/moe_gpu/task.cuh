@@ -139,6 +139,7 @@ __device__ __forceinline__ void task_splitm_nat(const uint8_t *wtask, unsigned t
         copy(j, j, 0);
         cp_async_commit();
     }
+    x_pad_zero<N>(sw_cta, XB, WS, xs.cnt, tid, THREADS);
     unsigned xoff = 0; /* elements: g units */
 #pragma unroll 1
     for (unsigned g = 0; g < tile_units; g += WS) {
@@ -235,6 +236,7 @@ __device__ __forceinline__ void task_splitm(const uint8_t *wtask, unsigned tile_
 #pragma unroll
     for (unsigned s = 0; s + 1 < WS; s++)
         issue();
+    x_pad_zero<N>(xring, XB, WS, xs.cnt, tid, THREADS);
     unsigned j = 0; /* units consumed */
 #pragma unroll 1
     for (unsigned r = 0; r < NWARPS; r++) {
