@@ -17,8 +17,9 @@ Per file:
   barrier: -> the task's end), between
   (-> the next claim seen), combine (a combine task's run), after-last (its last
   task's end -> the span's end);
-- per task kind and tiles per task: count, those parts' means, and the stream
-  part against the task's weight bytes at 1/grid of the streaming read
+- per task kind, tiles per task and its chunk's pairs (1-8: one n-tile; 9-16: two;
+  17-32: four, the task forms of run_task): count, those parts' means, and the
+  stream part against the task's weight bytes at 1/grid of the streaming read
   (TASKLOG_STREAM_TBS, default 4.53);
 - a timeline of how many CTAs stream gate_up / down and run combine tasks; with
   --rate, the weight bytes streamed per bin (TB/s, tasks' bytes spread evenly
@@ -43,6 +44,12 @@ except ValueError:
     sys.exit("TASKLOG_STREAM_TBS=%s: not a read bandwidth in TB/s (0, 1000)" %
              os.environ.get("TASKLOG_STREAM_TBS"))
 PARTS = ["decode", "ready", "stream", "reduce", "epilogue", "release"]
+# a chunk's pairs -> its n-tiles of 8 (1, 2 or 4: the task forms), and their label
+PAIRS = {1: "1-8", 2: "9-16", 4: "17-32"}
+
+
+def ntiles_of(cnt):
+    return 1 if cnt <= 8 else 2 if cnt <= 16 else 4
 
 
 def load(path):
@@ -60,8 +67,8 @@ def task_bytes(model, kind, nt):
 
 def summarize(path):
     """The file's batch as a dict: model, T, grid, mhz, span_ns, cat (ns per part,
-    summed over the CTAs), kinds ({(kind, ntiles): [tasks, tokens, ns per PARTS
-    entry...]}) and ev ((start, end, kind, bytes) of each task's stream part)."""
+    summed over the CTAs), kinds ({(kind, ntiles, n-tiles of its chunk's pairs, 0 for a
+    combine task): [tasks, tokens, ns per PARTS entry...]}) and ev ((start, end, kind, bytes) of each task's stream part)."""
     m = re.match(r"(.*)-T(\d+)\.bin$", os.path.basename(path))
     if not m:
         sys.exit("%s: not PRESET-TT.bin" % path)
@@ -103,7 +110,8 @@ def summarize(path):
             kind, nt, cnt = info & 15, (info >> 4) & 15, (info >> 8) & 255
             cat["to-first" if i == 0 else "between"] += st[0] - prev
             prev = st[6]
-            k = kinds.setdefault((kind, nt), [0, 0] + [0.0] * len(PARTS))
+            k = kinds.setdefault((kind, nt, 0 if kind == 2 else ntiles_of(cnt)),
+                                 [0, 0] + [0.0] * len(PARTS))
             k[0] += 1
             k[1] += cnt
             if kind == 2:
@@ -140,7 +148,7 @@ def main(path, rate, start=False):
     print("== %s T=%d: %d CTAs, SM clock %.0f MHz, span %.1f us (first go -> last loop end)" %
           (model, T, grid, s["mhz"], span / 1e3))
     print("   CTA time: " + ", ".join("%s %.1f%%" % (k, 100 * v / tot) for k, v in cat.items()))
-    for (kind, nt), k in sorted(kinds.items()):
+    for (kind, nt, pn), k in sorted(kinds.items()):
         n = k[0]
         name = ("gate_up", "down", "combine")[kind]
         if kind == 2:
@@ -149,7 +157,8 @@ def main(path, rate, start=False):
                    k[2 + PARTS.index("stream")] / n / 1e3))
             continue
         parts = ", ".join("%s %.2f" % (p, k[2 + j] / n / 1e3) for j, p in enumerate(PARTS))
-        line = "   %-7s %d tiles: %5d tasks, %.1f tokens; us: %s" % (name, nt, n, k[1] / n, parts)
+        line = "   %-7s %d tiles, %5s pairs: %5d tasks, %.1f tokens; us: %s" % (
+            name, nt, PAIRS[pn], n, k[1] / n, parts)
         byt = task_bytes(model, kind, nt)
         if byt:
             fair = byt / (STREAM / grid) * 1e9

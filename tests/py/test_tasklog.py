@@ -70,16 +70,41 @@ def test_parts_clock_and_older_batches(tmp_path):
     # CTA 0 ends its last task at 10200 of a 10500 span; CTA 1 at 200 + 4500
     assert cat["after-last"] == pytest.approx(300 + (10_500 - 4_700))
     assert sum(cat.values()) == pytest.approx(s["grid"] * s["span_ns"])
-    gu = s["kinds"][(0, 4)]
+    # by kind, tiles per task and the pairs' n-tiles (3 and 1 pairs: one n-tile)
+    assert sorted(s["kinds"]) == [(0, 4, 1), (1, 4, 1), (2, 0, 0)]
+    gu = s["kinds"][(0, 4, 1)]
     assert gu[0:2] == [2, 4]  # tasks, tokens
     assert gu[2 + tasklog.PARTS.index("stream")] == pytest.approx(9000)
-    assert s["kinds"][(2, 0)][0] == 1
+    assert s["kinds"][(2, 0, 0)][0] == 1
     # each task's stream part with the weight bytes of its tiles (Qwen3: K 2048 gate_up, 768 down)
     assert sorted(e[3] for e in s["ev"]) == [0, 4 * 12 * 1152, 4 * 32 * 1152, 4 * 32 * 1152]
     # each CTA's start, from the first go: x staged, routed, first task ready and streamed
     assert sorted(s["start"]) == [pytest.approx((120, 300, 600, 5600)),
                                   pytest.approx((290, 300, 550, 4550))]
     assert tasklog.quantiles([r[2] for r in s["start"]]) == pytest.approx((550, 550, 600, 600, 600))
+
+
+def test_pairs_classes(tmp_path, capsys):
+    """tasks of 8, 9, 16, 17 and 32 pairs fall in the 1-8 / 9-16 / 17-32 rows (the
+    one-, two- and four-n-tile task forms), each row with its own stream part"""
+    p = tmp_path / "deepseek-v3-T256.bin"
+    tasks, t = [], 0
+    for cnt, stream in ((8, 1000), (9, 2000), (16, 4000), (17, 8000), (32, 16000)):
+        tasks.append((0, 4, cnt, [t + 10, t + 20, t + 30, t + 30 + stream, t + 40 + stream,
+                                  t + 50 + stream, t + 60 + stream]))
+        t += 100 + stream
+    write_log(p, {0: (1000, 1, 5, 10, tasks, t)})
+    s = tasklog.summarize(str(p))
+    st = 2 + tasklog.PARTS.index("stream")
+    k = s["kinds"]
+    assert sorted(k) == [(0, 4, 1), (0, 4, 2), (0, 4, 4)]
+    assert (k[(0, 4, 1)][0:2], k[(0, 4, 1)][st]) == ([1, 8], pytest.approx(1000))
+    assert (k[(0, 4, 2)][0:2], k[(0, 4, 2)][st]) == ([2, 25], pytest.approx(6000))
+    assert (k[(0, 4, 4)][0:2], k[(0, 4, 4)][st]) == ([2, 49], pytest.approx(24000))
+    tasklog.main(str(p), False)
+    out = capsys.readouterr().out
+    for label, n in (("1-8", 1), ("9-16", 2), ("17-32", 2)):
+        assert "gate_up 4 tiles, %5s pairs: %5d tasks" % (label, n) in out
 
 
 def test_not_a_task_log(tmp_path):
