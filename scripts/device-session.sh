@@ -122,7 +122,7 @@ for step in "$@"; do
                     [ -f "$f" ] || continue
                     echo "== $v $(basename "$f" .bin)"
                     python3 scripts/tasklog.py --rate --start "$f" 2>&1 |
-                        grep -E '^==|CTA time|tiles:|span|timeline|TB/s|start|staged|routed|first|/[0-9]+/'
+                        grep -E '^==|CTA time|pairs:|combine:|span|timeline|TB/s|start|staged|routed|first|/[0-9]+/'
                 done >> "$S/$name.sum"
             done ;;
         check=*)
