@@ -68,7 +68,8 @@ def task_bytes(model, kind, nt):
 def summarize(path):
     """The file's batch as a dict: model, T, grid, mhz, span_ns, cat (ns per part,
     summed over the CTAs), kinds ({(kind, ntiles, n-tiles of its chunk's pairs, 0 for a
-    combine task): [tasks, tokens, ns per PARTS entry...]}) and ev ((start, end, kind, bytes) of each task's stream part)."""
+    combine task): [tasks, tokens, ns per PARTS entry...]}) and ev ((start, end, kind,
+    bytes) of each task's stream part)."""
     m = re.match(r"(.*)-T(\d+)\.bin$", os.path.basename(path))
     if not m:
         sys.exit("%s: not PRESET-TT.bin" % path)
