@@ -36,6 +36,14 @@
 #     picked:STEP    STEP only if an earlier pick=V chose build-V (e.g. the
 #                    suite on the variant about to be merged, not again on
 #                    build-cuda when it was kept); it needs pick=V before it
+#     gate=V         scripts/variant_gate.py V $GATE: V's kernel us against
+#                    base's over the variants steps' runs, mean per point,
+#                    and the rules in GATE, written before the call (e.g.
+#                    GATE="deepseek-v3:256<=0.985 *<=1.015"); it needs
+#                    variants=...base...V... before it and GATE set
+#     gated:STEP     STEP only if the last gate=V before it passed (e.g. the
+#                    table of build-cuda, built with V's patch applied, when V
+#                    won); it needs gate=V before it
 # The prefixes combine (h200:picked:test): each must hold for the step to run.
 # Every step's whole log is kept in /tmp/session and packed into
 # $OUT/session.tgz after each step; each step's summary is printed when it
@@ -45,7 +53,7 @@ cd "$(dirname "$0")/.." || exit 2
 S=/tmp/session
 # pick=V's inputs come from earlier steps of this call: check them all before
 # any runs (and before the last call's logs in $S are cleared)
-seen_check=" " seen_var=" " seen_pick=no
+seen_check=" " seen_var=" " seen_pick=no seen_gate=no
 for step in "$@"; do
     while :; do
         case "$step" in
@@ -54,10 +62,26 @@ for step in "$@"; do
                 [ $seen_pick = yes ] || {
                     echo "device-session: $step needs pick=V before it in the same call" >&2; exit 2; }
                 step=${step#picked:} ;;
+            gated:*)
+                [ $seen_gate = yes ] || {
+                    echo "device-session: $step needs gate=V before it in the same call" >&2; exit 2; }
+                step=${step#gated:} ;;
             *) break ;;
         esac
     done
     case "$step" in
+        gate=*)
+            v=${step#gate=}
+            case "$seen_var" in *" base "*) ;; *)
+                echo "device-session: gate=$v needs variants=base,... before it in the same call" >&2; exit 2 ;; esac
+            case "$seen_var" in *" $v "*) ;; *)
+                echo "device-session: gate=$v needs variants=...,$v before it in the same call" >&2; exit 2 ;; esac
+            [ -n "${GATE:-}" ] || {
+                echo "device-session: gate=$v needs GATE (its rules, e.g. GATE=\"*<=1.0\")" >&2; exit 2; }
+            read -r -a rules <<< "$GATE" # (no globbing of *<=R)
+            msg=$(python3 scripts/variant_gate.py --check "${rules[@]}" 2>&1) || {
+                echo "device-session: gate=$v: ${msg#variant_gate: }" >&2; exit 2; }
+            seen_gate=yes ;;
         check=*) seen_check="$seen_check$(echo "${step#check=}" | tr ',' ' ') " ;;
         variants=*) seen_var="$seen_var$(echo "${step#variants=}" | tr ',' ' ') " ;;
         pick=*)
@@ -80,6 +104,7 @@ rc=0
 i=0
 main=build-cuda # the build that test, bench and dram use (pick=V may change it)
 picked=no       # whether a pick=V chose build-V
+gated=no        # whether the last gate=V passed
 for step in "$@"; do
     while :; do
         case "$step" in
@@ -90,6 +115,9 @@ for step in "$@"; do
             picked:*)
                 [ $picked = yes ] || { echo "== $step: skipped (no variant picked)" >> "$S/summary"; continue 2; }
                 step=${step#picked:} ;;
+            gated:*)
+                [ $gated = yes ] || { echo "== $step: skipped (the gate did not pass)" >> "$S/summary"; continue 2; }
+                step=${step#gated:} ;;
             *) break ;;
         esac
     done
@@ -176,6 +204,14 @@ for step in "$@"; do
             fi
             echo "$v / base geometric mean $gm over $gn points, check passed: $ok; test, bench, dram use $main" |
                 tee "$S/$name.sum" > "$log" ;;
+        gate=*)
+            gated=no
+            dirs=()
+            for d in "$S"/*-variants; do [ -d "$d" ] && dirs+=(--dir "$d"); done
+            read -r -a rules <<< "$GATE"
+            python3 scripts/variant_gate.py "${dirs[@]}" "${step#gate=}" "${rules[@]}" > "$log" 2>&1 &&
+                gated=yes
+            cp "$log" "$S/$name.sum" ;;
         *)
             echo "device-session: unknown step $step" >&2
             exit 2 ;;
