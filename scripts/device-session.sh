@@ -54,6 +54,13 @@ S=/tmp/session
 # pick=V's inputs come from earlier steps of this call: check them all before
 # any runs (and before the last call's logs in $S are cleared)
 seen_check=" " seen_var=" " seen_pick=no seen_gate=no
+# STEP=V (pick, gate) compares V's runs with base's: both in an earlier variants step
+needs_variants() {
+    case "$seen_var" in *" base "*) ;; *)
+        echo "device-session: $1=$2 needs variants=base,... before it in the same call" >&2; exit 2 ;; esac
+    case "$seen_var" in *" $2 "*) ;; *)
+        echo "device-session: $1=$2 needs variants=...,$2 before it in the same call" >&2; exit 2 ;; esac
+}
 for step in "$@"; do
     while :; do
         case "$step" in
@@ -72,14 +79,11 @@ for step in "$@"; do
     case "$step" in
         gate=*)
             v=${step#gate=}
-            case "$seen_var" in *" base "*) ;; *)
-                echo "device-session: gate=$v needs variants=base,... before it in the same call" >&2; exit 2 ;; esac
-            case "$seen_var" in *" $v "*) ;; *)
-                echo "device-session: gate=$v needs variants=...,$v before it in the same call" >&2; exit 2 ;; esac
+            needs_variants gate "$v"
             [ -n "${GATE:-}" ] || {
                 echo "device-session: gate=$v needs GATE (its rules, e.g. GATE=\"*<=1.0\")" >&2; exit 2; }
             read -r -a rules <<< "$GATE" # (no globbing of *<=R)
-            msg=$(python3 scripts/variant_gate.py --check "${rules[@]}" 2>&1) || {
+            msg=$(python3 scripts/variant_gate.py --check "$v" "${rules[@]}" 2>&1) || {
                 echo "device-session: gate=$v: ${msg#variant_gate: }" >&2; exit 2; }
             seen_gate=yes ;;
         check=*) seen_check="$seen_check$(echo "${step#check=}" | tr ',' ' ') " ;;
@@ -88,10 +92,7 @@ for step in "$@"; do
             v=${step#pick=}
             case "$seen_check" in *" $v "*) ;; *)
                 echo "device-session: pick=$v needs check=$v before it in the same call" >&2; exit 2 ;; esac
-            case "$seen_var" in *" base "*) ;; *)
-                echo "device-session: pick=$v needs variants=base,... before it in the same call" >&2; exit 2 ;; esac
-            case "$seen_var" in *" $v "*) ;; *)
-                echo "device-session: pick=$v needs variants=...,$v before it in the same call" >&2; exit 2 ;; esac
+            needs_variants pick "$v"
             [ -x "build-$v/moed" ] || {
                 echo "device-session: pick=$v needs build-$v (a full CUDA=1 build of $v's tree, carried)" >&2; exit 2; }
             seen_pick=yes ;;

@@ -6,7 +6,7 @@ scripts/device-variants.sh wrote (variant-base.csv, variant-V.csv under each
 DIR), and the rules on their ratio V / base.
 
   variant_gate.py [--dir DIR]... V RULE...
-  variant_gate.py --check RULE...      (the rules' syntax only)
+  variant_gate.py --check V RULE...    (the name's and the rules' syntax only)
 
 RULE: MODEL:T<=R (that point's ratio at most R; the point must have been
 measured for both) or *<=R (every point measured for both). Exit 0 when every
@@ -75,12 +75,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", action="append", default=[],
                     help="a folder with variant-*.csv (default: /tmp/session/*-variants)")
-    ap.add_argument("--check", action="store_true", help="check the rules' syntax only")
+    ap.add_argument("--check", action="store_true", help="check V's and the rules' syntax only")
     ap.add_argument("args", nargs="+", metavar="V RULE")
     a = ap.parse_args(argv)
-    words = a.args if a.check else a.args[1:]
+    v = a.args[0]
+    if not re.match(r"^[A-Za-z0-9_-]+$", v) or v == "base":
+        print(f"variant_gate: bad variant name {v!r}", file=sys.stderr)
+        return 2
     try:
-        rules = parse_rules(words)
+        rules = parse_rules(a.args[1:])
     except ValueError as e:
         print(f"variant_gate: {e}", file=sys.stderr)
         return 2
@@ -89,13 +92,12 @@ def main(argv=None):
         return 2
     if a.check:
         return 0
-    v = a.args[0]
-    if not re.match(r"^[A-Za-z0-9_-]+$", v) or v == "base":
-        print(f"variant_gate: bad variant name {v!r}", file=sys.stderr)
-        return 2
     dirs = a.dir or sorted(glob.glob("/tmp/session/*-variants"))
-    files = lambda n: [p for d in dirs for p in [os.path.join(d, f"variant-{n}.csv")]
-                       if os.path.isfile(p)]
+
+    def files(name):
+        return [f for f in (os.path.join(d, f"variant-{name}.csv") for d in dirs)
+                if os.path.isfile(f)]
+
     try:
         base, var = mean_kernel_us(files("base")), mean_kernel_us(files(v))
     except (OSError, ValueError) as e:

@@ -35,6 +35,8 @@ V = "nosuchvariant"  # no build-V exists in a checkout
      f"device-session: gate={V} needs variants=...,{V} before it in the same call"),
     ([f"variants=base,{V}", f"gate={V}"],
      f'device-session: gate={V} needs GATE (its rules, e.g. GATE="*<=1.0")'),
+    (["variants=base", "gate=base", "GATE=*<=1.0"],
+     "device-session: gate=base: bad variant name 'base'"),
     ([f"variants=base,{V}", f"gate={V}", "gated:bench", "GATE=deepseek-v3:256<0.98"],
      f"device-session: gate={V}: bad rule 'deepseek-v3:256<0.98': want MODEL:T<=R or *<=R"),
 ])

@@ -78,11 +78,23 @@ def test_no_runs_of_the_variant(two_calls):
     ("*<=0", "variant_gate: bad rule '*<=0': the ratio must be positive"),
 ])
 def test_bad_rule(rule, message):
-    for args in (["--check", rule], ["wk", rule]):
+    for args in (["--check", "wk", rule], ["wk", rule]):
         r = run(*args)
         assert r.returncode == 2
         assert r.stderr.strip() == message
-    assert run("--check", "*<=1.0", "qwen3-30b-a3b:16<=.99").returncode == 0
+    assert run("--check", "wk", "*<=1.0", "qwen3-30b-a3b:16<=.99").returncode == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["wk"], "variant_gate: no rule"),
+    (["base", "*<=1.0"], "variant_gate: bad variant name 'base'"),
+    (["../x", "*<=1.0"], "variant_gate: bad variant name '../x'"),
+])
+def test_bad_name_or_no_rule(args, message):
+    for a in (["--check", *args], args):
+        r = run(*a)
+        assert r.returncode == 2
+        assert r.stderr.strip() == message
 
 
 def test_bad_csv(tmp_path):
